@@ -1,0 +1,53 @@
+"""FSDP precision plugin that autocasts on the strategy's device type and clips norms over the whole model."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+
+class HybridShardPrecision(FSDPPrecision):
+    """Lightning's :class:`FSDPPrecision` with two fixes that hybrid sharding on any device needs.
+
+    - ``*-mixed`` precision autocasts on :attr:`device_type` (the strategy's root device), where Lightning's
+      plugin hard-codes ``"cuda"`` and so fails on CPU.
+    - ``gradient_clip_algorithm="norm"`` calls ``FullyShardedDataParallel.clip_grad_norm_`` on the root FSDP
+      module: the norm is taken once over the whole model (all shards, counted once across replicas), exactly
+      as DDP's ``clip_grad_norm_`` on the full gradients. Lightning's plugin refuses norm clipping.
+
+    The strategy sets :attr:`device_type` and :attr:`fsdp_module` during ``setup``.
+    """
+
+    def __init__(self, precision: Any = "32-true", scaler: Optional[Any] = None) -> None:
+        super().__init__(precision, scaler)
+        self.device_type: str = "cpu"
+        self.fsdp_module: Optional[Module] = None
+
+    @classmethod
+    def from_plugin(cls, plugin: FSDPPrecision) -> HybridShardPrecision:
+        """Same precision and scaler as ``plugin``."""
+        return cls(plugin.precision, plugin.scaler)
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        if "mixed" in self.precision:
+            dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
+            return torch.autocast(self.device_type, dtype=dtype)
+        return super().forward_context()
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        module = self.fsdp_module
+        if not isinstance(module, FullyShardedDataParallel):
+            # A model the user wrapped module by module has no single root to clip over.
+            super().clip_grad_by_norm(optimizer, clip_val)
+            return
+        module.clip_grad_norm_(clip_val)

@@ -1,0 +1,159 @@
+"""The test suite's distributed helpers: one way to start ranks, one small model, one per-rank probe."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, TensorDataset
+
+#: Per-test limit for anything that starts processes (a rank that dies early leaves the others waiting).
+PROCESS_TIMEOUT = 180
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(fn: Callable, rank: int, world_size: int, port: int, backend: str, args: tuple, queue: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        queue.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - the parent re-raises it with the rank
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
+                    timeout: float = PROCESS_TIMEOUT) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks with a process group; return per-rank results.
+
+    Raises the first failing rank's traceback. Ranks still running after ``timeout`` seconds are killed.
+    """
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, backend, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world_size):
+            rank, ok, value = queue.get(timeout=timeout)
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]
+
+
+class TinyModel(L.LightningModule):
+    """Two linear layers with odd sizes, so that FSDP has to pad: 16*33+33 + 33*4+4 = 697 parameters."""
+
+    LAYER_NUMELS = ((16 * 33, 33), (33 * 4, 4))
+
+    def __init__(self, lr: float = 0.05, optimizer: str = "adam") -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.Tanh(), torch.nn.Linear(33, 4))
+        self.lr = lr
+        self.optimizer = optimizer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def make_loader(samples: int = 64, batch_size: int = 4, seed: int = 0) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 16, generator=g)
+    y = torch.sin(x[:, :4] * 3) + 0.1 * torch.randn(samples, 4, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+def local_flat_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's FlatParameter shards (one per FSDP unit), or the plain parameters of an unwrapped model."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    units = FSDP.fsdp_modules(model)
+    if not units:
+        return [p.detach().clone() for p in model.parameters()]
+    return [u._handle.flat_param.detach().clone() for u in units if u._handle is not None]
+
+
+class RankRecorder(Callback):
+    """Writes what each rank holds at the end of fit to ``<folder>/rank<k>.pt``: groups, shards, losses."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs["loss"].detach()
+        # the global-batch loss, as DDP's would be logged with sync_dist
+        self.losses.append(float(trainer.strategy.reduce(loss.clone(), reduce_op="mean")))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        record: dict[str, Any] = {
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "losses": self.losses,
+            "shards": local_flat_params(strategy.model),
+        }
+        mesh = getattr(strategy, "_device_mesh", None)
+        if mesh is not None:
+            record["shard_group"] = dist.get_process_group_ranks(mesh.get_group("shard"))
+            record["replicate_group"] = dist.get_process_group_ranks(mesh.get_group("replicate"))
+            record["fsdp_strategy"] = strategy.sharding_strategy.name
+        self.folder.mkdir(parents=True, exist_ok=True)
+        torch.save(record, self.folder / f"rank{trainer.global_rank}.pt")
+
+
+def fit_and_record(strategy: Any, folder: Path, devices: int, model: L.LightningModule | None = None,
+                   max_steps: int = 6, **trainer_kwargs: Any) -> tuple[L.Trainer, L.LightningModule, list[dict]]:
+    """Fit ``model`` (seeded ``TinyModel`` by default) with ``strategy`` on ``devices`` CPU ranks; return per-rank records."""
+    if model is None:
+        torch.manual_seed(0)
+        model = TinyModel()
+    trainer_kwargs.setdefault("enable_checkpointing", False)
+    trainer_kwargs["callbacks"] = [RankRecorder(Path(folder) / "records"), *trainer_kwargs.get("callbacks", [])]
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=folder, **trainer_kwargs,
+    )
+    trainer.fit(model, make_loader())
+    records = [torch.load(Path(folder) / "records" / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+    return trainer, model, records
