@@ -131,7 +131,7 @@ class RankRecorder(Callback):
             "rank": trainer.global_rank,
             "world_size": trainer.world_size,
             "losses": self.losses,
-            "shards": local_flat_params(strategy.model),
+            "shards": [s.cpu() for s in local_flat_params(strategy.model)],
         }
         mesh = getattr(strategy, "_device_mesh", None)
         if mesh is not None:
@@ -143,15 +143,16 @@ class RankRecorder(Callback):
 
 
 def fit_and_record(strategy: Any, folder: Path, devices: int, model: L.LightningModule | None = None,
-                   max_steps: int = 6, **trainer_kwargs: Any) -> tuple[L.Trainer, L.LightningModule, list[dict]]:
-    """Fit ``model`` (seeded ``TinyModel`` by default) with ``strategy`` on ``devices`` CPU ranks; return per-rank records."""
+                   max_steps: int = 6, accelerator: str = "cpu",
+                   **trainer_kwargs: Any) -> tuple[L.Trainer, L.LightningModule, list[dict]]:
+    """Fit ``model`` (seeded ``TinyModel`` by default) with ``strategy`` on ``devices`` ranks; return per-rank records."""
     if model is None:
         torch.manual_seed(0)
         model = TinyModel()
     trainer_kwargs.setdefault("enable_checkpointing", False)
     trainer_kwargs["callbacks"] = [RankRecorder(Path(folder) / "records"), *trainer_kwargs.get("callbacks", [])]
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, logger=False,
+        strategy=strategy, accelerator=accelerator, devices=devices, max_steps=max_steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=folder, **trainer_kwargs,
     )
     trainer.fit(model, make_loader())

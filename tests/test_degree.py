@@ -1,0 +1,136 @@
+"""SMP's degree semantics as a table: no processes."""
+
+import pytest
+from torch.distributed.fsdp import ShardingStrategy
+
+from lightning_smp import HybridShardConfigError, resolve_layout, valid_degrees
+from lightning_smp.degree import check_degree, check_sharding_strategy
+from lightning_smp.shards import flat_param_numel, local_shard_numel
+
+
+@pytest.mark.parametrize(
+    ("world", "degree", "requested", "per_node", "expected"),
+    [
+        # degree 0: native FSDP behaviour
+        pytest.param(4, 0, "HYBRID_SHARD", 4, (1, 4, "FULL_SHARD"), id="0_hybrid_one_node_is_full_shard"),
+        pytest.param(8, 0, "HYBRID_SHARD", 4, (2, 4, "HYBRID_SHARD"), id="0_hybrid_two_nodes"),
+        pytest.param(8, 0, "_HYBRID_SHARD_ZERO2", 4, (2, 4, "_HYBRID_SHARD_ZERO2"), id="0_zero2_two_nodes"),
+        pytest.param(4, 0, "_HYBRID_SHARD_ZERO2", 4, (1, 4, "SHARD_GRAD_OP"), id="0_zero2_one_node"),
+        pytest.param(8, 0, "FULL_SHARD", 4, (1, 8, "FULL_SHARD"), id="0_full_shard_everyone"),
+        pytest.param(8, 0, "SHARD_GRAD_OP", 4, (1, 8, "SHARD_GRAD_OP"), id="0_shard_grad_op_everyone"),
+        pytest.param(8, 0, "NO_SHARD", 4, (8, 1, "NO_SHARD"), id="0_no_shard"),
+        pytest.param(4, 0, "HYBRID_SHARD", 1, (4, 1, "NO_SHARD"), id="0_hybrid_one_device_per_node"),
+        # degree 1: no sharding, whole-world replication
+        pytest.param(4, 1, "HYBRID_SHARD", 4, (4, 1, "NO_SHARD"), id="1_hybrid"),
+        pytest.param(4, 1, "_HYBRID_SHARD_ZERO2", 4, (4, 1, "NO_SHARD"), id="1_zero2"),
+        pytest.param(4, 1, "FULL_SHARD", 4, (4, 1, "NO_SHARD"), id="1_full_shard"),
+        # degree >= 2: shard groups of that size
+        pytest.param(4, 2, "HYBRID_SHARD", 4, (2, 2, "HYBRID_SHARD"), id="2_of_4"),
+        pytest.param(8, 2, "_HYBRID_SHARD_ZERO2", 8, (4, 2, "_HYBRID_SHARD_ZERO2"), id="2_of_8_zero2"),
+        pytest.param(8, 4, "FULL_SHARD", 8, (2, 4, "HYBRID_SHARD"), id="full_shard_overridden"),
+        pytest.param(8, 4, "SHARD_GRAD_OP", 8, (2, 4, "HYBRID_SHARD"), id="shard_grad_op_overridden"),
+        pytest.param(8, 4, "NO_SHARD", 8, (2, 4, "HYBRID_SHARD"), id="no_shard_overridden"),
+        pytest.param(16, 8, "HYBRID_SHARD", 4, (2, 8, "HYBRID_SHARD"), id="8_spans_two_nodes_of_4"),
+        # degree == world size: one replica, no size-1 all-reduce
+        pytest.param(4, 4, "HYBRID_SHARD", 4, (1, 4, "FULL_SHARD"), id="4_of_4"),
+        pytest.param(4, 4, "_HYBRID_SHARD_ZERO2", 4, (1, 4, "SHARD_GRAD_OP"), id="4_of_4_zero2"),
+        pytest.param(2, 2, "FULL_SHARD", 1, (1, 2, "FULL_SHARD"), id="2_of_2_full"),
+        pytest.param(1, 1, "HYBRID_SHARD", 1, (1, 1, "NO_SHARD"), id="single_rank"),
+    ],
+)
+def test_resolve_layout(world, degree, requested, per_node, expected):
+    layout = resolve_layout(world, degree, requested, devices_per_node=per_node)
+    assert (layout.replicate, layout.shard, layout.sharding_strategy) == expected
+    assert layout.replicate * layout.shard == world
+    # the FSDP name must exist in torch
+    ShardingStrategy[layout.sharding_strategy]
+
+
+@pytest.mark.parametrize(
+    ("degree", "requested", "overridden"),
+    [(2, "FULL_SHARD", True), (2, "SHARD_GRAD_OP", True), (2, "NO_SHARD", True), (2, "HYBRID_SHARD", False),
+     (2, "_HYBRID_SHARD_ZERO2", False), (0, "FULL_SHARD", False), (1, "FULL_SHARD", False)],
+)
+def test_override_flag(degree, requested, overridden):
+    assert resolve_layout(4, degree, requested).overridden is overridden
+
+
+def test_groups_are_consecutive_shards_and_strided_replicas():
+    layout = resolve_layout(8, 2)
+    assert [layout.shard_group(r) for r in (0, 1, 5)] == [[0, 1], [0, 1], [4, 5]]
+    assert [layout.replicate_group(r) for r in (0, 1, 5)] == [[0, 2, 4, 6], [1, 3, 5, 7], [1, 3, 5, 7]]
+    assert layout.fsdp_axis == "both"
+    assert resolve_layout(8, 1).fsdp_axis == "replicate"
+    assert resolve_layout(8, 8).fsdp_axis == "shard"
+
+
+def test_valid_degrees():
+    assert valid_degrees(8) == [0, 1, 2, 4, 8]
+    assert valid_degrees(6) == [0, 1, 2, 3, 6]
+    assert valid_degrees(1) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        pytest.param(-1, "hybrid_shard_degree=-1 is negative", id="negative"),
+        pytest.param(True, "hybrid_shard_degree=True (bool) is not an integer", id="bool"),
+        pytest.param(2.5, "hybrid_shard_degree=2.5 (float) is not an integer", id="float"),
+        pytest.param("2", "hybrid_shard_degree='2' (str) is not an integer", id="string"),
+        pytest.param(None, "hybrid_shard_degree=None (NoneType) is not an integer", id="none"),
+    ],
+)
+def test_static_degree_errors(value, fragment):
+    with pytest.raises(HybridShardConfigError, match="Fix:") as err:
+        check_degree(value)
+    assert fragment in str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("world", "degree", "message"),
+    [
+        pytest.param(8, 3, "hybrid_shard_degree=3 does not divide world_size=8 (num_nodes x devices). "
+                     "Valid degrees for this world size: 0, 1, 2, 4, 8.", id="3_of_8"),
+        pytest.param(4, 8, "hybrid_shard_degree=8 is larger than world_size=4 (num_nodes x devices). "
+                     "Valid degrees for this world size: 0, 1, 2, 4.", id="8_of_4"),
+        pytest.param(6, 4, "hybrid_shard_degree=4 does not divide world_size=6 (num_nodes x devices). "
+                     "Valid degrees for this world size: 0, 1, 2, 3, 6.", id="4_of_6"),
+    ],
+)
+def test_world_size_errors(world, degree, message):
+    with pytest.raises(HybridShardConfigError) as err:
+        resolve_layout(world, degree)
+    assert message in str(err.value)
+
+
+def test_sharding_strategy_names():
+    assert check_sharding_strategy("hybrid_shard") == "HYBRID_SHARD"
+    assert check_sharding_strategy(ShardingStrategy._HYBRID_SHARD_ZERO2) == "_HYBRID_SHARD_ZERO2"
+    with pytest.raises(HybridShardConfigError, match="sharding_strategy='HALF_SHARD' is not a sharding strategy"):
+        check_sharding_strategy("HALF_SHARD")
+
+
+@pytest.mark.parametrize(
+    ("numels", "group", "aligned", "flat"),
+    [
+        # 528 + 33 -> pad 33 to 36 (4-element alignment for fp32) -> 564 + 132 + 4 = 700, divisible by 2 and 4
+        pytest.param([528, 33, 132, 4], 2, True, 700, id="tiny_model_2"),
+        pytest.param([528, 33, 132, 4], 8, True, 704, id="tiny_model_8"),
+        pytest.param([528, 33, 132, 4], 3, True, 702, id="tiny_model_3"),
+        pytest.param([528, 33, 132, 4], 4, False, 697, id="unaligned"),
+        pytest.param([5], 4, True, 8, id="one_param"),
+    ],
+)
+def test_flat_param_numel(numels, group, aligned, flat):
+    assert flat_param_numel(numels, group, aligned=aligned) == flat
+
+
+def test_local_shard_numel():
+    numels = [528, 33, 132, 4]
+    assert local_shard_numel(numels, 2) == 350
+    assert local_shard_numel(numels, 4) == 175
+    # NO_SHARD over 4 ranks: the whole flat parameter, padded to the group size
+    assert local_shard_numel(numels, 1, group_size=4) == 700
+    # use_orig_params=False: no alignment, the last chunk is padded
+    assert local_shard_numel(numels, 4, aligned=False) == 175

@@ -1,0 +1,186 @@
+"""Real multi-process training on CPU (gloo): what each rank holds, and equality with DDP."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, resolve_layout
+from lightning_smp.shards import local_shard_numel
+from tests.helpers import TinyModel, fit_and_record, run_distributed
+
+TINY_NUMELS = [n for layer in TinyModel.LAYER_NUMELS for n in layer]
+TOL = 1e-5
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _state(model: torch.nn.Module) -> dict:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+@lru_cache(maxsize=None)
+def ddp_reference(devices: int, model_cls: type = TinyModel, accelerator: str = "cpu",
+                  **trainer_kwargs) -> tuple[list[float], dict]:
+    """DDP on the same model, data and global batch: the loss curve and the final weights."""
+    with TemporaryDirectory() as folder:
+        torch.manual_seed(0)
+        _, model, records = fit_and_record(
+            DDPStrategy(start_method="fork"), Path(folder), devices, model=model_cls(), accelerator=accelerator,
+            **dict(trainer_kwargs),
+        )
+    return records[0]["losses"], _state(model)
+
+
+CONFIGS = [
+    pytest.param(2, 1, "HYBRID_SHARD", (2, 1, "NO_SHARD"), id="2ranks_degree1"),
+    pytest.param(2, 2, "HYBRID_SHARD", (1, 2, "FULL_SHARD"), id="2ranks_degree2"),
+    pytest.param(4, 1, "HYBRID_SHARD", (4, 1, "NO_SHARD"), id="4ranks_degree1"),
+    pytest.param(4, 2, "HYBRID_SHARD", (2, 2, "HYBRID_SHARD"), id="4ranks_degree2"),
+    pytest.param(4, 2, "_HYBRID_SHARD_ZERO2", (2, 2, "_HYBRID_SHARD_ZERO2"), id="4ranks_degree2_zero2"),
+    pytest.param(4, 2, "FULL_SHARD", (2, 2, "HYBRID_SHARD"), id="4ranks_degree2_overrides_full_shard"),
+    pytest.param(4, 4, "HYBRID_SHARD", (1, 4, "FULL_SHARD"), id="4ranks_degree4"),
+    pytest.param(4, 0, "HYBRID_SHARD", (1, 4, "FULL_SHARD"), id="4ranks_degree0_native"),
+    pytest.param(8, 2, "HYBRID_SHARD", (4, 2, "HYBRID_SHARD"), id="8ranks_degree2"),
+]
+
+
+def check_matches_ddp(folder: Path, devices: int, degree: int, requested: str, expected: tuple,
+                      accelerator: str = "cpu") -> None:
+    """The shared body of the CPU and the CUDA tests: groups, shard sizes, replica equality and DDP parity."""
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, sharding_strategy=requested, start_method="fork")
+    torch.manual_seed(0)
+    _, model, records = fit_and_record(strategy, folder, devices, model=TinyModel(), accelerator=accelerator)
+    layout = resolve_layout(devices, degree, requested)
+    replicate, shard, fsdp_strategy = expected
+    assert (layout.replicate, layout.shard, layout.sharding_strategy) == expected
+
+    group_size = devices if fsdp_strategy == "NO_SHARD" else shard
+    for rank, record in enumerate(records):
+        assert record["rank"] == rank
+        assert record["fsdp_strategy"] == fsdp_strategy
+        # shard groups are consecutive ranks; replicate groups stride by the degree
+        first = rank // shard * shard
+        assert record["shard_group"] == layout.shard_group(rank) == list(range(first, first + shard))
+        assert record["replicate_group"] == layout.replicate_group(rank)
+        assert len(record["replicate_group"]) == replicate
+        # each rank holds exactly FSDP's padded shard for this degree
+        assert sum(s.numel() for s in record["shards"]) == local_shard_numel(TINY_NUMELS, shard, group_size)
+
+    # after training every replica holds identical shards
+    for rank, record in enumerate(records):
+        for peer in layout.replicate_group(rank):
+            for mine, theirs in zip(record["shards"], records[peer]["shards"]):
+                assert torch.equal(mine, theirs), (rank, peer)
+
+    ddp_losses, ddp_weights = ddp_reference(devices, accelerator=accelerator)
+    assert len(records[0]["losses"]) == len(ddp_losses) == 6
+    assert max(abs(a - b) for a, b in zip(records[0]["losses"], ddp_losses)) <= TOL
+    assert _max_diff(_state(model), ddp_weights) <= TOL
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("devices", "degree", "requested", "expected"), CONFIGS)
+def test_hybrid_training_matches_ddp(tmp_path, devices, degree, requested, expected):
+    check_matches_ddp(tmp_path, devices, degree, requested, expected)
+
+
+class RankSeededModel(TinyModel):
+    """Every rank initialises its own, different weights (no common seed), as an unseeded script would."""
+
+    def setup(self, stage: str) -> None:
+        if any(p.is_meta for p in self.parameters()):
+            torch.manual_seed(100 + self.global_rank)  # FSDP materialises meta weights with this rank's generator
+            return
+        generator = torch.Generator().manual_seed(100 + self.global_rank)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("degree", [1, 2])
+def test_replicas_start_from_rank0_weights(tmp_path, degree):
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, start_method="fork")
+    torch.manual_seed(0)
+    _, model, records = fit_and_record(strategy, tmp_path, 4, model=RankSeededModel())
+    ddp_losses, ddp_weights = ddp_reference(4, RankSeededModel)
+    assert max(abs(a - b) for a, b in zip(records[0]["losses"], ddp_losses)) <= TOL
+    assert _max_diff(_state(model), ddp_weights) <= TOL
+
+
+@pytest.mark.timeout(240)
+def test_meta_device_init_keeps_replicas_identical(tmp_path):
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork")
+    with torch.device("meta"):
+        model = RankSeededModel()
+    assert all(p.is_meta for p in model.parameters())
+    _, _, records = fit_and_record(strategy, tmp_path, 4, model=model)
+    layout = resolve_layout(4, 2)
+    for rank, record in enumerate(records):
+        peer = layout.replicate_group(rank)[0]
+        assert all(torch.equal(a, b) for a, b in zip(record["shards"], records[peer]["shards"]))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("degree", "algorithm", "value"),
+    [(2, "norm", 0.05), (1, "norm", 0.05), (4, "norm", 0.05), (2, "value", 0.002)],
+    ids=["degree2_norm", "degree1_norm", "degree4_norm", "degree2_value"],
+)
+def test_gradient_clipping_matches_ddp(tmp_path, degree, algorithm, value):
+    clip = {"gradient_clip_val": value, "gradient_clip_algorithm": algorithm}
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, start_method="fork")
+    torch.manual_seed(0)
+    _, model, records = fit_and_record(strategy, tmp_path, 4, model=_SGDModel(), **clip)
+    ddp_losses, ddp_weights = ddp_reference(4, _SGDModel, **clip)
+    assert max(abs(a - b) for a, b in zip(records[0]["losses"], ddp_losses)) <= TOL
+    assert _max_diff(_state(model), ddp_weights) <= TOL
+    # clipping really acted: the unclipped run ends elsewhere
+    assert _max_diff(_state(model), ddp_reference(4, _SGDModel)[1]) > 1e-3
+
+
+class _SGDModel(TinyModel):
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd", lr=0.5)
+
+
+@pytest.mark.timeout(240)
+def test_bf16_mixed_autocasts_on_cpu(tmp_path):
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork")
+    trainer, _, records = fit_and_record(strategy, tmp_path, 4, precision="bf16-mixed", max_steps=3)
+    assert trainer.strategy.precision_plugin.device_type == "cpu"
+    assert trainer.strategy.mixed_precision_config.param_dtype == torch.bfloat16
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in records)
+    # FSDP keeps the sharded master weights in fp32
+    assert all(s.dtype == torch.float32 for r in records for s in r["shards"])
+
+
+def _bad_degree_in_every_rank(rank: int, world_size: int) -> str:
+    # ranks started externally (torchrun-like): the check runs in each rank at Trainer(...), before any collective
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", GROUP_RANK="0", LOCAL_WORLD_SIZE=str(world_size),
+                      TORCHELASTIC_RUN_ID="test")
+    try:
+        L.Trainer(strategy=HybridShardFSDPStrategy(hybrid_shard_degree=3), accelerator="cpu", devices=world_size,
+                  logger=False)
+    except HybridShardConfigError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_bad_degree_fails_identically_on_every_rank_without_hanging():
+    messages = run_distributed(_bad_degree_in_every_rank, 2, timeout=60)
+    assert messages[0] == messages[1]
+    assert "hybrid_shard_degree=3 is larger than world_size=2" in messages[0]
+    assert "Valid degrees for this world size: 0, 1, 2." in messages[0]
