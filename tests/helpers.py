@@ -138,6 +138,7 @@ class RankRecorder(Callback):
             record["shard_group"] = dist.get_process_group_ranks(mesh.get_group("shard"))
             record["replicate_group"] = dist.get_process_group_ranks(mesh.get_group("replicate"))
             record["fsdp_strategy"] = strategy.sharding_strategy.name
+            record["backends"] = [dist.get_backend(mesh.get_group(axis)) for axis in ("replicate", "shard")]
         self.folder.mkdir(parents=True, exist_ok=True)
         torch.save(record, self.folder / f"rank{trainer.global_rank}.pt")
 

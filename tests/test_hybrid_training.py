@@ -95,6 +95,13 @@ def test_hybrid_training_matches_ddp(tmp_path, devices, degree, requested, expec
     check_matches_ddp(tmp_path, devices, degree, requested, expected)
 
 
+@pytest.mark.timeout(240)
+def test_mixed_backend_string_reaches_the_mesh_groups(tmp_path):
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork", process_group_backend="cpu:gloo")
+    _, _, records = fit_and_record(strategy, tmp_path, 4, max_steps=2)
+    assert all(r["backends"] == ["cpu:gloo", "cpu:gloo"] for r in records)
+
+
 class RankSeededModel(TinyModel):
     """Every rank initialises its own, different weights (no common seed), as an unseeded script would."""
 
