@@ -19,7 +19,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
-from lightning_smp import HybridShardFSDPStrategy  # noqa: E402
+from lightning_smp import HybridShardFSDPStrategy, MemorySavingsCallback  # noqa: E402
 from lightning_smp.demo import Block, MarkovDataModule, TinyGPT, describe_size  # noqa: E402
 
 
@@ -67,7 +67,8 @@ def main() -> None:
         log_every_n_steps=10,
         logger=False,
         enable_checkpointing=False,
-        callbacks=[ShowMesh()],
+        # per-rank memory (held, unsharded, floor) and the collectives of step 2 (step 1 follows the sanity check)
+        callbacks=[ShowMesh(), MemorySavingsCallback(comm_step=2)],
     )
     if trainer.is_global_zero:
         print(f"TinyGPT with {describe_size(model)} on {world} rank(s), hybrid_shard_degree={degree}")

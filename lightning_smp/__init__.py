@@ -7,10 +7,13 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_smp.__about__ import __version__
+from lightning_smp.callbacks import MemorySavingsCallback
+from lightning_smp.config import SMPConfig, resolve_config
 from lightning_smp.degree import Layout, resolve_layout, valid_degrees
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.mesh import MESH_AXES, REPLICATE_AXIS, SHARD_AXIS, build_device_mesh
 from lightning_smp.precision import HybridShardPrecision
+from lightning_smp.plain import init, is_initialized, shutdown
 from lightning_smp.strategy import HybridShardFSDPStrategy
 
 HybridShardFSDPStrategy.register_strategies(StrategyRegistry)
@@ -23,8 +26,14 @@ __all__ = [
     "HybridShardFSDPStrategy",
     "HybridShardPrecision",
     "Layout",
+    "MemorySavingsCallback",
+    "SMPConfig",
     "__version__",
     "build_device_mesh",
+    "init",
+    "is_initialized",
+    "resolve_config",
     "resolve_layout",
+    "shutdown",
     "valid_degrees",
 ]

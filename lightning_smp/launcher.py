@@ -1,42 +1,273 @@
-"""Fork/spawn launcher for hybrid sharding (notebooks, and fast in-process tests)."""
+"""Fork/spawn launcher for hybrid sharding: notebooks, and fast in-process tests.
+
+Lightning's FSDP strategy re-runs the script once per rank, which cannot work in Jupyter. Here the notebook
+process forks the ranks (as Lightning's ``ddp_notebook`` does), the ranks train, and what the notebook needs in
+its next cell comes back to it: the trained weights (loaded into the notebook's module), ``trainer.global_step``
+and ``trainer.current_epoch``, ``trainer.callback_metrics``/``logged_metrics``, callback state, every callback's
+``report`` and ``reports`` attributes (e.g. :class:`lightning_smp.MemorySavingsCallback`), and the optimizer
+state, so that ``trainer.save_checkpoint(...)`` in the notebook writes a checkpoint a new Trainer resumes from.
+"""
 
 from __future__ import annotations
 
+import io
 import os
+import shutil
 import tempfile
-from typing import TYPE_CHECKING, Any, Optional
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.multiprocessing as mp
+from lightning.fabric.strategies.launchers.multiprocessing import _check_bad_cuda_fork
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.trainer.call import _call_callbacks_load_state_dict, _call_callbacks_state_dict
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
+
+from lightning_smp.checkpoint import full_optimizer_state
+from lightning_smp.errors import HybridShardConfigError
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+#: Attributes a callback fills with results for the user (e.g. ``MemorySavingsCallback.report``, one plain dict
+#: per rank, and ``.reports`` by stage): sent back from rank 0 and set on the main process's matching callback.
+REPORT_ATTRIBUTES = ("report", "reports")
+
+
+def check_start_method(start_method: str) -> None:
+    """Raise :class:`HybridShardConfigError` if ``start_method`` cannot start processes on this platform."""
+    available = mp.get_all_start_methods()
+    if start_method in available:
+        return
+    where = "a notebook or IPython" if _IS_INTERACTIVE else "this session"
+    raise HybridShardConfigError(
+        f"start_method={start_method!r} is not available on this platform (available: {', '.join(available)})."
+        f" HybridShardFSDPStrategy can train several processes from {where} only by forking."
+        " Fix: run the training as a script (start_method='popen', the default outside notebooks), or pass"
+        " start_method='spawn' from a script whose entry point is guarded by `if __name__ == '__main__':`."
+    )
+
+
+def check_fork_safety(device_type: str, start_method: str) -> None:
+    """Raise :class:`HybridShardConfigError` if forking now would hand the ranks an unusable accelerator context.
+
+    A process that has initialised CUDA (or another accelerator runtime) cannot pass it to forked children:
+    they fail on their first use of the device, long after the fork. CPU ranks are unaffected.
+    """
+    if start_method not in ("fork", "forkserver"):
+        return
+    try:
+        _check_bad_cuda_fork()
+    except RuntimeError as err:
+        why = "this process is itself a forked child"
+        raise HybridShardConfigError(_bad_fork_message(start_method, "CUDA", why)) from err
+    if device_type == "cpu":
+        return
+    module = getattr(torch, device_type, None)
+    is_initialized = getattr(module, "is_initialized", None)
+    if callable(is_initialized) and is_initialized():
+        raise HybridShardConfigError(_bad_fork_message(start_method, device_type.upper(), "it was initialised here"))
+
+
+def _bad_fork_message(start_method: str, runtime: str, why: str) -> str:
+    return (
+        f"HybridShardFSDPStrategy(start_method={start_method!r}) cannot fork the training processes: {runtime} is in"
+        f" use in the notebook process ({why}), and forked processes cannot use it. Fix: restart the kernel and create"
+        f" no {runtime} tensors or models before Trainer.fit (no `.cuda()`, `.to(device)` or `torch.cuda` calls that"
+        " create a context); the strategy moves the model to each rank's device itself. In a script, use"
+        " start_method='popen' (the default outside notebooks) instead."
+    )
+
+
+@dataclass
+class MainProcessResults:
+    """What the ranks of the last ``fit`` sent back, kept in the notebook process for ``trainer.save_checkpoint``."""
+
+    #: ``strategy.optimizer_state(optimizer)`` of rank 0 for every optimizer (full, unsharded); None if not sent.
+    optimizer_states: list[dict[str, Any]] | None = None
+    #: ``scheduler.state_dict()`` for every learning-rate scheduler.
+    lr_schedulers: list[dict[str, Any]] = field(default_factory=list)
+
 
 class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Lightning's multiprocessing launcher, sending back *full* weights from sharded workers.
+    """Lightning's multiprocessing launcher for a sharded model: results come back complete to the main process.
 
-    Lightning's launcher hands the parent ``lightning_module.state_dict()`` of rank 0, which under FSDP is
-    rank 0's shard and cannot be loaded into the parent's unsharded model. Here every rank takes part in
-    assembling the full state dict and rank 0 sends it.
+    Lightning's launcher hands the main process rank 0's ``state_dict()``, which under FSDP is a shard that
+    cannot be loaded into the unsharded module, and restores neither the loop counters nor callback state. Here
+    every rank takes part in assembling full weights and optimizer state, rank 0 sends them with the loop and
+    callback state, and the main process loads them (see the module docstring for the list).
+
+    Arguments:
+        strategy: the :class:`~lightning_smp.HybridShardFSDPStrategy` that uses this launcher.
+        start_method: ``"fork"`` (notebooks), ``"spawn"`` or ``"forkserver"``.
     """
 
+    def __init__(self, strategy: pl.strategies.ParallelStrategy, start_method: str = "fork") -> None:
+        check_start_method(start_method)
+        super().__init__(strategy, start_method=start_method)  # type: ignore[arg-type]
+        # the process that builds the Trainer; forked or spawned ranks see another pid
+        self._main_pid = os.getpid()
+        self.main_process_results: MainProcessResults | None = None
+
+    @property
+    def in_main_process(self) -> bool:
+        """True in the process that created the Trainer (the notebook), False inside the launched ranks."""
+        return os.getpid() == self._main_pid
+
     @override
-    def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Optional[_WorkerOutput]:
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        # every check before the first process starts: a failing rank would leave the others waiting
+        check_fork_safety(self._strategy.root_device.type, self._start_method)
+        if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            raise HybridShardConfigError(
+                "Trainer.fit() already ran on this Trainer with HybridShardFSDPStrategy"
+                f"(start_method={self._start_method!r}); a Trainer whose ranks were launched by"
+                f" {self._start_method} can fit only once. Fix: create a new Trainer. The model already holds the"
+                " trained weights, so `L.Trainer(...).fit(model)` continues from them; to resume the optimizer and"
+                " step counters too, call `trainer.save_checkpoint('last.ckpt')` first and then"
+                " `L.Trainer(...).fit(model, ckpt_path='last.ckpt')`."
+            )
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    # ------------------------------------------------------------------ inside the ranks
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
 
         strategy = self._strategy
         fitting = trainer.state.fn == TrainerFn.FITTING
-        # a collective: every rank must take part
-        state_dict = strategy.full_state_dict() if fitting else None  # type: ignore[attr-defined]
-
-        if strategy.local_rank != 0:
-            return None
-        weights_path = None
+        payload: dict[str, Any] = {}
         if fitting:
-            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
-            strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+            # collectives: every rank must take part
+            payload["state_dict"] = strategy.full_state_dict()  # type: ignore[attr-defined]
+            # full whatever state_dict_type says: the main process has no shards to pair a sharded state with
+            payload["optimizer_states"] = [full_optimizer_state(strategy, opt) for opt in trainer.optimizers]
+        if strategy.global_rank != 0:
+            return None
+        if fitting:
+            payload["lr_schedulers"] = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
+            payload["fit_loop"] = trainer.fit_loop.state_dict()
+            payload["callbacks"] = _call_callbacks_state_dict(trainer)
+            # checkpoints the main process writes belong to the same run (see lightning_smp.checkpoint)
+            payload["checkpoint_run_id"] = getattr(strategy, "_checkpoint_run_id", None)
+        payload["reports"] = _callback_reports(trainer.callbacks)
+
+        # a private folder: the file system may be shared between nodes
+        payload_path = os.path.join(tempfile.mkdtemp(prefix="lightning_smp_"), "results.pt")
+        torch.save(payload, payload_path)
         extra = self.get_extra_results(trainer)
-        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
+        return _WorkerOutput(best_model_path, payload_path, trainer.state, results, extra)
+
+    @override
+    def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        # tensors travel as bytes, as Lightning does for callback_metrics, to avoid shared-memory handles
+        for name in ("logged_metrics", "progress_bar_metrics"):
+            buffer = io.BytesIO()
+            torch.save({k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                        for k, v in getattr(trainer, name).items()}, buffer)
+            extra[f"{name}_bytes"] = buffer.getvalue()
+        return extra
+
+    # ------------------------------------------------------------------ back in the main process
+
+    @override
+    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
+        callback = trainer.checkpoint_callback
+        if worker_output.best_model_path is not None and hasattr(callback, "best_model_path"):
+            callback.best_model_path = str(worker_output.best_model_path)  # type: ignore[union-attr]
+        payload: dict[str, Any] = {}
+        if worker_output.weights_path is not None:
+            path = str(worker_output.weights_path)
+            try:
+                payload = torch.load(path, map_location="cpu", weights_only=False)
+            finally:
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+        if "state_dict" in payload:
+            # non-strict, as Lightning's launcher: configure_model may have added layers in the ranks;
+            # a model created on the meta device gets the trained tensors themselves
+            module = trainer.lightning_module
+            on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+            module.load_state_dict(payload["state_dict"], strict=False, assign=on_meta)
+        if "fit_loop" in payload:
+            trainer.fit_loop.load_state_dict(payload["fit_loop"])
+            # the counters are restored; nothing is being resumed in this process
+            trainer.fit_loop.restarting = False
+        if "callbacks" in payload:
+            _call_callbacks_load_state_dict(trainer, {"callbacks": payload["callbacks"]})
+        _set_callback_reports(trainer.callbacks, payload.get("reports", {}))
+        if payload.get("checkpoint_run_id") is not None:
+            self._strategy._checkpoint_run_id = payload["checkpoint_run_id"]  # type: ignore[attr-defined]
+        if worker_output.trainer_state.fn == TrainerFn.FITTING:
+            self.main_process_results = MainProcessResults(
+                optimizer_states=payload.get("optimizer_states"), lr_schedulers=payload.get("lr_schedulers", [])
+            )
+
+        trainer.state = worker_output.trainer_state
+        self.update_main_process_results(trainer, worker_output.extra)
+
+    @override
+    def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        for name in ("logged_metrics", "progress_bar_metrics"):
+            if f"{name}_bytes" in extra:
+                getattr(trainer, name).update(torch.load(io.BytesIO(extra[f"{name}_bytes"]), weights_only=True))
+
+    def complete_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Fill in what the main process cannot know in a checkpoint it dumped after a launched ``fit``.
+
+        The main process holds the trained weights, loop counters and callback state, but not the optimizers,
+        which lived in the ranks: their full state, sent back at the end of ``fit``, is added here.
+        """
+        if "optimizer_states" not in checkpoint:  # weights_only=True
+            return checkpoint
+        results = self.main_process_results
+        if results is None or results.optimizer_states is None:
+            raise HybridShardConfigError(
+                "trainer.save_checkpoint() in the notebook process has no optimizer state to save: this Trainer has"
+                " not finished a fit(). Fix: call trainer.fit(...) first, or pass weights_only=True."
+            )
+        checkpoint = dict(checkpoint)
+        checkpoint["optimizer_states"] = results.optimizer_states
+        checkpoint["lr_schedulers"] = results.lr_schedulers
+        return checkpoint
+
+
+def _callback_keys(callbacks: list[Any]) -> list[str]:
+    """Stable keys for callbacks in the ranks and in the main process: class name and occurrence.
+
+    Positions alone would not do: the ranks add the model's ``configure_callbacks()`` and reorder the list.
+    """
+    seen: Counter[str] = Counter()
+    keys = []
+    for callback in callbacks:
+        name = f"{type(callback).__module__}.{type(callback).__qualname__}"
+        keys.append(f"{name}#{seen[name]}")
+        seen[name] += 1
+    return keys
+
+
+def _callback_reports(callbacks: list[Any]) -> dict[str, dict[str, Any]]:
+    reports = {}
+    for key, callback in zip(_callback_keys(callbacks), callbacks):
+        found = {name: getattr(callback, name) for name in REPORT_ATTRIBUTES if hasattr(callback, name)}
+        if found:
+            reports[key] = found
+    return reports
+
+
+def _set_callback_reports(callbacks: list[Any], reports: dict[str, dict[str, Any]]) -> None:
+    for key, callback in zip(_callback_keys(callbacks), callbacks):
+        for name, value in reports.get(key, {}).items():
+            setattr(callback, name, value)
+
+
+__all__ = ["HybridShardMultiProcessingLauncher", "MainProcessResults", "check_fork_safety", "check_start_method"]

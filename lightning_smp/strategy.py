@@ -19,7 +19,6 @@ from lightning.fabric.strategies.fsdp import (
     _setup_activation_checkpointing,
 )
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
@@ -31,6 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from lightning_smp import checkpoint as checkpoint_lib
 from lightning_smp.degree import (
     HYBRID_SHARD,
     HYBRID_SHARD_ZERO2,
@@ -104,8 +104,12 @@ class HybridShardFSDPStrategy(FSDPStrategy):
             ``hybrid_shard_degree >= 2`` anything but ``"_HYBRID_SHARD_ZERO2"`` becomes ``"HYBRID_SHARD"`` (a warning
             names both). A shard group that spans the whole world runs ``FULL_SHARD`` (``SHARD_GRAD_OP`` for
             ZeRO-2), which costs no all-reduce over size-1 replica groups.
-        state_dict_type: ``"full"`` (one file, assembled on rank 0) or ``"sharded"`` (a folder written by
-            ``torch.distributed.checkpoint``).
+        state_dict_type: ``"sharded"`` (default) or ``"full"``. ``"sharded"``: a folder written by
+            ``torch.distributed.checkpoint``, every rank writing its shard once (replica group 0 only), nothing
+            gathered on one rank; the default because resuming is what checkpoints during training are for, and
+            it resumes exactly at any degree and world size. ``"full"``: one file assembled once on rank 0, which
+            also loads on a single device. Either loads whatever is configured; convert with
+            ``python -m lightning_smp.checkpoint consolidate SRC DST`` (see :mod:`lightning_smp.checkpoint`).
         device_mesh: ``None`` (default: built from ``hybrid_shard_degree``), a tuple ``(replicas, shard_degree)``
             (same as ``hybrid_shard_degree=shard_degree``), or a 2-D ``DeviceMesh`` you built yourself (used as is;
             its second dimension is the shard group). Contradicting ``hybrid_shard_degree`` is an error.
@@ -116,7 +120,10 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         start_method: how processes are started. ``None`` (default): ``"fork"`` in an interactive session
             (Jupyter, IPython), else ``"popen"`` (re-run the script per rank, like Lightning's FSDP). Also
             ``"fork"``, ``"spawn"`` or ``"forkserver"`` (Lightning's multiprocessing launcher). Processes started
-            externally (``torchrun``, SLURM) are always used as they are.
+            externally (``torchrun``, SLURM) are always used as they are. With fork/spawn, the process that calls
+            ``fit`` gets the trained weights, loop counters, metrics and callback reports back, and its
+            ``trainer.save_checkpoint`` writes one full checkpoint file; such a Trainer fits once (use a new one).
+            See :mod:`lightning_smp.launcher`.
         \**kwargs: passed to :class:`torch.distributed.fsdp.FullyShardedDataParallel` (e.g. ``process_group``,
             ``limit_all_gathers``, ``use_orig_params``, defaulting to ``True``). A ``process_group`` you pass is used
             as is (no mesh is built); its size must match ``hybrid_shard_degree`` when both are given.
@@ -150,7 +157,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         sharding_strategy: Union[
             "ShardingStrategy", Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
         ] = "HYBRID_SHARD",
-        state_dict_type: Literal["full", "sharded"] = "full",
+        state_dict_type: Literal["sharded", "full"] = "sharded",
         device_mesh: Optional[Union[tuple[int, int], "DeviceMesh"]] = None,
         hybrid_shard_degree: Optional[int] = None,
         start_method: Optional[StartMethod] = None,
@@ -202,12 +209,14 @@ class HybridShardFSDPStrategy(FSDPStrategy):
 
     @property
     def hybrid_shard_degree(self) -> int:
-        """The configured degree: the constructor argument, else :func:`lightning_smp.init`/environment, else 0."""
-        if self._degree_arg is not None:
-            return self._degree_arg
+        """The degree in effect: the constructor argument, else a LightningCLI ``smp:`` section, else
+        :func:`lightning_smp.init`, else ``LIGHTNING_SMP_CONFIG``/``SM_HP_MP_PARAMETERS``, else 0.
+
+        Every source is checked even when a higher one wins (see :mod:`lightning_smp.config`).
+        """
         from lightning_smp.config import configured_degree
 
-        return configured_degree()
+        return configured_degree(explicit=self._degree_arg)
 
     @property
     def start_method(self) -> StartMethod:
@@ -375,51 +384,53 @@ class HybridShardFSDPStrategy(FSDPStrategy):
 
     @contextmanager
     def _full_state_dict_context(self, rank0_only: bool = True) -> Generator[None, None, None]:
-        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp.api import FullOptimStateDictConfig
-
-        # On a CPU device "offloading" aliases the storage FSDP frees afterwards (segfault): offload only from GPUs.
-        offload = self.root_device.type != "cpu"
         assert self.model is not None
-        with FSDP.state_dict_type(
-            module=self.model,
-            state_dict_type=StateDictType.FULL_STATE_DICT,
-            state_dict_config=FullStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only),
-            optim_state_dict_config=FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only),
-        ):
+        with checkpoint_lib.full_state_dict_context(self.model, self.root_device, rank0_only):
             yield
 
     def full_state_dict(self) -> dict[str, Any]:
-        """The unsharded model weights on global rank 0 (an empty dict on the other ranks). A collective."""
-        assert self.model is not None
-        with self._full_state_dict_context():
-            state = self.model.state_dict()
-        return {k: v.detach().cpu().clone() for k, v in state.items()} if self.global_rank == 0 else {}
+        """The unsharded model weights on global rank 0 (an empty dict on the other ranks). Call it on every rank.
+
+        Assembled once: only replica group 0 gathers, the other replicas skip the work.
+        """
+        return checkpoint_lib.full_model_state(self)
+
+    def _in_launching_process(self) -> bool:
+        """True in the process (a notebook) that forked the ranks: its module is unwrapped and holds full weights."""
+        launcher = self._launcher
+        return isinstance(launcher, HybridShardMultiProcessingLauncher) and launcher.in_main_process
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+    ) -> None:
+        if self._in_launching_process():
+            # the ranks that held the shards have ended: one full file, with the optimizer state they sent back
+            assert isinstance(self._launcher, HybridShardMultiProcessingLauncher)
+            checkpoint = self._launcher.complete_checkpoint(checkpoint)
+            configured, self._state_dict_type = self._state_dict_type, checkpoint_lib.FULL
+            try:
+                checkpoint_lib.save(self, checkpoint, filepath, storage_options)
+            finally:
+                self._state_dict_type = configured
+            return
+        # atomic, never over another run's checkpoint, tensors written once (see lightning_smp.checkpoint)
+        checkpoint_lib.save(self, checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        # always weights_only: a sharded folder or full file, resharded to this degree and world size
+        return checkpoint_lib.load(self, checkpoint_path)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._state_dict_type == "full":
-            with self._full_state_dict_context():
-                assert self.model is not None
-                return self.model.state_dict()
-        return super().lightning_module_state_dict()
+        if self._in_launching_process():
+            return self.lightning_module.state_dict()  # type: ignore[union-attr]
+        return checkpoint_lib.module_state_dict(self)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        if self._state_dict_type != "full":
-            return super().optimizer_state(optimizer)
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import OptimStateKeyType
-
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        assert self.model is not None
-        with self._full_state_dict_context():
-            state_dict = FSDP.optim_state_dict(self.model, optimizer)
-            if self.global_rank == 0:
-                state_dict = FSDP.rekey_optim_state_dict(state_dict, OptimStateKeyType.PARAM_ID, self.model)
-            return state_dict
+        return checkpoint_lib.optimizer_state(self, optimizer)
 
     # ------------------------------------------------------------------ registration
 

@@ -51,9 +51,10 @@ def test_constructor_lists_every_fsdp_parameter():
     for name, param in theirs.items():
         assert name in ours, name
         assert ours[name].kind == param.kind, name
-        if name != "sharding_strategy":  # ours defaults to HYBRID_SHARD
+        if name not in ("sharding_strategy", "state_dict_type"):  # our defaults differ, documented
             assert ours[name].default == param.default, name
     assert ours["sharding_strategy"].default == "HYBRID_SHARD"
+    assert ours["state_dict_type"].default == "sharded"
     assert ours["hybrid_shard_degree"].default is None
     for name in theirs:
         if name not in ("self", "kwargs"):

@@ -1,0 +1,314 @@
+"""Collective accounting: what a rank really sends per step, split by mesh axis, next to the textbook figure.
+
+Two halves, both usable without Lightning:
+
+- :class:`CommCounter`, a context manager that counts every ``torch.distributed`` collective issued while it is
+  active (number of calls and logical bytes per operation), attributed to a mesh axis by its process group.
+- Pure "textbook" functions (:func:`fsdp_step_textbook`, :func:`ddp_step_textbook`, :func:`ring_bytes`) that give
+  the figure FSDP1 / DDP should produce for one optimizer step.
+
+Conventions (the same in both halves, so they compare one to one):
+
+- **logical bytes** of a collective = the size of its full buffer: the gathered output of an all-gather, the
+  unreduced input of a reduce-scatter, the tensor of an all-reduce or broadcast (the larger of the op's input and
+  output). This is what ``nccl-tests`` calls the size of a collective.
+- **ring bytes** = what one rank sends on a ring: ``(n-1)/n`` of the logical bytes for all-gather, reduce-scatter and
+  broadcast, ``2(n-1)/n`` for all-reduce, ``n`` being the size of the group.
+
+Example::
+
+    from lightning_smp.comm import CommCounter
+
+    with CommCounter(strategy.device_mesh) as counter:
+        loss = model(batch).sum(); loss.backward()
+    counter.counts()["shard"]["all_gather"]      # {"count": 4, "bytes": 8992}
+
+When no counter is active nothing is installed, so accounting costs nothing. While one is active every tensor
+operation of the current thread passes through a Python ``TorchDispatchMode`` (a few microseconds per op; the
+memory report therefore counts one optimizer step, not all of them). Counting never changes a result: each call is
+forwarded unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_smp.degree import FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, NO_SHARD, SHARD_GRAD_OP
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+#: Operation names in counts and textbook figures, in display order.
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "other")
+#: Axis name for collectives whose group is none of the named groups (e.g. Lightning's world-group reductions).
+OTHER_AXIS = "other"
+
+# c10d dispatcher ops (what every torch.distributed collective becomes, gloo and NCCL alike) -> operation name.
+_C10D_OPS = {
+    "allgather_": "all_gather",
+    "_allgather_base_": "all_gather",
+    "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "reduce_scatter_": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "broadcast_": "broadcast",
+}
+
+_RING_FACTOR_TWICE = {"all_reduce"}
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _logical_bytes(args: Sequence[Any]) -> int:
+    # The full buffer is the larger side: output for all-gather, input for reduce-scatter, the only one otherwise.
+    return max((_tensor_bytes(a) for a in args), default=0)
+
+
+def _empty_axis() -> dict[str, dict[str, int]]:
+    return {op: {"count": 0, "bytes": 0} for op in OPS}
+
+
+class _CollectiveMode(TorchDispatchMode):
+    def __init__(self, counter: CommCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.namespace == "c10d":
+            self.counter._record(func._opname, args)
+        return func(*args, **(kwargs or {}))
+
+
+class CommCounter:
+    """Counts the collectives issued while active, per mesh axis and operation: number of calls and logical bytes.
+
+    Args:
+        mesh: a ``DeviceMesh`` whose dimensions name the axes (``("replicate", "shard")`` for
+            :class:`~lightning_smp.HybridShardFSDPStrategy`). A 1-D mesh without names gives the axis ``"dim0"``.
+        groups: instead of (or on top of) a mesh, ``{axis name: ProcessGroup}``; ``None`` as a group means the
+            default (world) group.
+
+    A collective is attributed to the axis whose process group it runs on (by group identity, not by ranks, so the
+    world group and a shard group with the same ranks stay apart); anything else goes to ``"other"``. Counts are
+    kept for the current thread and the threads autograd runs backward on; the counter can be entered again to
+    keep adding (``reset()`` clears it).
+    """
+
+    def __init__(self, mesh: DeviceMesh | None = None, groups: Mapping[str, Any] | None = None) -> None:
+        self._axes: dict[str, str] = {}  # group name -> axis
+        self.axis_names: list[str] = []
+        if mesh is not None:
+            names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+            for i, name in enumerate(names):
+                self._add_axis(name, mesh.get_group(i))
+        for name, group in (groups or {}).items():
+            self._add_axis(name, group)
+        self._lock = threading.Lock()
+        self._mode: _CollectiveMode | None = None
+        self._tally: dict[str, dict[str, dict[str, int]]] = {}
+        self.reset()
+
+    def _add_axis(self, name: str, group: Any) -> None:
+        group = group if group is not None else dist.group.WORLD
+        # first name wins when two axes share a group (e.g. a size-1 axis)
+        self._axes.setdefault(group.group_name, name)
+        if name not in self.axis_names:
+            self.axis_names.append(name)
+
+    def reset(self) -> None:
+        """Forget everything counted so far."""
+        self._tally = {name: _empty_axis() for name in [*self.axis_names, OTHER_AXIS]}
+
+    @property
+    def active(self) -> bool:
+        """Whether the counter is installed right now."""
+        return self._mode is not None
+
+    def __enter__(self) -> CommCounter:
+        if self._mode is not None:
+            raise RuntimeError("CommCounter is already active; a counter cannot be nested in itself.")
+        self._mode = _CollectiveMode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(*exc)
+
+    def axis_of(self, group: Any) -> str:
+        """The axis a process group (a ``ProcessGroup`` or its boxed ``ScriptObject``) is counted on."""
+        if isinstance(group, torch.ScriptObject):
+            group = dist.ProcessGroup.unbox(group)
+        return self._axes.get(group.group_name, OTHER_AXIS)
+
+    def _record(self, opname: str, args: Sequence[Any]) -> None:
+        op = _C10D_OPS.get(opname, "other")
+        group = next((a for a in args if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type())), None)
+        axis = self.axis_of(group) if group is not None else OTHER_AXIS
+        size = _logical_bytes(args)
+        with self._lock:
+            entry = self._tally[axis][op]
+            entry["count"] += 1
+            entry["bytes"] += size
+
+    def counts(self) -> dict[str, dict[str, dict[str, int]]]:
+        """``{axis: {op: {"count": calls, "bytes": logical bytes}}}`` for every axis, ``"other"`` included (a copy)."""
+        with self._lock:
+            return copy.deepcopy(self._tally)
+
+
+# ---------------------------------------------------------------------------------------------- textbook figures
+
+
+def ring_bytes(op: str, logical_bytes: float, group_size: int) -> float:
+    """Bytes one rank sends for a collective of ``logical_bytes`` on a ring of ``group_size`` ranks."""
+    if group_size <= 1:
+        return 0.0
+    factor = (group_size - 1) / group_size
+    return logical_bytes * factor * (2 if op in _RING_FACTOR_TWICE else 1)
+
+
+@dataclass(frozen=True)
+class FSDPUnitSpec:
+    """One FSDP unit as far as communication goes.
+
+    Attributes:
+        padded_numel: elements of the unit's unsharded flat parameter, padding included
+            (:func:`lightning_smp.shards.flat_param_numel`).
+        is_root: the root unit keeps its parameters gathered from forward to backward (no second all-gather).
+        gather_bytes: element size of the all-gathered parameters (the forward/backward dtype).
+        reduce_bytes: element size of the reduced gradients (the reduce dtype).
+    """
+
+    padded_numel: int
+    is_root: bool = False
+    gather_bytes: int = 4
+    reduce_bytes: int = 4
+
+
+def _new_figure(axes: Iterable[str]) -> dict[str, dict[str, dict[str, float]]]:
+    return {axis: {op: {"count": 0, "bytes": 0, "ring_bytes": 0.0} for op in OPS} for axis in axes}
+
+
+def _add(figure: dict, axis: str, op: str, count: int, size: int, group_size: int) -> None:
+    entry = figure[axis][op]
+    entry["count"] += count
+    entry["bytes"] += count * size
+    entry["ring_bytes"] += count * ring_bytes(op, size, group_size)
+
+
+def fsdp_step_textbook(
+    units: Sequence[FSDPUnitSpec],
+    sharding_strategy: str,
+    shard: int,
+    replicate: int,
+    backward_passes: int = 1,
+    synced_passes: int | None = None,
+    shard_axis: str = "shard",
+    replicate_axis: str = "replicate",
+) -> dict[str, dict[str, dict[str, float]]]:
+    """What FSDP1 issues per rank in one optimizer step: ``{axis: {op: {"count", "bytes", "ring_bytes"}}}``.
+
+    An optimizer step runs ``backward_passes`` forward+backward passes (micro-batches of gradient accumulation), of
+    which ``synced_passes`` (default: all) reduce gradients; the others run under FSDP's ``no_sync``. Lightning's
+    loop puts every micro-batch but the last under ``no_sync``, FSDP included, so there ``synced_passes=1``. Per unit:
+
+    - ``FULL_SHARD`` / ``HYBRID_SHARD``: one all-gather in forward and one more in backward for a non-root unit
+      (the root keeps its parameters gathered until backward), per pass; one reduce-scatter of the full gradient
+      per synced pass; all inside the shard group;
+    - ``SHARD_GRAD_OP`` / ``_HYBRID_SHARD_ZERO2``: one all-gather per pass (parameters stay gathered until
+      backward) and one reduce-scatter per synced pass, inside the shard group;
+    - the hybrid strategies add one all-reduce of the ``1/shard`` gradient shard across replicas per synced pass;
+    - ``NO_SHARD``: one all-reduce of the full gradient across replicas (the whole world) per synced pass.
+
+    Units without parameters issue nothing and are left out of ``units``.
+    """
+    synced = backward_passes if synced_passes is None else synced_passes
+    figure = _new_figure([shard_axis, replicate_axis])
+    for unit in units:
+        gather = unit.padded_numel * unit.gather_bytes
+        grad = unit.padded_numel * unit.reduce_bytes
+        if sharding_strategy == NO_SHARD:
+            _add(figure, replicate_axis, "all_reduce", synced, grad, replicate)
+            continue
+        if sharding_strategy in (FULL_SHARD, HYBRID_SHARD):
+            gathers = 1 if unit.is_root else 2
+        elif sharding_strategy in (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2):
+            gathers = 1
+        else:
+            raise ValueError(f"unknown sharding_strategy {sharding_strategy!r}")
+        _add(figure, shard_axis, "all_gather", gathers * backward_passes, gather, shard)
+        _add(figure, shard_axis, "reduce_scatter", synced, grad, shard)
+        if sharding_strategy in (HYBRID_SHARD, HYBRID_SHARD_ZERO2):
+            _add(figure, replicate_axis, "all_reduce", synced, grad // shard, replicate)
+    return figure
+
+
+def ddp_step_textbook(
+    grad_bytes: int, world_size: int, buckets: int = 1, replicate_axis: str = "replicate"
+) -> dict[str, dict[str, dict[str, float]]]:
+    """What DDP issues per rank in one optimizer step: all-reduces of every gradient across replicas, one per bucket.
+
+    Lightning runs gradient accumulation under DDP's ``no_sync``, so only the last micro-batch communicates.
+    """
+    figure = _new_figure([replicate_axis])
+    entry = figure[replicate_axis]["all_reduce"]
+    entry["count"] = buckets
+    entry["bytes"] = grad_bytes
+    entry["ring_bytes"] = ring_bytes("all_reduce", grad_bytes, world_size)
+    return figure
+
+
+def fsdp_units(model: torch.nn.Module) -> list[FSDPUnitSpec]:
+    """The :class:`FSDPUnitSpec` of every FSDP1 unit of ``model`` that owns parameters, read from the real units."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    specs = []
+    for unit in FSDP.fsdp_modules(model):
+        handle = unit._handle
+        if handle is None:
+            continue
+        flat = handle.flat_param
+        padded = sum(flat._numels_with_padding)
+        if handle.uses_sharded_strategy:
+            # the last rank's chunk carries the padding up to a multiple of the group size
+            padded = flat._local_shard.numel() * handle.world_size if hasattr(flat, "_local_shard") else padded
+        gather_dtype = getattr(handle, "_fwd_bwd_param_dtype", None) or flat.dtype
+        reduce_dtype = getattr(handle, "_reduce_dtype", None) or flat.dtype
+        specs.append(FSDPUnitSpec(
+            padded_numel=padded,
+            is_root=bool(unit._is_root),
+            gather_bytes=torch.empty((), dtype=gather_dtype).element_size(),
+            reduce_bytes=torch.empty((), dtype=reduce_dtype).element_size(),
+        ))
+    return specs
+
+
+__all__ = [
+    "OPS",
+    "OTHER_AXIS",
+    "CommCounter",
+    "FSDPUnitSpec",
+    "ddp_step_textbook",
+    "fsdp_step_textbook",
+    "fsdp_units",
+    "ring_bytes",
+]

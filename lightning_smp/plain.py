@@ -1,0 +1,201 @@
+"""``lightning_smp.init()``: SMP's ``torch.sagemaker.init()`` for plain PyTorch FSDP scripts.
+
+An SMP v2 script calls ``torch.sagemaker.init(config)`` once and then wraps its model with an unchanged
+``FSDP(model, sharding_strategy=..., ...)`` call; SMP makes that call shard inside groups of
+``hybrid_shard_degree`` ranks. :func:`init` does the same with plain ``torch.distributed`` (e.g. under
+``torchrun``)::
+
+    dist.init_process_group("gloo")  # or "nccl"
+    lightning_smp.init({"hybrid_shard_degree": 2})  # or a JSON/YAML path, or nothing: read the environment
+    model = FSDP(model, sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy=...)  # unchanged
+
+What is patched, exactly: ``torch.distributed.fsdp.FullyShardedDataParallel.__init__`` (FSDP1; FSDP2's
+``fully_shard`` is untouched), and only for calls that pass neither ``device_mesh`` nor ``process_group``
+(a user's own mesh or group always wins, and so do the nested units FSDP's auto-wrapping creates, which
+inherit the root's mesh) and that run with an initialised process group and a configured degree other than 0
+(0 is SMP's "native PyTorch" setting). Such a call gets:
+
+- ``device_mesh``: the ``(replicate, shard)`` mesh of :func:`lightning_smp.resolve_layout` for the world size,
+  built once on the device type of the model (``"cpu"`` under gloo) and reused by later calls;
+- ``sharding_strategy``: SMP's rule, as in :class:`~lightning_smp.HybridShardFSDPStrategy`: a degree >= 2
+  runs ``HYBRID_SHARD`` (``_HYBRID_SHARD_ZERO2`` if asked for), a degree equal to the world size
+  ``FULL_SHARD``, degree 1 ``NO_SHARD`` over all ranks (exactly DDP);
+- ``device_id=torch.device("cpu")`` when the model lives on the CPU and none was given (FSDP refuses CPU otherwise);
+- replicas that start equal: global rank 0's parameters and buffers are broadcast before wrapping (what DDP
+  does), or, for meta-device models, each shard is broadcast across replicas after wrapping.
+
+:func:`shutdown` restores the original ``__init__`` and forgets the configuration; calling :func:`init` twice
+only replaces the configuration. The configuration is also what ``HybridShardFSDPStrategy`` reads when it is
+given no degree (see :mod:`lightning_smp.config` for the precedence of sources).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.nn import Module
+
+from lightning_smp.config import configured_degree, load_config, set_init_config
+from lightning_smp.degree import FULL_SHARD, Layout, resolve_layout
+from lightning_smp.mesh import REPLICATE_AXIS, build_device_mesh, fsdp_mesh
+from lightning_smp.replicas import broadcast_across_replicas, broadcast_module_state
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger(__name__)
+
+_ORIGINAL_INIT: Any | None = None
+# one mesh per (layout, device type): building a mesh creates process groups, a collective on every rank
+_MESHES: dict[tuple[Layout, str], DeviceMesh] = {}
+_WARNED: set[str] = set()
+
+
+def init(config: Mapping[str, Any] | str | os.PathLike | None = None) -> None:
+    """Configure SMP hybrid sharding for this process, like ``torch.sagemaker.init(config)``.
+
+    Args:
+        config: a dict such as ``{"hybrid_shard_degree": 2}``, a path to a JSON or YAML file, or ``None`` to
+            use only the environment (``LIGHTNING_SMP_CONFIG``, then SageMaker's ``SM_HP_MP_PARAMETERS``).
+            A given config takes precedence over the environment; ``HybridShardFSDPStrategy(hybrid_shard_degree=...)``
+            and a LightningCLI ``smp:`` section take precedence over it.
+
+    Patches ``FullyShardedDataParallel.__init__`` as the module docstring describes; :func:`shutdown` undoes it.
+    Call it in every process (at the top of a ``torchrun`` script); it does not start a process group.
+
+    Raises:
+        HybridShardConfigError: an unknown key, a wrong type, an unsupported SMP feature, a malformed or missing
+            file. Every source is checked here, the environment too, so every rank fails the same way.
+    """
+    values = load_config(config)
+    set_init_config(values if config is not None else None)
+    configured_degree()  # check the environment now, before any collective could hang
+    _patch()
+
+
+def shutdown() -> None:
+    """Undo :func:`init`: restore ``FullyShardedDataParallel.__init__`` and forget ``init``'s configuration.
+
+    Process groups built for the meshes are left to ``torch.distributed.destroy_process_group()``. Harmless
+    when :func:`init` was never called.
+    """
+    global _ORIGINAL_INIT
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if _ORIGINAL_INIT is not None:
+        if getattr(FullyShardedDataParallel.__init__, "_lightning_smp_patch", False):
+            FullyShardedDataParallel.__init__ = _ORIGINAL_INIT  # type: ignore[method-assign]
+        else:
+            warnings.warn("lightning_smp.shutdown(): FullyShardedDataParallel.__init__ was patched again after"
+                          " lightning_smp.init(); that later patch is left in place.", UserWarning, stacklevel=2)
+        _ORIGINAL_INIT = None
+    set_init_config(None)
+    _MESHES.clear()
+    _WARNED.clear()
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init` has patched FSDP in this process (and :func:`shutdown` has not undone it)."""
+    return _ORIGINAL_INIT is not None
+
+
+def _patch() -> None:
+    global _ORIGINAL_INIT
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if _ORIGINAL_INIT is not None:
+        return
+    original = FullyShardedDataParallel.__init__
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        after = _rewrite(bound.arguments)
+        original(*bound.args, **bound.kwargs)
+        if after is not None:
+            after(self)
+
+    __init__._lightning_smp_patch = True  # type: ignore[attr-defined]
+    _ORIGINAL_INIT = original
+    FullyShardedDataParallel.__init__ = __init__  # type: ignore[method-assign]
+
+
+def _rewrite(arguments: dict[str, Any]) -> Any | None:
+    """Apply the configured degree to one FSDP call's arguments in place; return a post-wrap hook or None."""
+    if arguments.get("device_mesh") is not None or arguments.get("process_group") is not None:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    degree = configured_degree()
+    if degree == 0:
+        return None
+    from torch.distributed.fsdp import ShardingStrategy
+
+    module: Module = arguments["module"]
+    requested = arguments.get("sharding_strategy") or FULL_SHARD  # FSDP's own default
+    layout = resolve_layout(dist.get_world_size(), degree, requested)
+    device = _root_device(module, arguments.get("device_id"))
+    key = (layout, device.type)
+    if key not in _MESHES:
+        _MESHES[key] = build_device_mesh(layout, device.type)
+    mesh = _MESHES[key]
+    _log_once(layout)
+
+    arguments["sharding_strategy"] = ShardingStrategy[layout.sharding_strategy]
+    arguments["device_mesh"] = fsdp_mesh(mesh, layout)
+    if arguments.get("device_id") is None and device.type == "cpu":
+        arguments["device_id"] = device
+    on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+    if not on_meta:
+        # DDP semantics: all replicas train from global rank 0's weights, however the ranks were seeded
+        broadcast_module_state(module, device, src=0)
+        return None
+
+    def sync_replicas(wrapped: Module) -> None:
+        group = mesh.get_group(REPLICATE_AXIS)
+        broadcast_across_replicas(wrapped, group, dist.get_process_group_ranks(group)[0], device)
+
+    return sync_replicas
+
+
+def _root_device(module: Module, device_id: Any) -> torch.device:
+    """The device FSDP will compute on, as FSDP itself would pick it."""
+    if isinstance(device_id, torch.device):
+        return device_id
+    for tensor in module.parameters():
+        if tensor.device.type not in ("cpu", "meta"):
+            return tensor.device
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    only_gloo = all(part.split(":")[-1] == "gloo" for part in str(dist.get_backend()).split(","))
+    if accelerator is None or (only_gloo and device_id is None):
+        return torch.device("cpu")
+    index = device_id if isinstance(device_id, int) else torch.accelerator.current_device_index()
+    return torch.device(accelerator.type, index)
+
+
+def _log_once(layout: Layout) -> None:
+    message = f"lightning_smp.init: FSDP(...) runs {layout.describe()}"
+    if message in _WARNED:
+        return
+    _WARNED.add(message)
+    if dist.get_rank() == 0:
+        log.info(message)
+        if layout.overridden:
+            warnings.warn(
+                f"hybrid_shard_degree={layout.degree} overrides sharding_strategy={layout.requested_strategy}:"
+                f" FSDP runs {layout.sharding_strategy} (SMP semantics; choose _HYBRID_SHARD_ZERO2 for ZeRO-2).",
+                UserWarning,
+                stacklevel=4,
+            )
+
+
+__all__ = ["init", "is_initialized", "shutdown"]

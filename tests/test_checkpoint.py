@@ -1,0 +1,576 @@
+"""Checkpoints of HybridShardFSDPStrategy: sharded and full, exact resume, resharding, nothing lost (issue 5).
+
+Every fit here is a real 2- or 4-rank run (fork launcher, gloo). States are compared as full (unsharded) model
+and optimizer state dicts gathered inside the ranks, bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import pytest
+import torch
+from helpers import TinyModel, make_loader
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy
+from lightning_smp import checkpoint as ckpt
+from lightning_smp.strategy import REGISTERED_NAMES
+
+STRATEGIES = {name: args["sharding_strategy"] for name, _, args in REGISTERED_NAMES if name != "smp_hybrid_notebook"}
+# 64 samples, batch 4: 4 steps per epoch on 4 ranks, 8 on 2 ranks
+K, N = 4, 10  # save after K steps (the last batch of epoch 0 on 4 ranks), train to N (into epoch 2)
+
+
+class CkptModel(TinyModel):
+    """TinyModel with validation, test and predict steps (for ckpt_path= on every entry point)."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+
+class Probe(Callback):
+    """Gathers the full model (and optimizer) state inside the ranks; rank 0 writes it to ``<folder>/<tag>_<when>.pt``."""
+
+    def __init__(self, folder: Path, tag: str) -> None:
+        self.folder, self.tag = Path(folder), tag
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach().clone(), reduce_op="mean")))
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._dump(trainer, "start", optimizers=True)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._dump(trainer, "end", optimizers=True)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.state.fn == "validate":
+            self._dump(trainer, "validate")
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        self._dump(trainer, "predict")
+
+    def _dump(self, trainer: L.Trainer, when: str, optimizers: bool = False) -> None:
+        strategy = trainer.strategy
+        record = {
+            "model": ckpt.full_model_state(strategy),
+            "optimizers": [ckpt.full_optimizer_state(strategy, o) for o in trainer.optimizers] if optimizers else [],
+            "global_step": trainer.global_step, "epoch": trainer.current_epoch, "losses": list(self.losses),
+            "batch_idx": trainer.fit_loop.epoch_loop.batch_idx if trainer.state.fn == "fit" else None,
+        }
+        if trainer.global_rank == 0:
+            torch.save(record, self.folder / f"{self.tag}_{when}.pt")
+
+
+def strategy(degree: int, kind: str = "sharded", name: str = "smp_hybrid") -> HybridShardFSDPStrategy:
+    return HybridShardFSDPStrategy(hybrid_shard_degree=degree, sharding_strategy=STRATEGIES[name],
+                                   state_dict_type=kind, start_method="fork")
+
+
+def run(folder: Path, devices: int, degree: int, *, tag: str, kind: str = "sharded", name: str = "smp_hybrid",
+        max_steps: int = N, fn: str = "fit", ckpt_path: Optional[Path] = None, callbacks: tuple = (),
+        model: Optional[L.LightningModule] = None, **trainer_kwargs: Any) -> L.Trainer:
+    """One fork-launched run on ``devices`` CPU ranks with a seeded model; the probe records what the ranks hold."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if model is None:
+        torch.manual_seed(0)
+        model = CkptModel()
+    trainer_kwargs.setdefault("enable_checkpointing", any(isinstance(c, ModelCheckpoint) for c in callbacks))
+    trainer = L.Trainer(
+        strategy=strategy(degree, kind, name), accelerator="cpu", devices=devices, max_steps=max_steps, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=folder, limit_val_batches=2,
+        num_sanity_val_steps=0, callbacks=[Probe(folder, tag), *callbacks], **trainer_kwargs,
+    )
+    loader = make_loader()
+    if fn == "fit":
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+    elif fn == "predict":
+        trainer.predict(model, loader, ckpt_path=ckpt_path)
+    else:
+        getattr(trainer, fn)(model, make_loader(samples=16), ckpt_path=ckpt_path)
+    return trainer
+
+
+def probe(folder: Path, tag: str, when: str) -> dict[str, Any]:
+    return torch.load(folder / f"{tag}_{when}.pt", weights_only=True)
+
+
+def assert_same_tensors(actual: dict, expected: dict) -> None:
+    assert list(actual) == list(expected)
+    for key, value in expected.items():
+        assert torch.equal(actual[key], value), key
+
+
+def assert_same_optimizer(actual: dict, expected: dict) -> None:
+    assert actual["param_groups"] == expected["param_groups"]
+    assert sorted(actual["state"]) == sorted(expected["state"])
+    for idx, state in expected["state"].items():
+        assert sorted(actual["state"][idx]) == sorted(state), idx
+        for name, value in state.items():
+            assert torch.equal(torch.as_tensor(actual["state"][idx][name]), torch.as_tensor(value)), (idx, name)
+
+
+def assert_same_state(actual: dict, expected: dict, optimizers: bool = True) -> None:
+    assert_same_tensors(actual["model"], expected["model"])
+    if optimizers:
+        assert len(actual["optimizers"]) == len(expected["optimizers"]) == 1
+        assert_same_optimizer(actual["optimizers"][0], expected["optimizers"][0])
+
+
+# ------------------------------------------------------------------------------------------------ writers (shared)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Degree 2 on 4 ranks, K steps, once per format; ModelCheckpoint with top-k, every-n-steps and last."""
+    out = {}
+    for kind in ("sharded", "full"):
+        folder = tmp_path_factory.mktemp(f"writer_{kind}")
+        callback = ModelCheckpoint(dirpath=folder / "ckpts", monitor="train_loss", save_top_k=2,
+                                   every_n_train_steps=1, save_last=True)
+        run(folder, 4, 2, tag="writer", kind=kind, max_steps=K, callbacks=(callback,))
+        out[kind] = folder
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_model_checkpoint_top_k_and_last_in_both_formats(written: dict[str, Path]) -> None:
+    for kind, folder in written.items():
+        names = sorted(p.name for p in (folder / "ckpts").iterdir())
+        # steps 1 to 4 were saved; all but the best two were removed (folders for sharded), last.ckpt kept
+        assert len(names) == 3 and "last.ckpt" in names, names
+        for name in names:
+            path = folder / "ckpts" / name
+            assert ckpt.checkpoint_kind(path) == kind
+        assert not [p for p in (folder / "ckpts").iterdir() if p.name.startswith(".")]  # no temporaries left
+        reference = probe(folder, "writer", "end")
+        assert reference["global_step"] == K
+    # both writers trained identically: the formats differ only on disk
+    assert_same_state(probe(written["sharded"], "writer", "end"), probe(written["full"], "writer", "end"))
+
+
+@pytest.mark.timeout(60)
+def test_sharded_checkpoint_tensors_are_written_once_by_replica_group_zero(written: dict[str, Path]) -> None:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    folder = written["sharded"] / "ckpts" / "last.ckpt"
+    sizes = {p.name: p.stat().st_size for p in folder.glob("__*.distcp")}
+    # degree 2 on 4 ranks: replica group 0 is ranks 0 and 1; ranks 2 and 3 (replica 1) write no bytes
+    assert sizes.get("__2_0.distcp", 0) == 0 and sizes.get("__3_0.distcp", 0) == 0, sizes
+    assert sizes["__0_0.distcp"] > 0 and sizes["__1_0.distcp"] > 0, sizes
+    metadata = ckpt.SafeFileSystemReader(folder).read_metadata()
+    files = {info.relative_path for info in metadata.storage_data.values()}
+    assert files == {"__0_0.distcp", "__1_0.distcp"}
+    for key, meta in metadata.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            stored = sum(torch.Size(c.sizes).numel() for c in meta.chunks)
+            assert stored == torch.Size(meta.size).numel(), key  # every element exactly once, no duplicate chunk
+    model_keys = {k for k in metadata.state_dict_metadata if k.startswith("model.")}
+    assert model_keys == {f"model.net.{i}.{p}" for i in (0, 2) for p in ("weight", "bias")}
+    assert any(k.startswith("optimizer_0.state.net.0.weight.exp_avg") for k in metadata.state_dict_metadata)
+
+
+class CollectiveCounter(Callback):
+    """Saves a full checkpoint at the end of fit and records which c10d collectives each rank issued meanwhile."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        calls: list[str] = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if "c10d" in str(func):
+                    calls.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        with Mode():
+            trainer.save_checkpoint(self.folder / "full_once.ckpt")
+        torch.save(calls, self.folder / f"calls_rank{trainer.global_rank}.pt")
+
+
+@pytest.mark.timeout(120)
+def test_full_checkpoint_is_assembled_once(tmp_path: Path) -> None:
+    run(tmp_path, 4, 2, tag="once", kind="full", max_steps=2, callbacks=(CollectiveCounter(tmp_path),))
+    gathers = {r: [c for c in torch.load(tmp_path / f"calls_rank{r}.pt") if "gather" in c] for r in range(4)}
+    # replica group 0 (ranks 0, 1) gathers the shards; replica group 1 (ranks 2, 3) does no gathering at all
+    assert gathers[0] and gathers[1], gathers
+    assert gathers[2] == [] and gathers[3] == [], gathers
+    saved = torch.load(tmp_path / "full_once.ckpt", weights_only=True)
+    assert_same_tensors(saved["state_dict"], probe(tmp_path, "once", "end")["model"])
+    assert_same_optimizer(saved["optimizer_states"][0], probe(tmp_path, "once", "end")["optimizers"][0])
+
+
+# ------------------------------------------------------------------------------------------------ exact resume
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    out = {}
+    for name in STRATEGIES:
+        folder = tmp_path_factory.mktemp(f"uninterrupted_{name}")
+        run(folder, 4, 2, tag="ref", name=name, max_steps=N)
+        out[name] = probe(folder, "ref", "end")
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_resume_is_exact(tmp_path: Path, uninterrupted: dict[str, dict], name: str, kind: str) -> None:
+    ckpts = tmp_path / "ckpts"
+    first = ModelCheckpoint(dirpath=ckpts, save_top_k=0, every_n_train_steps=2, save_last=True)
+    run(tmp_path, 4, 2, tag="part1", kind=kind, name=name, max_steps=K, callbacks=(first,))
+    last = ckpts / "last.ckpt"
+    assert ckpt.checkpoint_kind(last) == kind  # saved at step 2, then replaced at step 4 by the same run
+
+    second = ModelCheckpoint(dirpath=ckpts, save_top_k=0, every_n_train_steps=2, save_last=True)
+    run(tmp_path, 4, 2, tag="part2", kind=kind, name=name, max_steps=N, ckpt_path=last, callbacks=(second,))
+    start, end, reference = probe(tmp_path, "part2", "start"), probe(tmp_path, "part2", "end"), uninterrupted[name]
+    # loop state: K steps finish epoch 0 on 4 ranks (4 batches per epoch); the resumed run starts epoch 1
+    assert (start["global_step"], start["epoch"]) == (K, 1)
+    assert_same_state(start, probe(tmp_path, "part1", "end"))
+    assert end["losses"] == reference["losses"][K:]  # the loss curve continues where it stopped, bitwise
+    assert (end["global_step"], end["epoch"]) == (reference["global_step"], reference["epoch"])
+    assert_same_state(end, reference)
+    # the resumed run continued the same run: it replaced its own last.ckpt instead of writing last-v1.ckpt
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt"]
+    assert ckpt.run_id_of(last) is not None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_optimizer_without_state_saves_and_resumes(tmp_path: Path, kind: str) -> None:
+    # plain SGD keeps no per-parameter state (Lightning's FSDP loader raises IndexError on it)
+    callback = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=0, every_n_train_steps=2, save_last=True)
+    torch.manual_seed(0)
+    run(tmp_path, 2, 2, tag="sgd1", kind=kind, max_steps=2, callbacks=(callback,), model=CkptModel(optimizer="sgd"))
+    run(tmp_path, 4, 2, tag="sgd2", kind=kind, max_steps=3, ckpt_path=tmp_path / "ckpts" / "last.ckpt",
+        model=CkptModel(optimizer="sgd"))
+    start = probe(tmp_path, "sgd2", "start")
+    assert start["global_step"] == 2 and start["optimizers"][0]["state"] == {}
+    assert_same_state(start, probe(tmp_path, "sgd1", "end"))
+
+
+# ------------------------------------------------------------------------------------------------ resharding
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("devices", "degree"), [(4, 2), (4, 4), (4, 1), (2, 2), (2, 1)],
+                         ids=["4r_d2", "4r_d4", "4r_d1", "2r_d2", "2r_d1"])
+def test_sharded_checkpoint_resumes_at_any_degree_and_world_size(tmp_path: Path, written: dict[str, Path],
+                                                                 devices: int, degree: int) -> None:
+    source = written["sharded"] / "ckpts" / "last.ckpt"
+    run(tmp_path, devices, degree, tag="resharded", max_steps=K + 2, ckpt_path=source)
+    start = probe(tmp_path, "resharded", "start")
+    assert start["global_step"] == K
+    assert_same_state(start, probe(written["sharded"], "writer", "end"))
+    end = probe(tmp_path, "resharded", "end")
+    assert end["global_step"] == K + 2 and all(torch.isfinite(torch.tensor(end["losses"])))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("devices", "degree"), [(4, 4), (4, 1), (2, 2)], ids=["4r_d4", "4r_d1", "2r_d2"])
+def test_full_checkpoint_resumes_at_any_degree(tmp_path: Path, written: dict[str, Path], devices: int,
+                                               degree: int) -> None:
+    source = written["full"] / "ckpts" / "last.ckpt"
+    run(tmp_path, devices, degree, tag="from_full", kind="sharded", max_steps=K + 1, ckpt_path=source)
+    assert_same_state(probe(tmp_path, "from_full", "start"), probe(written["full"], "writer", "end"))
+
+
+@pytest.mark.timeout(60)
+def test_full_checkpoint_loads_on_a_single_device_for_inference(written: dict[str, Path]) -> None:
+    reference = probe(written["full"], "writer", "end")
+    checkpoint = torch.load(written["full"] / "ckpts" / "last.ckpt", weights_only=True)
+    model = CkptModel()
+    model.load_state_dict(checkpoint["state_dict"])
+    assert_same_tensors(model.state_dict(), reference["model"])
+    # the optimizer state is in torch's standard layout: a plain optimizer of the plain model takes it
+    optimizer = model.configure_optimizers()
+    optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+    assert_same_optimizer(optimizer.state_dict(), reference["optimizers"][0])
+    with torch.no_grad():
+        x = torch.randn(3, 16)
+        assert model(x).shape == (3, 4)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_validate_and_predict_load_the_checkpoint(tmp_path: Path, written: dict[str, Path], kind: str) -> None:
+    source = written[kind] / "ckpts" / "last.ckpt"
+    reference = probe(written[kind], "writer", "end")["model"]
+    torch.manual_seed(123)  # a model that differs from the checkpoint until it is loaded
+    run(tmp_path, 4, 2, tag="v", fn="validate", ckpt_path=source, model=CkptModel())
+    assert_same_tensors(probe(tmp_path, "v", "validate")["model"], reference)
+    torch.manual_seed(123)
+    run(tmp_path, 2, 1, tag="p", fn="predict", ckpt_path=source, model=CkptModel())
+    assert_same_tensors(probe(tmp_path, "p", "predict")["model"], reference)
+
+
+@pytest.mark.timeout(120)
+def test_consolidate_sharded_to_full(tmp_path: Path, written: dict[str, Path]) -> None:
+    source = written["sharded"] / "ckpts" / "last.ckpt"
+    full = torch.load(written["full"] / "ckpts" / "last.ckpt", weights_only=True)
+
+    ours = tmp_path / "ours.ckpt"
+    done = subprocess.run([sys.executable, "-m", "lightning_smp.checkpoint", "consolidate", str(source), str(ours)],
+                          check=False, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    converted = torch.load(ours, weights_only=True)
+    assert_same_tensors(converted["state_dict"], full["state_dict"])
+    assert_same_optimizer(converted["optimizer_states"][0], full["optimizer_states"][0])
+    assert converted["global_step"] == full["global_step"] == K
+    assert converted["loops"] == full["loops"]
+    assert converted[ckpt.RUN_KEY]["state_dict_type"] == "full"
+    # the same command refuses to overwrite
+    assert ckpt.main(["consolidate", str(source), str(ours)]) == 2
+
+    # Lightning's own utility reads our folders too (optimizer keyed by name there)
+    theirs = tmp_path / "theirs.ckpt"
+    argv = sys.argv
+    sys.argv = ["consolidate_checkpoint", str(source), "--output_file", str(theirs)]
+    try:
+        runpy.run_module("lightning.pytorch.utilities.consolidate_checkpoint", run_name="__main__")
+    finally:
+        sys.argv = argv
+    lightning_full = torch.load(theirs, weights_only=True)
+    assert_same_tensors(dict(lightning_full["state_dict"]), full["state_dict"])
+    assert_same_optimizer(ckpt.optimizer_state_by_index(lightning_full["optimizer_states"][0]),
+                          full["optimizer_states"][0])
+
+
+# ------------------------------------------------------------------------------------------------ nothing lost
+
+
+def _kill_scenario(folder: Path, kind: str, ready: Path) -> None:
+    """In a new session: a 2-rank fit saving last.ckpt every step; the second save hangs mid-write."""
+    os.setsid()
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    saves = {"n": 0}
+    if kind == "full":
+        real_write = ckpt.write_file
+
+        def write_file(obj: Any, path: Path) -> None:
+            saves["n"] += 1
+            if saves["n"] < 2:
+                return real_write(obj, path)
+            import io
+
+            buffer = io.BytesIO()
+            torch.save(obj, buffer)
+            with open(path, "wb") as f:  # half of the bytes, then the process is killed
+                f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+                f.flush()
+                os.fsync(f.fileno())
+            ready.write_text(str(os.getpid()))
+            time.sleep(600)
+
+        ckpt.write_file = write_file
+    else:
+        real_write_data = dcp_fs.FileSystemWriter.write_data
+
+        def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+            saves["n"] += 1
+            future = real_write_data(self, plan, planner)
+            if saves["n"] >= 2:
+                future.wait()  # the shards are on disk, DCP's .metadata and our meta.pt are not
+                if int(os.environ.get("RANK", "0")) == 0:
+                    ready.write_text(str(os.getpid()))
+                time.sleep(600)
+            return future
+
+        dcp_fs.FileSystemWriter.write_data = write_data
+    callback = ModelCheckpoint(dirpath=folder / "ckpts", save_top_k=0, every_n_train_steps=1, save_last=True)
+    run(folder, 2, 2, tag="killed", kind=kind, max_steps=3, callbacks=(callback,))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_save_killed_midway_leaves_previous_checkpoint_loadable(tmp_path: Path, kind: str) -> None:
+    import multiprocessing as mp
+
+    ready = tmp_path / "ready"
+    child = mp.get_context("fork").Process(target=_kill_scenario, args=(tmp_path, kind, ready))
+    child.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and child.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), "the second save never started"
+        os.killpg(child.pid, signal.SIGKILL)  # the writer and every rank die mid-write
+        child.join(30)
+    finally:
+        if child.is_alive():
+            os.killpg(child.pid, signal.SIGKILL)
+            child.join(10)
+    assert child.exitcode == -signal.SIGKILL
+    ckpts = tmp_path / "ckpts"
+    leftovers = [p for p in ckpts.iterdir() if p.name.startswith(".last.ckpt.tmp-")]
+    assert len(leftovers) == 1  # the interrupted write went to a temporary name ...
+    last = ckpts / "last.ckpt"
+    assert ckpt.checkpoint_kind(last) == kind  # ... and the previous checkpoint is still there
+    # and it loads: a new run resumes from step 1
+    run(tmp_path / "resume", 2, 2, tag="after_kill", kind=kind, max_steps=2, ckpt_path=last)
+    assert probe(tmp_path / "resume", "after_kill", "start")["global_step"] == 1
+
+
+class SaveAtEnd(Callback):
+    """Calls ``trainer.save_checkpoint(path)`` at the end of fit on every rank and records what each rank got."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        try:
+            trainer.save_checkpoint(self.path)
+            outcome = "saved"
+        except HybridShardConfigError as err:
+            outcome = f"HybridShardConfigError: {err}"
+        torch.save(outcome, self.path.parent / f"outcome_rank{trainer.global_rank}.pt")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_name_collision_never_overwrites_another_run(tmp_path: Path, kind: str) -> None:
+    target = tmp_path / "model.ckpt"
+    run(tmp_path / "a", 4, 2, tag="a", kind=kind, max_steps=2, callbacks=(SaveAtEnd(target),))
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in [target, *target.rglob("*")] if p.is_file()}
+    first_id = ckpt.run_id_of(target)
+    assert first_id
+
+    run(tmp_path / "b", 4, 2, tag="b", kind=kind, max_steps=3, callbacks=(SaveAtEnd(target),))
+    outcomes = [torch.load(tmp_path / f"outcome_rank{r}.pt") for r in range(4)]
+    assert len(set(outcomes)) == 1, outcomes  # every rank failed the same way, none hung
+    assert outcomes[0].startswith("HybridShardConfigError") and "another run" in outcomes[0]
+    assert str(target) in outcomes[0]
+    after = {p.relative_to(tmp_path): p.read_bytes() for p in [target, *target.rglob("*")] if p.is_file()}
+    assert after == before and ckpt.run_id_of(target) == first_id
+
+    # something that is not a checkpoint at all is not overwritten either
+    stranger = tmp_path / "notes.ckpt"
+    stranger.write_text("my notes")
+    run(tmp_path / "c", 2, 2, tag="c", kind=kind, max_steps=1, callbacks=(SaveAtEnd(stranger),))
+    assert "not a checkpoint of this run" in torch.load(tmp_path / "outcome_rank0.pt")
+    assert stranger.read_text() == "my notes"
+
+
+class WiderHead(CkptModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[2] = torch.nn.Linear(33, 5)
+
+
+class ExtraLayer(CkptModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = torch.nn.Linear(4, 4)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_mismatched_model_names_first_mismatching_key(tmp_path: Path, written: dict[str, Path], kind: str) -> None:
+    source = written[kind] / "ckpts" / "last.ckpt"
+    with pytest.raises(Exception, match=r"first mismatching key 'net\.2\.weight': the checkpoint has shape \(4, 33\),"
+                                        r" the model expects \(5, 33\)"):
+        run(tmp_path, 2, 2, tag="wide", fn="validate", ckpt_path=source, model=WiderHead())
+    with pytest.raises(Exception, match=r"first mismatching key 'extra\.weight': the model has it"):
+        run(tmp_path, 2, 2, tag="extra", fn="validate", ckpt_path=source, model=ExtraLayer())
+
+
+class Evil:
+    """Unpickling this creates a file: proof that a loader ran code from the checkpoint."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.timeout(120)
+def test_loading_never_unpickles_code(tmp_path: Path, written: dict[str, Path]) -> None:
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    marker = tmp_path / "code_ran"
+    # a full checkpoint with an object in it
+    evil_full = tmp_path / "evil.ckpt"
+    checkpoint = torch.load(written["full"] / "ckpts" / "last.ckpt", weights_only=True)
+    checkpoint["hyper_parameters"] = {"payload": Evil(marker)}
+    torch.save(checkpoint, evil_full)
+    with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
+        run(tmp_path / "r1", 2, 2, tag="e1", fn="validate", ckpt_path=evil_full)
+    # a sharded checkpoint whose DCP .metadata is a pickle with an object in it
+    evil_sharded = tmp_path / "evil_sharded.ckpt"
+    shutil.copytree(written["sharded"] / "ckpts" / "last.ckpt", evil_sharded)
+    (evil_sharded / ".metadata").write_bytes(__import__("pickle").dumps(Evil(marker)))
+    with pytest.raises(Exception, match="refusing to unpickle pathlib.*Path.touch|refusing to unpickle"):
+        run(tmp_path / "r2", 2, 2, tag="e2", fn="validate", ckpt_path=evil_sharded)
+    # a non-tensor entry inside DCP data (how optimizer param_groups are stored) goes through weights_only too
+    folder = tmp_path / "dcp_bytes"
+    dcp.save({"x": {"groups": [{"lr": 0.1, "params": [0, 1]}], "obj": Evil(marker)}}, checkpoint_id=folder,
+             no_dist=True)
+    template: dict[str, Any] = {"x": {"groups": [{"lr": 0.0, "params": [5]}]}}
+    dcp.load(template, storage_reader=ckpt.SafeFileSystemReader(folder), planner=ckpt.SafeLoadPlanner(
+        allow_partial_load=True), no_dist=True)
+    assert template["x"]["groups"] == [{"lr": 0.1, "params": [0, 1]}]
+    # DCP raises CheckpointException, a BaseException
+    with pytest.raises(BaseException, match="Weights only load failed|Unsupported global"):
+        dcp.load({"x": {"obj": 0}}, storage_reader=ckpt.SafeFileSystemReader(folder),
+                 planner=ckpt.SafeLoadPlanner(allow_partial_load=True), no_dist=True)
+    assert not marker.exists()
+
+
+class HParamsModel(CkptModel):
+    def __init__(self, loss: Any = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+@pytest.mark.timeout(120)
+def test_saving_refuses_objects_that_only_unpickling_could_restore(tmp_path: Path) -> None:
+    target = tmp_path / "h.ckpt"
+    torch.manual_seed(0)
+    run(tmp_path, 2, 2, tag="h", kind="full", max_steps=1, model=HParamsModel(loss=torch.nn.MSELoss()),
+        callbacks=(SaveAtEnd(target),))
+    outcome = torch.load(tmp_path / "outcome_rank0.pt")
+    assert "checkpoint['hyper_parameters']['loss'] is a torch.nn.modules.loss.MSELoss" in outcome
+    assert "save_hyperparameters(ignore=" in outcome
+    assert not target.exists() and not list(tmp_path.glob(".h.ckpt.tmp-*"))
+    # plain hyperparameters (a dict subclass included) are saved and load back with weights_only=True
+    plain = tmp_path / "plain.ckpt"
+    torch.manual_seed(0)
+    run(tmp_path / "p", 2, 2, tag="h2", kind="full", max_steps=1, model=HParamsModel(loss="mse"),
+        callbacks=(SaveAtEnd(plain),))
+    assert torch.load(plain, weights_only=True)["hyper_parameters"] == {"loss": "mse"}
+
+
+def test_unsafe_entry_and_record_helpers() -> None:
+    assert ckpt._unsafe_entry({"a": [1, 2.0, "x", None, torch.ones(1), (torch.float32, torch.device("cpu"))]}) is None
+    assert "checkpoint['a'][1]" in ckpt._unsafe_entry({"a": [1, object()]})
+    by_name = {"state": {"b": {"m": torch.ones(1)}}, "param_groups": [{"lr": 1.0, "params": ["a", "b"]}]}
+    by_index = ckpt.optimizer_state_by_index(by_name)
+    assert by_index["param_groups"] == [{"lr": 1.0, "params": [0, 1]}]
+    assert list(by_index["state"]) == [1] and torch.equal(by_index["state"][1]["m"], torch.ones(1))

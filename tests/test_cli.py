@@ -1,0 +1,193 @@
+"""``lightning-smp`` / ``python -m lightning_smp``: LightningCLI with an ``smp:`` section and the example configs."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import lightning_smp
+from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy
+from lightning_smp.cli import HybridShardCLI, main
+from lightning_smp.config import ENV_CLI, ENV_CONFIG, ENV_INIT, ENV_SAGEMAKER
+from tests.helpers import PROCESS_TIMEOUT
+
+# the tests pass args while pytest's own argv is set; that is intended here
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "examples" / "configs"
+
+#: what each example must resolve to on 4 CPU ranks: (mesh shape, FSDP sharding strategy)
+EXPECTED = {
+    "hybrid_cpu.yaml": ((2, 2), "HYBRID_SHARD"),
+    "hybrid_class_path.yaml": ((2, 2), "HYBRID_SHARD"),
+    "hybrid_zero2_notebook.yaml": ((1, 4), "SHARD_GRAD_OP"),
+}
+
+
+@pytest.fixture(autouse=True)
+def clean_sources(monkeypatch):
+    for name in (ENV_CONFIG, ENV_SAGEMAKER, ENV_CLI, ENV_INIT):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    lightning_smp.shutdown()
+    for name in (ENV_CLI, ENV_INIT):
+        os.environ.pop(name, None)
+
+
+def _cli(*args: str, tmp_path: Path) -> HybridShardCLI:
+    """Parse and instantiate (no subcommand, nothing runs); the Trainer resolves the layout."""
+    return HybridShardCLI(args=[*args, f"--trainer.default_root_dir={tmp_path}"], run=False)
+
+
+def test_every_example_config_is_tested():
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(EXPECTED)
+
+
+@pytest.mark.filterwarnings("ignore:.*tensor_parallel_degree=1 is ignored")
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_example_config_parses_to_the_documented_layout(name, tmp_path):
+    cli = _cli("--config", str(CONFIGS / name), tmp_path=tmp_path)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, HybridShardFSDPStrategy)
+    mesh_shape, fsdp_strategy = EXPECTED[name]
+    assert strategy.layout.mesh_shape == mesh_shape
+    assert strategy.layout.sharding_strategy == fsdp_strategy
+    assert type(cli.model).__name__ == "TinyGPT" and type(cli.datamodule).__name__ == "MarkovDataModule"
+
+
+@pytest.mark.parametrize(
+    ("name", "override", "shape"),
+    [
+        pytest.param("hybrid_cpu.yaml", "--smp.hybrid_shard_degree=4", (1, 4), id="smp_section"),
+        pytest.param("hybrid_cpu.yaml", "--smp={hybrid_shard_degree: 1}", (4, 1), id="smp_section_whole"),
+        pytest.param("hybrid_class_path.yaml", "--trainer.strategy.init_args.hybrid_shard_degree=4", (1, 4),
+                     id="init_args"),
+    ],
+)
+def test_command_line_overrides(name, override, shape, tmp_path):
+    cli = _cli("--config", str(CONFIGS / name), override, tmp_path=tmp_path)
+    assert cli.trainer.strategy.layout.mesh_shape == shape
+
+
+def test_precedence_inside_the_cli(tmp_path):
+    """init_args > smp section > init() > environment, all in one run."""
+    os.environ[ENV_CONFIG] = '{"hybrid_shard_degree": 1}'
+    lightning_smp.init({"hybrid_shard_degree": 4})
+    # the smp: section (2) beats init() (4) and the environment (1)
+    assert _cli("--config", str(CONFIGS / "hybrid_cpu.yaml"), tmp_path=tmp_path).trainer.strategy.layout.degree == 2
+    # without a section, init() (4) beats the environment (1)
+    cli = _cli("--config", str(CONFIGS / "hybrid_cpu.yaml"), "--smp=null", tmp_path=tmp_path)
+    assert cli.trainer.strategy.layout.degree == 4
+    # init_args (1 is explicit) beat the smp: section (4), with a warning naming both
+    with pytest.warns(UserWarning, match=r"init_args.hybrid_shard_degree=1 overrides smp.hybrid_shard_degree=4"):
+        cli = _cli("--config", str(CONFIGS / "hybrid_class_path.yaml"), "--smp.hybrid_shard_degree=4",
+                   "--trainer.strategy.init_args.hybrid_shard_degree=1", tmp_path=tmp_path)
+    assert cli.trainer.strategy.layout.degree == 1
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        pytest.param("--smp.hybrid_shard_dgree=2", "LightningCLI `smp:` section: unknown SMP config key"
+                     " 'hybrid_shard_dgree'. Did you mean 'hybrid_shard_degree'?", id="typo"),
+        pytest.param("--smp.hybrid_shard_degree=two", "LightningCLI `smp:` section: hybrid_shard_degree='two' (str)"
+                     " is not an integer.", id="string"),
+        pytest.param("--smp.hybrid_shard_degree=2.5", "LightningCLI `smp:` section: hybrid_shard_degree=2.5 (float)"
+                     " is not an integer.", id="float"),
+        pytest.param("--smp.hybrid_shard_degree=true", "LightningCLI `smp:` section: hybrid_shard_degree=True (bool)"
+                     " is not an integer.", id="bool"),
+        pytest.param("--smp.tensor_parallel_degree=2", "LightningCLI `smp:` section: tensor_parallel_degree=2 is not"
+                     " supported", id="tensor_parallel"),
+        pytest.param("--smp.hybrid_shard_degree=3", "hybrid_shard_degree=3 does not divide world_size=4", id="divisor"),
+    ],
+)
+def test_cli_errors_name_the_source_and_key(override, expected, tmp_path):
+    args = ["fit", "--config", str(CONFIGS / "hybrid_cpu.yaml"), override, f"--trainer.default_root_dir={tmp_path}"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert str(exit_info.value.code).startswith(f"lightning-smp: error: {expected}")
+    assert ENV_CLI not in os.environ  # main() does not leak the section into the rest of the process
+    with pytest.raises(HybridShardConfigError):  # the class itself raises the library's exception
+        HybridShardCLI(args=args[1:], run=False)
+
+
+def _printed(capsys, *args: str) -> dict:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *args])
+    assert exit_info.value.code in (0, None)
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def test_print_config_shows_the_resolved_degree(capsys):
+    printed = _printed(capsys, "--config", str(CONFIGS / "hybrid_cpu.yaml"), "--print_config")
+    assert printed["smp"] == {"hybrid_shard_degree": 2}
+    assert printed["trainer"]["strategy"] == "smp_hybrid"
+    # a degree that comes from the environment is written out, so the printed config reproduces the run
+    os.environ[ENV_CONFIG] = '{"hybrid_shard_degree": 4}'
+    printed = _printed(capsys, "--config", str(CONFIGS / "hybrid_class_path.yaml"),
+                       "--trainer.strategy.init_args.hybrid_shard_degree=null", "--print_config")
+    assert printed["smp"] == {"hybrid_shard_degree": 4}
+    # an explicit init_args value is what runs, and what is shown
+    printed = _printed(capsys, "--config", str(CONFIGS / "hybrid_class_path.yaml"),
+                       "--trainer.strategy.init_args.hybrid_shard_degree=1", "--print_config=skip_default")
+    assert printed["smp"] == {"hybrid_shard_degree": 1}
+    assert printed["trainer"]["strategy"]["init_args"]["hybrid_shard_degree"] == 1
+
+
+@pytest.mark.timeout(PROCESS_TIMEOUT)
+def test_cli_fit_with_fork_ranks_uses_the_smp_section(tmp_path):
+    """The smp: section reaches the ranks: each one records its shard group."""
+    records = tmp_path / "records"
+    main([
+        "fit", "--config", str(CONFIGS / "hybrid_cpu.yaml"), "--trainer.strategy=smp_hybrid_notebook",
+        "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}",
+        f'--trainer.callbacks=[{{"class_path": "tests.helpers.RankRecorder", "init_args": {{"folder": "{records}"}}}}]',
+    ])
+    import torch
+
+    ranks = [torch.load(records / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    assert [r["shard_group"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["fsdp_strategy"] for r in ranks] == ["HYBRID_SHARD"] * 4
+    assert [len(r["losses"]) for r in ranks] == [2] * 4
+    assert ENV_CLI not in os.environ
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=PROCESS_TIMEOUT - 20, env=env, cwd=cwd)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(PROCESS_TIMEOUT)
+def test_console_script_trains_on_four_cpu_ranks(tmp_path):
+    """`lightning-smp fit --config examples/configs/hybrid_cpu.yaml` through the script launcher (4 processes)."""
+    script = Path(sys.executable).parent / "lightning-smp"
+    out = _run([str(script), "fit", "--config", str(CONFIGS / "hybrid_cpu.yaml"), "--trainer.max_steps=3",
+                "--trainer.limit_val_batches=0", "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
+                f"--trainer.default_root_dir={tmp_path}"], cwd=tmp_path)
+    assert "hybrid_shard_degree=2: 2 replica(s) x 2 shard(s) over 4 rank(s)" in out.stdout + out.stderr
+    run_dir = tmp_path / "lightning_logs" / "version_0"
+    with open(run_dir / "metrics.csv") as f:
+        losses = [float(row["train_loss"]) for row in csv.DictReader(f) if row.get("train_loss")]
+    assert len(losses) == 3
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["smp"] == {"hybrid_shard_degree": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(PROCESS_TIMEOUT)
+def test_python_dash_m_prints_resolved_config(tmp_path):
+    out = _run([sys.executable, "-m", "lightning_smp", "fit", "--config", str(CONFIGS / "hybrid_class_path.yaml"),
+                "--trainer.strategy.init_args.hybrid_shard_degree=4", "--print_config"], cwd=tmp_path)
+    printed = yaml.safe_load(out.stdout)
+    assert printed["smp"] == {"hybrid_shard_degree": 4}
+    assert printed["trainer"]["strategy"]["class_path"] == "lightning_smp.HybridShardFSDPStrategy"
