@@ -6,18 +6,30 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import lightning_smp  # noqa: E402,F401  (registers the strategy names)
+import lightning_smp  # noqa: E402  (registers the strategy names)
+from lightning_smp import config as smp_config  # noqa: E402
 
-_ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-             "LIGHTNING_SMP_CONFIG", "SM_HP_MP_PARAMETERS", "PL_GLOBAL_SEED")
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+             "PL_GLOBAL_SEED")
+#: every place an SMP config can come from: none leaks in from the machine or out to the next test
+_SMP_ENV = (smp_config.ENV_CONFIG, smp_config.ENV_SAGEMAKER, smp_config.ENV_CLI, smp_config.ENV_INIT)
+
+
+def _reset_smp_sources() -> None:
+    lightning_smp.shutdown()
+    for name in _SMP_ENV:
+        os.environ.pop(name, None)
+    smp_config._env_layer.cache_clear()
 
 
 @pytest.fixture(autouse=True)
-def _restore_distributed_state():
-    """Every test leaves no process group, no distributed environment variables and no thread change behind."""
-    saved = {k: os.environ.get(k) for k in _ENV_KEYS}
+def _restore_process_state():
+    """Every test starts without SMP sources and leaves no process group, env variable or thread change behind."""
+    saved = {k: os.environ.get(k) for k in (*_DIST_ENV, *_SMP_ENV)}
     threads = torch.get_num_threads()
+    _reset_smp_sources()
     yield
+    _reset_smp_sources()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     for key, value in saved.items():

@@ -14,7 +14,7 @@ import yaml
 import lightning_smp
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy
 from lightning_smp.cli import HybridShardCLI, main
-from lightning_smp.config import ENV_CLI, ENV_CONFIG, ENV_INIT, ENV_SAGEMAKER
+from lightning_smp.config import ENV_CLI, ENV_CONFIG
 from tests.helpers import PROCESS_TIMEOUT
 
 # the tests pass args while pytest's own argv is set; that is intended here
@@ -29,16 +29,6 @@ EXPECTED = {
     "hybrid_class_path.yaml": ((2, 2), "HYBRID_SHARD"),
     "hybrid_zero2_notebook.yaml": ((1, 4), "SHARD_GRAD_OP"),
 }
-
-
-@pytest.fixture(autouse=True)
-def clean_sources(monkeypatch):
-    for name in (ENV_CONFIG, ENV_SAGEMAKER, ENV_CLI, ENV_INIT):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    lightning_smp.shutdown()
-    for name in (ENV_CLI, ENV_INIT):
-        os.environ.pop(name, None)
 
 
 def _cli(*args: str, tmp_path: Path) -> HybridShardCLI:

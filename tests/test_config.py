@@ -13,7 +13,6 @@ import pytest
 
 import lightning_smp
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, SMPConfig
-from lightning_smp import config as smp_config
 from lightning_smp.config import (
     ENV_CLI,
     ENV_CONFIG,
@@ -26,18 +25,6 @@ from lightning_smp.config import (
 )
 
 ALL_ENV = (ENV_CONFIG, ENV_SAGEMAKER, ENV_CLI, ENV_INIT)
-
-
-@pytest.fixture(autouse=True)
-def clean_sources(monkeypatch):
-    """No SMP source leaks in from the machine or out to the next test."""
-    for name in ALL_ENV:
-        monkeypatch.delenv(name, raising=False)
-    smp_config._env_layer.cache_clear()
-    yield
-    lightning_smp.shutdown()
-    for name in ALL_ENV:
-        os.environ.pop(name, None)
 
 
 # ---------------------------------------------------------------------------------------------- precedence

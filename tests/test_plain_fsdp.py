@@ -14,19 +14,9 @@ import torch.distributed as dist
 from torch import nn
 
 import lightning_smp
-from lightning_smp.config import ENV_CLI, ENV_CONFIG, ENV_INIT, ENV_SAGEMAKER
 from tests.helpers import PROCESS_TIMEOUT, fit_and_record, free_port, run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def clean_sources(monkeypatch):
-    for name in (ENV_CONFIG, ENV_SAGEMAKER, ENV_CLI, ENV_INIT):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    lightning_smp.shutdown()
-    os.environ.pop(ENV_INIT, None)
 
 
 def _model(seed: int) -> nn.Module:
