@@ -180,8 +180,10 @@ def _unwrap(optimizer: Any) -> Optimizer:
 
 
 def save(strategy: "HybridShardFSDPStrategy", checkpoint: dict[str, Any], filepath: _PathLike,
-         storage_options: Optional[Any] = None) -> None:
+         storage_options: Optional[Any] = None, kind: Optional[str] = None) -> None:
     """Write ``checkpoint`` (from Lightning's ``dump_checkpoint``) to ``filepath`` atomically. Call it on every rank.
+
+    ``kind`` is ``"sharded"`` or ``"full"``; by default the strategy's ``state_dict_type``.
 
     Raises:
         HybridShardConfigError: ``filepath`` holds something else than a checkpoint of this run, or the checkpoint
@@ -194,7 +196,7 @@ def save(strategy: "HybridShardFSDPStrategy", checkpoint: dict[str, Any], filepa
         )
     path = Path(strategy.broadcast(os.fspath(filepath)))
     run_id = ensure_run_id(strategy)
-    kind = strategy._state_dict_type
+    kind = kind or strategy._state_dict_type
     # decide on rank 0, fail on every rank alike, before anything is written
     problem = collision(path, run_id) if strategy.global_rank == 0 else None
     if problem is None and strategy.global_rank == 0:

@@ -408,11 +408,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
             # the ranks that held the shards have ended: one full file, with the optimizer state they sent back
             assert isinstance(self._launcher, HybridShardMultiProcessingLauncher)
             checkpoint = self._launcher.complete_checkpoint(checkpoint)
-            configured, self._state_dict_type = self._state_dict_type, checkpoint_lib.FULL
-            try:
-                checkpoint_lib.save(self, checkpoint, filepath, storage_options)
-            finally:
-                self._state_dict_type = configured
+            checkpoint_lib.save(self, checkpoint, filepath, storage_options, kind=checkpoint_lib.FULL)
             return
         # atomic, never over another run's checkpoint, tensors written once (see lightning_smp.checkpoint)
         checkpoint_lib.save(self, checkpoint, filepath, storage_options)
