@@ -14,7 +14,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, resolve_layout
 from lightning_smp.shards import local_shard_numel
-from tests.helpers import TinyModel, fit_and_record, run_distributed
+from tests.helpers import TinyModel, fit_and_record, make_loader, run_distributed
 
 TINY_NUMELS = [n for layer in TinyModel.LAYER_NUMELS for n in layer]
 TOL = 1e-5
@@ -100,6 +100,33 @@ def test_mixed_backend_string_reaches_the_mesh_groups(tmp_path):
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork", process_group_backend="cpu:gloo")
     _, _, records = fit_and_record(strategy, tmp_path, 4, max_steps=2)
     assert all(r["backends"] == ["cpu:gloo", "cpu:gloo"] for r in records)
+
+
+@pytest.mark.timeout(240)
+def test_trainer_defaults_work_on_cpu(tmp_path):
+    """Checkpointing, progress bar, logger and model summary on, as a user gets them without asking."""
+    torch.manual_seed(0)
+    trainer = L.Trainer(strategy=HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork"),
+                        accelerator="cpu", devices=4, max_steps=4, default_root_dir=tmp_path)
+    trainer.fit(TinyModel(), make_loader())
+    assert trainer.global_step == 4
+    assert list((tmp_path / "lightning_logs" / "version_0" / "checkpoints").glob("*.ckpt"))
+
+
+def _process_group_contradicting_degree(rank: int, world_size: int) -> str:
+    group = torch.distributed.new_group(list(range(world_size)))
+    try:
+        HybridShardFSDPStrategy(hybrid_shard_degree=2, process_group=group)
+    except HybridShardConfigError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_process_group_contradicting_degree_is_refused():
+    messages = run_distributed(_process_group_contradicting_degree, 4, timeout=60)
+    assert set(messages) == {"hybrid_shard_degree=2 contradicts process_group, whose shard group has 4 rank(s)."
+                             " Fix: pass only one of them, or make them agree (hybrid_shard_degree=4)."}
 
 
 class RankSeededModel(TinyModel):
