@@ -1,0 +1,384 @@
+"""What one rank runs for one configuration, and what it measures.
+
+Every configuration trains the same :class:`~lightning_smp.demo.TinyGPT` (FSDP units: one per
+:class:`~lightning_smp.demo.Block`, plus the root) on the same :class:`~lightning_smp.demo.MarkovTokens` with
+AdamW, from the same seed. A run is ``warmup`` steps, then ``steps`` timed steps, then one more step whose start
+closes the last timed step.
+
+Measured per rank:
+
+- **step time**: wall time between the starts of consecutive batches (Lightning's ``on_train_batch_start``; the
+  same point of the plain loop), so forward, backward, optimizer step and fetching the next batch all count; and
+  the process's CPU time over the same interval (less sensitive to other programs on the machine);
+- **model-state bytes** and their floor, from the real tensors at the end of the last warm-up step
+  (:func:`lightning_smp.callbacks.memory.measure_memory`, gradients as they were before the optimizer step);
+- **traffic** of that same step per mesh axis (:class:`lightning_smp.comm.CommCounter`) next to the textbook figure
+  (:func:`lightning_smp.callbacks.memory.textbook`), and the size of the group each axis runs on;
+- **peak memory**: resident memory of the process (reset at the start of the run where Linux allows it) and, on
+  CUDA, ``max_memory_allocated``/``max_memory_reserved``.
+
+Only the measured step pays for counting collectives; the timed steps run with nothing installed.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import os
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn import Module
+from torch.utils.data import DataLoader, Dataset
+
+from benchmarks.settings import ConfigSpec, Settings
+from lightning_smp.callbacks.memory import comm_groups, gradient_bytes, measure_memory, peak_memory, textbook
+from lightning_smp.comm import CommCounter, ddp_step_textbook
+from lightning_smp.demo import Block, MarkovTokens, TinyGPT
+
+
+class BenchGPT(TinyGPT):
+    """``TinyGPT`` without per-step logging: a ``sync_dist`` log is one extra all-reduce that the plain loop would
+    not make, and this benchmark compares the training step itself."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self._loss(batch)
+
+
+def lm_loss(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    """The loss ``TinyGPT`` trains with (next-token cross-entropy), for the plain loop."""
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+
+
+def make_dataset(settings: Settings) -> MarkovTokens:
+    """The token data every configuration reads (each rank reads its own slice, as a DistributedSampler gives)."""
+    m = settings.model
+    return MarkovTokens(m.vocab_size, m.block_size + 1, settings.samples, seed=settings.seed)
+
+
+def make_model(settings: Settings) -> BenchGPT:
+    torch.manual_seed(settings.seed)
+    m = settings.model
+    return BenchGPT(m.vocab_size, m.dim, m.layers, m.heads, m.block_size, lr=settings.lr)
+
+
+def make_optimizer(params: Any, settings: Settings) -> torch.optim.Optimizer:
+    """The optimizer of :meth:`TinyGPT.configure_optimizers`, for the plain loop."""
+    return torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+
+
+def reset_peak_rss() -> None:
+    """Start the process's peak-RSS count afresh (Linux >= 4.0), so that a run in a reused process is its own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # not Linux, or not allowed: the peak then covers the whole process
+        pass
+
+
+def current_rss() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def quiet() -> None:
+    """Keep the ranks' output to errors: Lightning's banners and warnings repeat once per run and rank."""
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_smp"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+
+class StepProbe:
+    """Timestamps batch starts and measures memory and traffic of one step (the last warm-up step).
+
+    Used by the Lightning callback and the plain loop alike, so both are measured at the same points.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.starts: list[float] = []
+        self.cpu_starts: list[float] = []
+        self.counter: CommCounter | None = None
+        self.grads_bytes: int | None = None
+        self.measured: dict[str, Any] = {}
+
+    @property
+    def measured_step(self) -> int:
+        return self.settings.warmup - 1
+
+    def batch_start(self, index: int, groups: dict[str, Any]) -> None:
+        self.starts.append(time.perf_counter())
+        self.cpu_starts.append(time.process_time())
+        if index == self.measured_step:
+            self.counter = CommCounter(groups=groups)
+            self.counter.__enter__()
+
+    def before_optimizer_step(self, index: int, model: Module) -> None:
+        if index == self.measured_step:
+            # complete here; gone (set to None) before the next backward
+            self.grads_bytes = gradient_bytes(model)
+
+    def batch_end(self, index: int, model: Module, optimizers: list[torch.optim.Optimizer], groups: dict[str, Any]) -> None:
+        if index != self.measured_step or self.counter is None:
+            return
+        self.counter.__exit__(None, None, None)
+        comm = self.counter.counts()
+        self.counter = None
+        self.measured = {
+            "memory": measure_memory(model, optimizers, self.grads_bytes),
+            "comm": comm,
+            "comm_textbook": step_textbook(model),
+            "group_sizes": {axis: _group_size(group) for axis, group in groups.items()},
+        }
+
+    def close(self) -> None:
+        if self.counter is not None:  # an exception inside the measured step
+            self.counter.__exit__(None, None, None)
+            self.counter = None
+
+    def step_times(self, cpu: bool = False) -> list[float]:
+        """Durations of the timed steps (seconds): from each timed batch start to the next batch start.
+
+        ``cpu=True``: the CPU time the process (all its threads) spent in each of them instead of wall time; it
+        hardly changes when other programs compete for the cores, wall time does.
+        """
+        w, n = self.settings.warmup, self.settings.steps
+        starts = (self.cpu_starts if cpu else self.starts)[w : w + n + 1]
+        return [b - a for a, b in itertools.pairwise(starts)]
+
+
+def ddp_bucket_count(model: Module) -> int | None:
+    """Gradient buckets DDP really all-reduces (after its rebuild in the second step), ``None`` if not DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return None
+    data = model._get_ddp_logging_data()
+    sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes")
+    return len(str(sizes).split(",")) if sizes else None
+
+
+def step_textbook(model: Module) -> dict | None:
+    """The textbook traffic of one optimizer step (:func:`lightning_smp.callbacks.memory.textbook`), with DDP's
+    real number of buckets: which parameters share a bucket is DDP's runtime decision (a bucket closes after the
+    parameter that crosses the cap; a parameter larger than the cap gets its own), so only DDP knows the count."""
+    book = textbook(model, 1)
+    buckets = ddp_bucket_count(model)
+    if buckets is not None and book is not None:
+        grad_bytes = book["replicate"]["all_reduce"]["bytes"]
+        book = ddp_step_textbook(grad_bytes, model.process_group.size(), buckets)
+    return book
+
+
+def _group_size(group: Any) -> int:
+    return (group or dist.group.WORLD).size()
+
+
+def _lightning_probe_callback(probe: StepProbe) -> Any:
+    from lightning.pytorch.callbacks import Callback
+
+    class _Probe(Callback):
+        def __init__(self) -> None:
+            self.groups: dict[str, Any] = {}
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.groups = comm_groups(trainer.strategy, trainer.strategy.model)
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            probe.batch_start(batch_idx, self.groups)
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            probe.before_optimizer_step(trainer.global_step, trainer.strategy.model)
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            probe.batch_end(batch_idx, trainer.strategy.model, trainer.optimizers, self.groups)
+
+        def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+            probe.close()
+
+    return _Probe()
+
+
+# ---------------------------------------------------------------------------------------------- Lightning runs
+
+
+def _cpu_fsdp_strategy_class() -> type:
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        """Lightning's ``FSDPStrategy`` with the one change CPU needs: FSDP1 gets ``device_id`` as a device.
+
+        Lightning passes ``root_device.index``, which is ``None`` on CPU, and FSDP1 then refuses to run
+        ("FSDP needs a non-CPU accelerator device"); on GPUs the unchanged ``FSDPStrategy`` is used.
+        """
+
+        def _setup_model(self, model: Module) -> Module:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            return FullyShardedDataParallel(
+                module=model, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy, device_id=self.root_device, **self.kwargs,
+            )
+
+    return CPUFSDPStrategy
+
+
+def lightning_strategy(spec: ConfigSpec, device: torch.device) -> Any:
+    """The Lightning strategy object of a configuration (not ``torch_hsdp``)."""
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    from lightning_smp import HybridShardFSDPStrategy
+
+    if spec.kind == "ddp":
+        return DDPStrategy()
+    if spec.kind == "lightning_fsdp":
+        cls = _cpu_fsdp_strategy_class() if device.type == "cpu" else FSDPStrategy
+        return cls(sharding_strategy="FULL_SHARD", auto_wrap_policy={Block})
+    if spec.kind in ("smp_hybrid", "smp_hybrid_zero2"):
+        flavour = "_HYBRID_SHARD_ZERO2" if spec.kind == "smp_hybrid_zero2" else "HYBRID_SHARD"
+        return HybridShardFSDPStrategy(hybrid_shard_degree=spec.degree, sharding_strategy=flavour,
+                                       auto_wrap_policy={Block})
+    raise ValueError(f"{spec.kind!r} is not a Lightning configuration")
+
+
+def run_lightning(spec: ConfigSpec, settings: Settings, dataset: Dataset, device: torch.device) -> StepProbe:
+    """Fit the model once with a Lightning strategy in this (already distributed) process; return the probe."""
+    import lightning as L
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from lightning_smp.callbacks import MemorySavingsCallback
+
+    probe = StepProbe(settings)
+    callbacks: list[Any] = [_lightning_probe_callback(probe)]
+    if spec.memory_callback:
+        # the user's default, minus printing and the JSON file (output, not overhead of training)
+        callbacks.append(MemorySavingsCallback(print_table=False, filename=None))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", settings.world_size))
+    # Lightning refuses the string "cpu" for FSDPStrategy; an accelerator instance is accepted.
+    accelerator = CPUAccelerator() if device.type == "cpu" else settings.accelerator
+    trainer = L.Trainer(
+        strategy=lightning_strategy(spec, device), accelerator=accelerator, devices=local_world,
+        num_nodes=settings.world_size // local_world, precision=settings.precision, max_steps=settings.steps_per_run,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, deterministic=False,
+    )
+    loader = DataLoader(dataset, batch_size=settings.batch_size, shuffle=False)
+    try:
+        trainer.fit(make_model(settings), loader)
+    finally:
+        probe.close()
+    del trainer
+    return probe
+
+
+# ---------------------------------------------------------------------------------------------- plain PyTorch
+
+
+def plain_mixed_precision(settings: Settings) -> Any:
+    """The FSDP ``MixedPrecision`` Lightning uses for ``settings.precision`` (``None`` for fp32), for the plain loop."""
+    from torch.distributed.fsdp import MixedPrecision
+
+    if settings.precision in ("32-true", "32"):
+        return None
+    if settings.precision in ("bf16-mixed", "bf16-true"):
+        return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+    raise ValueError(f"precision={settings.precision!r} is not supported by the plain loop")
+
+
+def run_torch_hsdp(spec: ConfigSpec, settings: Settings, dataset: Dataset, device: torch.device) -> StepProbe:
+    """The floor: FSDP1 on a hand-built ``(replicate, shard)`` mesh and a hand-written loop, no Lightning.
+
+    The sharding strategy follows the same SMP rule as ``smp_hybrid`` (HYBRID_SHARD for a degree strictly between
+    1 and the world size, FULL_SHARD on the whole world for degree = world, NO_SHARD over all ranks for degree 1),
+    so each degree compares like with like.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.utils.data.distributed import DistributedSampler
+
+    world, degree = settings.world_size, spec.degree
+    assert degree is not None
+    strategy = spec.sharding_strategy(world)
+    mesh = init_device_mesh(device.type, (world // degree, degree), mesh_dim_names=("replicate", "shard"))
+    if strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+        fsdp_mesh = mesh
+    else:  # a 1-D mesh: FULL_SHARD over the shard axis, NO_SHARD over the replicate axis
+        fsdp_mesh = mesh["replicate" if strategy == "NO_SHARD" else "shard"]
+    model = make_model(settings).to(device)  # same seed on every rank: replicas start equal without a broadcast
+    fsdp = FSDP(
+        model, device_mesh=fsdp_mesh, sharding_strategy=ShardingStrategy[strategy],
+        auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device, use_orig_params=True,
+        mixed_precision=plain_mixed_precision(settings),
+    )
+    optimizer = make_optimizer(fsdp.parameters(), settings)
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=dist.get_rank(), shuffle=False)
+    loader = DataLoader(dataset, batch_size=settings.batch_size, sampler=sampler)
+    groups = {"replicate": mesh.get_group("replicate"), "shard": mesh.get_group("shard")}
+    autocast = settings.precision == "bf16-mixed"
+    probe = StepProbe(settings)
+    fsdp.train()
+    try:
+        for index, batch in enumerate(loader):
+            if index == settings.steps_per_run:
+                break
+            batch = batch.to(device)
+            probe.batch_start(index, groups)
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = lm_loss(fsdp(batch[:, :-1]), batch)
+            loss.backward()
+            probe.before_optimizer_step(index, fsdp)
+            optimizer.step()
+            probe.batch_end(index, fsdp, [optimizer], groups)
+    finally:
+        probe.close()
+    return probe
+
+
+# ---------------------------------------------------------------------------------------------- one rank, one run
+
+
+def run_config(spec: ConfigSpec, settings: Settings, dataset: Dataset, device: torch.device) -> dict[str, Any]:
+    """Run one configuration on this rank (the process group must exist); return this rank's record."""
+    quiet()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    else:
+        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_rss()
+    start_rss = current_rss()
+    if spec.kind == "torch_hsdp":
+        probe = run_torch_hsdp(spec, settings, dataset, device)
+    else:
+        probe = run_lightning(spec, settings, dataset, device)
+    if not probe.measured:
+        raise RuntimeError(f"{spec.name}: the measured step {probe.measured_step} never ran")
+    record: dict[str, Any] = {
+        "config": spec.name,
+        "kind": spec.kind,
+        "degree": spec.degree,
+        "memory_callback": spec.memory_callback,
+        "sharding_strategy": spec.sharding_strategy(settings.world_size),
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "threads": torch.get_num_threads(),
+        "step_times": probe.step_times(),
+        "step_cpu_times": probe.step_times(cpu=True),
+        "start_rss_bytes": start_rss,
+        **probe.measured,
+        **peak_memory(device),
+    }
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return record

@@ -1,0 +1,243 @@
+"""The benchmark harness: its plan and arithmetic (pure), ``--large`` built on CPU, and one tiny real run.
+
+No timing is asserted anywhere: step times are only counted, never compared.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.cli import report_only, run
+from benchmarks.report import GLOO_NOTE, slowest_rank_steps, summarise, traffic
+from benchmarks.settings import (
+    LARGE_MODEL,
+    QUICK_MODEL,
+    ConfigSpec,
+    build_configs,
+    interleaved,
+    parse_args,
+    quick_settings,
+    settings_from_args,
+    settings_from_dict,
+)
+from benchmarks.workloads import BenchGPT, plain_mixed_precision
+from lightning_smp import HybridShardConfigError
+from lightning_smp.demo import Block
+from lightning_smp.shards import flat_param_numel, rank_bytes
+
+WORLD4_NAMES = [
+    "ddp", "lightning_fsdp",
+    "torch_hsdp d=1", "smp_hybrid d=1", "smp_hybrid_zero2 d=1",
+    "torch_hsdp d=2", "smp_hybrid d=2", "smp_hybrid d=2 +memory callback", "smp_hybrid_zero2 d=2",
+    "torch_hsdp d=4", "smp_hybrid d=4", "smp_hybrid_zero2 d=4",
+]
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+
+def test_quick_mode_runs_every_peer_and_every_valid_degree():
+    configs = build_configs(quick_settings())
+    assert [c.name for c in configs] == WORLD4_NAMES
+    strategies = {c.name: c.sharding_strategy(4) for c in configs}
+    assert strategies["smp_hybrid d=2"] == strategies["torch_hsdp d=2"] == "HYBRID_SHARD"
+    assert strategies["smp_hybrid_zero2 d=2"] == "_HYBRID_SHARD_ZERO2"
+    assert strategies["smp_hybrid d=1"] == strategies["torch_hsdp d=1"] == "NO_SHARD"
+    assert strategies["smp_hybrid d=4"] == strategies["torch_hsdp d=4"] == "FULL_SHARD"
+    assert strategies["smp_hybrid_zero2 d=4"] == "SHARD_GRAD_OP"
+    assert strategies["lightning_fsdp"] == "FULL_SHARD" and strategies["ddp"] == "DDP"
+
+
+@pytest.mark.parametrize(
+    ("world", "degrees", "callback_degree"),
+    [pytest.param(8, [1, 2, 4, 8], 4, id="8r"), pytest.param(6, [1, 2, 3, 6], 3, id="6r"),
+     pytest.param(2, [1, 2], 2, id="2r")],
+)
+def test_degrees_follow_the_world_size(world, degrees, callback_degree):
+    configs = build_configs(quick_settings(world_size=world))
+    assert sorted({c.degree for c in configs if c.kind == "smp_hybrid"}) == degrees
+    assert [c.degree for c in configs if c.memory_callback] == [callback_degree]
+
+
+def test_interleaving_alternates_configurations():
+    a, b = ConfigSpec("ddp"), ConfigSpec("smp_hybrid", 2)
+    assert interleaved([a, b], 3) == [(0, a), (0, b), (1, a), (1, b), (2, a), (2, b)]
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [pytest.param(["--degrees", "3"], "does not divide world_size=4", id="bad-degree"),
+     pytest.param(["--only", "smp_hybrid d=3"], "--only", id="unknown-name"),
+     pytest.param(["--steps", "0"], "--steps=0", id="no-steps"),
+     pytest.param(["--warmup", "2"], "--warmup=2", id="short-warmup"),
+     pytest.param(["--world-size", "1"], "--world-size=1", id="one-rank"),
+     pytest.param(["--dim", "30"], "--dim=30", id="dim-vs-heads")],
+)
+def test_bad_command_lines_fail_before_anything_runs(argv, fragment):
+    with pytest.raises(HybridShardConfigError, match=fragment):
+        settings_from_args(parse_args(argv))
+
+
+def test_model_size_formula_matches_the_real_model():
+    for size in (QUICK_MODEL, LARGE_MODEL):
+        with torch.device("meta"):
+            model = BenchGPT(size.vocab_size, size.dim, size.layers, size.heads, size.block_size)
+        assert sum(p.numel() for p in model.parameters()) == size.parameter_count()
+
+
+def test_large_mode_builds_its_configuration_on_cpu():
+    settings = settings_from_args(parse_args(["--large"]), launcher_world_size=16)
+    assert (settings.mode, settings.backend, settings.precision, settings.accelerator) == ("large", "nccl", "bf16-mixed", "gpu")
+    assert 0.95e9 < settings.model.parameter_count() < 1.1e9
+    assert settings.steps * settings.rounds >= 20
+    configs = build_configs(settings)
+    assert sorted({c.degree for c in configs if c.kind == "smp_hybrid"}) == [1, 2, 4, 8, 16]
+    assert [c.degree for c in configs if c.memory_callback] == [8]
+    mp = plain_mixed_precision(settings)
+    assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
+    assert settings_from_dict(json.loads(json.dumps(settings.as_dict()))) == settings
+
+
+# ---------------------------------------------------------------------------------------------- the arithmetic
+
+
+def _comm(**axes: dict[str, tuple[int, int]]) -> dict:
+    return {axis: {op: {"count": c, "bytes": b} for op, (c, b) in ops.items()} for axis, ops in axes.items()}
+
+
+def test_traffic_figures():
+    record = {
+        "comm": _comm(shard={"all_gather": (9, 900), "reduce_scatter": (5, 500)}, replicate={"all_reduce": (5, 250)},
+                      other={"all_reduce": (0, 0)}),
+        "comm_textbook": _comm(shard={"all_gather": (9, 900), "reduce_scatter": (5, 500)}, replicate={"all_reduce": (5, 250)}),
+        "group_sizes": {"shard": 2, "replicate": 4},
+    }
+    figures = traffic(record)
+    assert (figures["shard_bytes"], figures["replicate_bytes"], figures["other_bytes"]) == (1400, 250, 0)
+    assert figures["traffic_ratio"] == 1.0 and figures["counts_match"]
+    assert figures["collectives_by_group_size"] == {"2": 14, "4": 5}
+    # an extra collective the formula does not know: ratio and counts both say so
+    record["comm"]["other"]["all_reduce"] = {"count": 1, "bytes": 165}
+    figures = traffic(record)
+    assert figures["traffic_ratio"] == pytest.approx(1815 / 1650) and not figures["counts_match"]
+    assert figures["collectives_by_group_size"] == {"2": 14, "4": 5, "other": 1}
+
+
+def _record(config: str, rank: int, round_index: int, times: list[float], total: int = 100) -> dict:
+    return {
+        "config": config, "rank": rank, "round": round_index, "step_times": times,
+        "step_cpu_times": [t / 2 for t in times], "sharding_strategy": "HYBRID_SHARD",
+        "memory": {"total_bytes": total, "params_bytes": 40, "grads_bytes": 20, "optimizer_bytes": 40,
+                   "unsharded_total_bytes": 200, "padding_bytes": 0.0, "floor_bytes": 100.0,
+                   "measured_over_floor": total / 100, "shard_degree": 2},
+        "comm": _comm(shard={"all_gather": (1, 8)}), "comm_textbook": _comm(shard={"all_gather": (1, 8)}),
+        "group_sizes": {"shard": 2}, "peak_rss_bytes": 1000 + round_index, "start_rss_bytes": 900, "threads": 1,
+    }
+
+
+def test_step_time_is_the_median_of_the_slowest_rank_over_rounds():
+    records = [_record("a", 0, 0, [1.0, 5.0]), _record("a", 1, 0, [2.0, 3.0]), _record("a", 0, 1, [4.0, 1.0]),
+               _record("a", 1, 1, [1.0, 1.0])]
+    assert slowest_rank_steps(records) == [2.0, 5.0, 4.0, 1.0]
+    assert slowest_rank_steps(records, "step_cpu_times") == [0.75, 2.0, 1.25, 0.5]  # CPU time: mean over ranks
+
+
+def test_summary_ratios_and_targets():
+    settings = quick_settings(world_size=4, degrees=(2,), only=("torch_hsdp d=2", "smp_hybrid d=2",
+                                                                "smp_hybrid d=2 +memory callback"))
+    records = []
+    for round_index in range(2):
+        records += [_record("torch_hsdp d=2", r, round_index, [0.100, 0.100]) for r in range(2)]
+        records += [_record("smp_hybrid d=2", r, round_index, [0.102, 0.102], total=101) for r in range(2)]
+        records += [_record("smp_hybrid d=2 +memory callback", r, round_index, [0.105, 0.105]) for r in range(2)]
+    summary = summarise(settings, records)
+    ratios = {r["name"]: r for r in summary["ratios"]}
+    wrapper = ratios["wrapper overhead d=2: smp_hybrid / plain-torch HSDP"]
+    assert wrapper["value"] == pytest.approx(1.02) and wrapper["ok"] and wrapper["timed_steps"] == 4
+    assert wrapper["cpu_value"] == pytest.approx(1.02)
+    callback = ratios["memory callback overhead d=2: on / off"]
+    assert callback["value"] == pytest.approx(0.105 / 0.102) and callback["ok"] is False
+    checks = {c["name"]: c for c in summary["checks"]}
+    assert checks["memory measured / floor"]["value"] == pytest.approx(1.01) and checks["memory measured / floor"]["ok"]
+    assert checks["traffic measured / formula"]["ok"]
+    config = next(c for c in summary["configs"] if c["name"] == "smp_hybrid d=2")
+    assert [f["peak_rss_bytes"] for f in config["ranks"]] == [1001, 1001]  # the peak over rounds
+    assert config["stable_across_rounds"]
+
+
+# ---------------------------------------------------------------------------------------------- one tiny run
+
+
+def _units(model: torch.nn.Module) -> list[list[int]]:
+    """Element counts of the original parameters of every FSDP unit (root first), in FSDP's flattening order."""
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    root = [p.numel() for p in model.parameters() if id(p) not in in_blocks]
+    return [root] + [[p.numel() for p in b.parameters()] for b in blocks]
+
+
+@pytest.mark.timeout(240)
+def test_tiny_run_measures_every_configuration_on_every_rank(tmp_path: Path):
+    names = ("ddp", "lightning_fsdp", "torch_hsdp d=2", "smp_hybrid d=2", "smp_hybrid d=2 +memory callback",
+             "smp_hybrid_zero2 d=2")
+    args = parse_args(["--dim", "16", "--layers", "2", "--rounds", "1", "--warmup", "3", "--steps", "2",
+                       "--batch-size", "2", "--only", *names])
+    settings = settings_from_args(args)
+    result = run(settings, tmp_path, echo=False)
+    records, summary = result["records"], result["summary"]
+
+    assert sorted((r["config"], r["rank"]) for r in records) == sorted((n, r) for n in names for r in range(4))
+    for record in records:
+        assert len(record["step_times"]) == len(record["step_cpu_times"]) == 2 and record["threads"] == 1
+
+    # exact bytes from the real tensors, against FSDP1's flat-parameter arithmetic
+    with torch.device("meta"):
+        m = settings.model
+        units = _units(BenchGPT(m.vocab_size, m.dim, m.layers, m.heads, m.block_size))
+    n_params, n_tensors = sum(map(sum, units)), sum(map(len, units))
+    for record in records:
+        memory = record["memory"]
+        if record["config"] == "ddp":
+            expected = {"params_bytes": 4 * n_params, "grads_bytes": 4 * n_params,
+                        "optimizer_bytes": 8 * n_params + 4 * n_tensors}
+        elif record["config"].startswith("smp_hybrid"):
+            expected = rank_bytes(units, shard_size=2, shard_rank=record["rank"] % 2)
+            expected.pop("padding_bytes")
+        else:
+            continue
+        assert {k: memory[k] for k in expected} == expected, record["config"]
+
+    configs = {c["name"]: c for c in summary["configs"]}
+    for name, config in configs.items():
+        assert config["max_measured_over_floor"] <= 1.01, name
+        assert config["traffic_ratios"] == [1.0] and config["counts_match"], name
+    sizes = {name: set(configs[name]["ranks"][0]["collectives_by_group_size"]) for name in configs}
+    assert sizes["smp_hybrid d=2"] == sizes["torch_hsdp d=2"] == {"2"}
+    assert sizes["lightning_fsdp"] == sizes["ddp"] == {"4"}
+    hybrid = configs["smp_hybrid d=2"]["ranks"][0]
+    assert hybrid["shard_bytes"] == configs["torch_hsdp d=2"]["ranks"][0]["shard_bytes"] > 0
+    # HYBRID_SHARD per unit: all-gathers of the padded flat parameter (two for non-root units) and one
+    # reduce-scatter inside the shard group, one all-reduce of the half-sized gradient shard across replicas
+    padded = [flat_param_numel(u, 2) for u in units]
+    assert hybrid["shard_bytes"] == sum(4 * n * (2 if i == 0 else 3) for i, n in enumerate(padded))
+    assert hybrid["replicate_bytes"] == sum(4 * n // 2 for n in padded)
+
+    paths = result["paths"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["memory_by_degree.png", "quick.json", "quick.md"]
+    assert set(paths) == {"png", "json", "md"}
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    markdown = paths["md"].read_text()
+    assert GLOO_NOTE in markdown and "wrapper overhead d=2: smp_hybrid / plain-torch HSDP" in markdown
+    assert "memory callback overhead d=2: on / off" in markdown
+    payload = json.loads(paths["json"].read_text())
+    assert len(payload["records"]) == len(names) * 4 and payload["parameters"] == settings.model.parameter_count()
+
+    # the published page is a pure function of the JSON
+    again = tmp_path / "again"
+    report_only(paths["json"], again, echo=False)
+    assert (again / "quick.md").read_text() == markdown
+    assert json.loads((again / "quick.json").read_text()) == payload
