@@ -202,6 +202,12 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
             # the counters are restored; nothing is being resumed in this process
             trainer.fit_loop.restarting = False
         if "callbacks" in payload:
+            # ModelCheckpoint resolves its folder in the ranks only; give it the ranks' folder so that
+            # best/last paths and top-k are restored here too, instead of being dropped with a warning
+            for callback in trainer.checkpoint_callbacks:
+                state = payload["callbacks"].get(callback.state_key, {})
+                if getattr(callback, "dirpath", None) is None and state.get("dirpath") is not None:
+                    callback.dirpath = state["dirpath"]
             _call_callbacks_load_state_dict(trainer, {"callbacks": payload["callbacks"]})
         _set_callback_reports(trainer.callbacks, payload.get("reports", {}))
         if payload.get("checkpoint_run_id") is not None:

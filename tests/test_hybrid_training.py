@@ -103,14 +103,19 @@ def test_mixed_backend_string_reaches_the_mesh_groups(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_trainer_defaults_work_on_cpu(tmp_path):
+def test_trainer_defaults_work_on_cpu(tmp_path, recwarn):
     """Checkpointing, progress bar, logger and model summary on, as a user gets them without asking."""
     torch.manual_seed(0)
     trainer = L.Trainer(strategy=HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork"),
                         accelerator="cpu", devices=4, max_steps=4, default_root_dir=tmp_path)
     trainer.fit(TinyModel(), make_loader())
     assert trainer.global_step == 4
-    assert list((tmp_path / "lightning_logs" / "version_0" / "checkpoints").glob("*.ckpt"))
+    saved = list((tmp_path / "lightning_logs" / "version_0" / "checkpoints").glob("*.ckpt"))
+    assert len(saved) == 1
+    # the launching process knows where the ranks saved it
+    assert trainer.checkpoint_callback.best_model_path == str(saved[0])
+    assert trainer.checkpoint_callback.dirpath == str(saved[0].parent)
+    assert not [w for w in recwarn if "dirpath has changed" in str(w.message)]
 
 
 def _process_group_contradicting_degree(rank: int, world_size: int) -> str:
