@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.settings import ConfigSpec, Settings
 from lightning_smp.callbacks.memory import comm_groups, gradient_bytes, measure_memory, peak_memory, textbook
-from lightning_smp.comm import CommCounter, ddp_step_textbook
+from lightning_smp.comm import CommCounter
 from lightning_smp.demo import Block, MarkovTokens, TinyGPT
 
 
@@ -135,7 +135,7 @@ class StepProbe:
         self.measured = {
             "memory": measure_memory(model, optimizers, self.grads_bytes),
             "comm": comm,
-            "comm_textbook": step_textbook(model),
+            "comm_textbook": textbook(model, 1),
             "group_sizes": {axis: _group_size(group) for axis, group in groups.items()},
         }
 
@@ -153,29 +153,6 @@ class StepProbe:
         w, n = self.settings.warmup, self.settings.steps
         starts = (self.cpu_starts if cpu else self.starts)[w : w + n + 1]
         return [b - a for a, b in itertools.pairwise(starts)]
-
-
-def ddp_bucket_count(model: Module) -> int | None:
-    """Gradient buckets DDP really all-reduces (after its rebuild in the second step), ``None`` if not DDP."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if not isinstance(model, DistributedDataParallel):
-        return None
-    data = model._get_ddp_logging_data()
-    sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes")
-    return len(str(sizes).split(",")) if sizes else None
-
-
-def step_textbook(model: Module) -> dict | None:
-    """The textbook traffic of one optimizer step (:func:`lightning_smp.callbacks.memory.textbook`), with DDP's
-    real number of buckets: which parameters share a bucket is DDP's runtime decision (a bucket closes after the
-    parameter that crosses the cap; a parameter larger than the cap gets its own), so only DDP knows the count."""
-    book = textbook(model, 1)
-    buckets = ddp_bucket_count(model)
-    if buckets is not None and book is not None:
-        grad_bytes = book["replicate"]["all_reduce"]["bytes"]
-        book = ddp_step_textbook(grad_bytes, model.process_group.size(), buckets)
-    return book
 
 
 def _group_size(group: Any) -> int:

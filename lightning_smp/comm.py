@@ -277,6 +277,22 @@ def ddp_step_textbook(
     return figure
 
 
+def ddp_bucket_count(model: torch.nn.Module) -> int | None:
+    """Gradient buckets a ``DistributedDataParallel`` model really all-reduces per step, ``None`` for other models.
+
+    Which parameters share a bucket is DDP's runtime decision (a bucket closes after the parameter that crosses the
+    cap, a parameter larger than the cap gets its own, and the buckets are rebuilt after the first step), so the
+    count is read from DDP itself rather than estimated from the caps.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return None
+    data = model._get_ddp_logging_data()
+    sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes")
+    return len(str(sizes).split(",")) if sizes else None
+
+
 def fsdp_units(model: torch.nn.Module) -> list[FSDPUnitSpec]:
     """The :class:`FSDPUnitSpec` of every FSDP1 unit of ``model`` that owns parameters, read from the real units."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -303,6 +319,7 @@ def fsdp_units(model: torch.nn.Module) -> list[FSDPUnitSpec]:
 
 
 __all__ = [
+    "ddp_bucket_count",
     "OPS",
     "OTHER_AXIS",
     "CommCounter",

@@ -181,6 +181,29 @@ def test_under_lightning_ddp(tmp_path: Path) -> None:
         assert _measured(record["comm_textbook"]) == {("replicate", "all_reduce"): (1, 4 * 697)}
 
 
+class _WideModel(TinyModel):
+    """3.4 MB of gradients, more than DDP's 1 MB first-bucket cap: estimating from the caps says two buckets,
+    while DDP on gloo all-reduces them in one. Only DDP knows, so the textbook reads the count from DDP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 40_000), torch.nn.Tanh(), torch.nn.Linear(40_000, 4))
+
+
+@pytest.mark.parametrize(("stage", "comm_step", "buckets"), [("first_step", 1, 1), ("fit_end", 3, 1)])
+def test_ddp_textbook_uses_the_real_bucket_count(tmp_path: Path, stage: str, comm_step: int, buckets: int) -> None:
+    torch.manual_seed(0)
+    callback = MemorySavingsCallback(print_table=False, comm_step=comm_step)
+    trainer = L.Trainer(strategy=DDPStrategy(start_method="fork"), accelerator="cpu", devices=2, max_steps=3,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, default_root_dir=tmp_path, callbacks=[callback])
+    trainer.fit(_WideModel(), make_loader())
+    for record in json.loads((tmp_path / REPORT_FILENAME).read_text())["reports"][stage]:
+        measured = _measured(record["comm"])[("replicate", "all_reduce")]
+        assert measured[0] == buckets
+        assert _measured(record["comm_textbook"]) == {("replicate", "all_reduce"): measured}
+
+
 class _DispatchStackProbe(Callback):
     def __init__(self) -> None:
         self.depths: list[int] = []

@@ -53,7 +53,6 @@ run to the next.
 from __future__ import annotations
 
 import json
-import math
 import resource
 import sys
 from collections.abc import Iterable, Sequence
@@ -68,7 +67,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_smp.comm import OPS, CommCounter, ddp_step_textbook, fsdp_step_textbook, fsdp_units
+from lightning_smp.comm import OPS, CommCounter, ddp_bucket_count, ddp_step_textbook, fsdp_step_textbook, fsdp_units
 
 #: Memory fields of a record, in display order (all numeric; logged as ``memory/rank{r}/{field}``).
 MEMORY_FIELDS = (
@@ -81,11 +80,6 @@ MEMORY_FIELDS = (
 PEAK_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes")
 #: Name of the JSON file written into the run's log directory.
 REPORT_FILENAME = "memory_report.json"
-
-# DDP's default bucket caps (torch.nn.parallel.DistributedDataParallel): the first bucket is small.
-_DDP_FIRST_BUCKET_BYTES = 1024 * 1024
-_DDP_BUCKET_BYTES = 25 * 1024 * 1024
-
 
 def _nbytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.numel() * tensor.element_size()
@@ -268,10 +262,7 @@ def textbook(model: Module, backward_passes: int) -> dict | None:
         return fsdp_step_textbook(fsdp_units(model), name, shard, replicas, backward_passes, synced_passes=1)
     if isinstance(model, DistributedDataParallel):
         grad_bytes = sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
-        # approximate: DDP closes a bucket between parameters, never inside one
-        extra = max(0, grad_bytes - _DDP_FIRST_BUCKET_BYTES)
-        buckets = 1 + math.ceil(extra / _DDP_BUCKET_BYTES)
-        return ddp_step_textbook(grad_bytes, model.process_group.size(), buckets)
+        return ddp_step_textbook(grad_bytes, model.process_group.size(), ddp_bucket_count(model) or 1)
     return None
 
 
