@@ -65,8 +65,8 @@ class Settings:
     model: ModelSize = field(default_factory=lambda: QUICK_MODEL)
     batch_size: int = 8
     warmup: int = 3
-    steps: int = 6
-    rounds: int = 6
+    steps: int = 10
+    rounds: int = 8
     precision: str = "32-true"
     backend: str = "gloo"
     accelerator: str = "cpu"
