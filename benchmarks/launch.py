@@ -8,10 +8,7 @@ under ``torchrun``, without re-running this script.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import socket
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,29 +17,11 @@ import torch.distributed as dist
 
 from benchmarks.settings import ConfigSpec, Settings
 from benchmarks.workloads import run_config
+from lightning_smp.testing import run_distributed
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _forked_rank(spec: ConfigSpec, settings: Settings, dataset: Any, rank: int, port: int, queue: Any) -> None:
-    world = settings.world_size
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
-        WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(settings.backend, rank=rank, world_size=world)
-        queue.put((rank, True, run_config(spec, settings, dataset, torch.device("cpu"))))
-    except BaseException:  # noqa: BLE001 - reported to the parent with the rank
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _forked_rank(rank: int, world_size: int, spec: ConfigSpec, settings: Settings, dataset: Any) -> dict[str, Any]:
+    return run_config(spec, settings, dataset, torch.device("cpu"))
 
 
 def run_forked(spec: ConfigSpec, settings: Settings, dataset: Any) -> list[dict[str, Any]]:
@@ -51,27 +30,11 @@ def run_forked(spec: ConfigSpec, settings: Settings, dataset: Any) -> list[dict[
     Raises ``RuntimeError`` with the failing rank's traceback; ranks still running after ``settings.timeout``
     seconds are killed.
     """
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_forked_rank, args=(spec, settings, dataset, r, port, queue), daemon=True)
-             for r in range(settings.world_size)]
-    for proc in procs:
-        proc.start()
-    results: dict[int, Any] = {}
     try:
-        for _ in procs:
-            rank, ok, value = queue.get(timeout=settings.timeout)
-            if not ok:
-                raise RuntimeError(f"{spec.name}: rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return [results[r] for r in range(settings.world_size)]
+        return run_distributed(_forked_rank, settings.world_size, spec, settings, dataset, backend=settings.backend,
+                               timeout=settings.timeout)
+    except RuntimeError as err:
+        raise RuntimeError(f"{spec.name}: {err}") from None
 
 
 def launcher_world_size() -> int | None:

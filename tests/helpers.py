@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import socket
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,57 +11,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
-#: Per-test limit for anything that starts processes (a rank that dies early leaves the others waiting).
-PROCESS_TIMEOUT = 180
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _child(fn: Callable, rank: int, world_size: int, port: int, backend: str, args: tuple, queue: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-    )
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
-        queue.put((rank, True, fn(rank, world_size, *args)))
-    except BaseException:  # noqa: BLE001 - the parent re-raises it with the rank
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
-                    timeout: float = PROCESS_TIMEOUT) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks with a process group; return per-rank results.
-
-    Raises the first failing rank's traceback. Ranks still running after ``timeout`` seconds are killed.
-    """
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, backend, args, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in range(world_size):
-            rank, ok, value = queue.get(timeout=timeout)
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world_size)]
+# the one way the suite starts ranks; it lives in the package so that the benchmarks use it too
+from lightning_smp.testing import PROCESS_TIMEOUT, free_port, run_distributed  # noqa: F401
 
 
 class TinyModel(L.LightningModule):

@@ -1,0 +1,77 @@
+"""Running a function on several ranks of one machine, for tests and benchmarks (CPU/gloo by default).
+
+``run_distributed(fn, world_size)`` forks ``world_size`` ranks from the calling process, gives each a process
+group, and returns what ``fn(rank, world_size, *args)`` returned on every rank. The ranks look to Lightning like
+processes started by an external launcher on one node (``LOCAL_RANK``, ``NODE_RANK``, ``LOCAL_WORLD_SIZE`` are
+set), so a ``Trainer`` created inside ``fn`` runs as it would under ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+#: Default limit, in seconds, for every rank's result (a rank that dies early leaves the others waiting).
+PROCESS_TIMEOUT = 180
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(fn: Callable, rank: int, world_size: int, port: int, backend: str, args: tuple, queue: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
+        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        queue.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - the parent re-raises it with the rank
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
+                    timeout: float = PROCESS_TIMEOUT) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks with a process group; return per-rank results.
+
+    Raises ``RuntimeError`` with the first failing rank's traceback. Ranks still running after ``timeout`` seconds
+    are killed. Results travel through a pipe: keep them to tensors and plain Python objects.
+    """
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, backend, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world_size):
+            rank, ok, value = queue.get(timeout=timeout)
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results[r] for r in range(world_size)]
+
+
+__all__ = ["PROCESS_TIMEOUT", "free_port", "run_distributed"]
