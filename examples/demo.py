@@ -69,6 +69,7 @@ def main() -> None:
         enable_checkpointing=False,
         # per-rank memory (held, unsharded, floor) and the collectives of step 2 (step 1 follows the sanity check)
         callbacks=[ShowMesh(), MemorySavingsCallback(comm_step=2)],
+        default_root_dir="lightning_logs/demo",  # the memory report's JSON goes there
     )
     if trainer.is_global_zero:
         print(f"TinyGPT with {describe_size(model)} on {world} rank(s), hybrid_shard_degree={degree}")

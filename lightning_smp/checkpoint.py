@@ -112,8 +112,7 @@ def full_state_dict_context(model: torch.nn.Module, device: torch.device, rank0_
 
 def full_model_state(strategy: "HybridShardFSDPStrategy") -> dict[str, Any]:
     """The unsharded model state on global rank 0 (CPU tensors); an empty dict elsewhere. Call it on every rank."""
-    model = strategy.model
-    assert model is not None
+    model = _wrapped_model(strategy)
     if strategy.global_rank not in writer_ranks(strategy):
         return {}
     with full_state_dict_context(model, strategy.root_device):
@@ -132,12 +131,12 @@ def full_optimizer_state(strategy: "HybridShardFSDPStrategy", optimizer: Optimiz
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import OptimStateKeyType
 
-    model = strategy.model
-    assert model is not None
+    model = _wrapped_model(strategy)
     optimizer = _unwrap(optimizer)
+    has_state = _any_rank_has_state(strategy, optimizer)
     if strategy.global_rank not in writer_ranks(strategy):
         return {}
-    if not optimizer.state:
+    if not has_state:
         # nothing sharded to gather (plain SGD, or no step yet): the local dict is already the full one
         return optimizer.state_dict() if strategy.global_rank == 0 else {}
     with full_state_dict_context(model, strategy.root_device):
@@ -154,8 +153,7 @@ def module_state_dict(strategy: "HybridShardFSDPStrategy") -> dict[str, Any]:
         return full_model_state(strategy)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    assert strategy.model is not None
-    return get_model_state_dict(strategy.model)
+    return get_model_state_dict(_wrapped_model(strategy))
 
 
 def optimizer_state(strategy: "HybridShardFSDPStrategy", optimizer: Optimizer) -> dict[str, Any]:
@@ -163,13 +161,27 @@ def optimizer_state(strategy: "HybridShardFSDPStrategy", optimizer: Optimizer) -
     if strategy._state_dict_type == FULL:
         return full_optimizer_state(strategy, optimizer)
     optimizer = _unwrap(optimizer)
-    if not optimizer.state:
+    if not _any_rank_has_state(strategy, optimizer):
         # DCP's getter would run a zero step to create the state (Adam's step count would become 1): save as is
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    assert strategy.model is not None
-    return get_optimizer_state_dict(strategy.model, optimizer)
+    return get_optimizer_state_dict(_wrapped_model(strategy), optimizer)
+
+
+def _any_rank_has_state(strategy: "HybridShardFSDPStrategy", optimizer: Optimizer) -> bool:
+    """Whether any rank's optimizer holds state. Decided together: a rank whose shard holds none of the optimizer's
+    parameters has no state of its own (e.g. an optimizer over the head only), yet must join the collective."""
+    return strategy.reduce_boolean_decision(bool(optimizer.state), all=False)
+
+
+def _wrapped_model(strategy: "HybridShardFSDPStrategy") -> torch.nn.Module:
+    if strategy.model is None:
+        raise HybridShardConfigError(
+            "HybridShardFSDPStrategy has no model yet: state dicts exist once the Trainer has set up the model"
+            " (inside or after fit/validate/test/predict)."
+        )
+    return strategy.model
 
 
 def _unwrap(optimizer: Any) -> Optimizer:

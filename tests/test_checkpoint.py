@@ -79,14 +79,15 @@ class Probe(Callback):
             torch.save(record, self.folder / f"{self.tag}_{when}.pt")
 
 
-def strategy(degree: int, kind: str = "sharded", name: str = "smp_hybrid") -> HybridShardFSDPStrategy:
+def strategy(degree: int, kind: str = "sharded", name: str = "smp_hybrid", **kwargs: Any) -> HybridShardFSDPStrategy:
     return HybridShardFSDPStrategy(hybrid_shard_degree=degree, sharding_strategy=STRATEGIES[name],
-                                   state_dict_type=kind, start_method="fork")
+                                   state_dict_type=kind, start_method="fork", **kwargs)
 
 
 def run(folder: Path, devices: int, degree: int, *, tag: str, kind: str = "sharded", name: str = "smp_hybrid",
         max_steps: int = N, fn: str = "fit", ckpt_path: Optional[Path] = None, callbacks: tuple = (),
-        model: Optional[L.LightningModule] = None, **trainer_kwargs: Any) -> L.Trainer:
+        model: Optional[L.LightningModule] = None, strategy_kwargs: Optional[dict] = None,
+        **trainer_kwargs: Any) -> L.Trainer:
     """One fork-launched run on ``devices`` CPU ranks with a seeded model; the probe records what the ranks hold."""
     folder.mkdir(parents=True, exist_ok=True)
     if model is None:
@@ -94,7 +95,7 @@ def run(folder: Path, devices: int, degree: int, *, tag: str, kind: str = "shard
         model = CkptModel()
     trainer_kwargs.setdefault("enable_checkpointing", any(isinstance(c, ModelCheckpoint) for c in callbacks))
     trainer = L.Trainer(
-        strategy=strategy(degree, kind, name), accelerator="cpu", devices=devices, max_steps=max_steps, logger=False,
+        strategy=strategy(degree, kind, name, **(strategy_kwargs or {})), accelerator="cpu", devices=devices, max_steps=max_steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=folder, limit_val_batches=2,
         num_sanity_val_steps=0, callbacks=[Probe(folder, tag), *callbacks], **trainer_kwargs,
     )
@@ -270,6 +271,40 @@ def test_optimizer_without_state_saves_and_resumes(tmp_path: Path, kind: str) ->
     start = probe(tmp_path, "sgd2", "start")
     assert start["global_step"] == 2 and start["optimizers"][0]["state"] == {}
     assert_same_state(start, probe(tmp_path, "sgd1", "end"))
+
+
+class GateOnlyModel(CkptModel):
+    """Fine-tunes a one-element gate only, its own FSDP unit (FSDP1's optimizer state dict needs whole units): the
+    element lies in the first rank of each shard group, so the other rank keeps no optimizer state at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(1, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * self.gate(torch.ones(1, 1, device=x.device))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.gate.parameters(), lr=self.lr)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_optimizer_over_part_of_the_model_saves_and_resumes(tmp_path: Path, kind: str) -> None:
+    # ranks 1 and 3 hold no Adam state; saving must not leave them out of the collective (it used to hang)
+    callback = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=0, every_n_train_steps=K, save_last=True)
+    wrap = {"strategy_kwargs": {"auto_wrap_policy": {torch.nn.Linear}}}
+    torch.manual_seed(0)
+    run(tmp_path, 4, 2, tag="head1", kind=kind, max_steps=K, callbacks=(callback,), model=GateOnlyModel(), **wrap)
+    torch.manual_seed(0)
+    run(tmp_path, 4, 2, tag="head2", kind=kind, max_steps=K + 2, ckpt_path=tmp_path / "ckpts" / "last.ckpt",
+        model=GateOnlyModel(), **wrap)
+    torch.manual_seed(0)
+    run(tmp_path, 4, 2, tag="head_whole", kind=kind, max_steps=K + 2, model=GateOnlyModel(), **wrap)
+    start = probe(tmp_path, "head2", "start")
+    assert start["global_step"] == K and start["optimizers"][0]["state"]
+    assert_same_state(start, probe(tmp_path, "head1", "end"))
+    assert_same_state(probe(tmp_path, "head2", "end"), probe(tmp_path, "head_whole", "end"))
 
 
 # ------------------------------------------------------------------------------------------------ resharding
