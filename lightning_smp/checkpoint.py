@@ -219,18 +219,42 @@ def save(strategy: "HybridShardFSDPStrategy", checkpoint: dict[str, Any], filepa
 
     checkpoint[RUN_KEY] = _record(strategy, run_id, kind)
     tmp = Path(strategy.broadcast(str(path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")))
+
+    def write() -> None:
+        if strategy.global_rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        strategy.barrier("lightning_smp.checkpoint.mkdir")
+        if kind == SHARDED:
+            _save_sharded(strategy, checkpoint, tmp)
+        elif strategy.global_rank == 0:
+            write_file(_plain(checkpoint), tmp)
+
+    # every rank's files must be complete before the checkpoint becomes visible under its name
+    _on_every_rank(strategy, write, path, tmp)
+    _on_every_rank(strategy, lambda: commit(tmp, path) if strategy.global_rank == 0 else None, path, tmp)
+
+
+def _on_every_rank(strategy: "HybridShardFSDPStrategy", step: Any, path: Path, tmp: Path) -> None:
+    """Run ``step`` on every rank; if it failed on any rank (disk full, permissions...), remove the temporary
+    files and raise the same error on every rank, instead of leaving the others waiting in the next collective."""
+    failure: Optional[str] = None
+    try:
+        step()
+    except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+        failure = f"rank {strategy.global_rank}: {type(err).__name__}: {err}"
+    failures: list[Optional[str]] = [failure]
+    if dist.is_available() and dist.is_initialized():
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+    first = next((f for f in failures if f is not None), None)
+    if first is None:
+        return
     if strategy.global_rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    strategy.barrier("lightning_smp.checkpoint.mkdir")
-    if kind == SHARDED:
-        _save_sharded(strategy, checkpoint, tmp)
-    elif strategy.global_rank == 0:
-        write_file(_plain(checkpoint), tmp)
-    # every rank's files must be complete before the folder becomes visible under its name
-    strategy.barrier("lightning_smp.checkpoint.written")
-    if strategy.global_rank == 0:
-        commit(tmp, path)
-    strategy.barrier("lightning_smp.checkpoint.committed")
+        _remove(tmp)
+    raise RuntimeError(
+        f"Saving the checkpoint {str(path)!r} failed on {first}. Nothing was written under that name; a previous"
+        " checkpoint there is intact."
+    )
 
 
 def _save_sharded(strategy: "HybridShardFSDPStrategy", checkpoint: dict[str, Any], folder: Path) -> None:
@@ -242,7 +266,7 @@ def _save_sharded(strategy: "HybridShardFSDPStrategy", checkpoint: dict[str, Any
     for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
         state[f"optimizer_{idx}"] = optim_state
     folder.mkdir(parents=True, exist_ok=True)
-    # a replicated chunk goes to the lowest rank holding it: replica group 0 writes, the other replicas write nothing
+    # a replicated chunk goes to the lowest rank holding it: replica group 0 writes, the other replicas write no tensor data (an empty file each)
     dcp.save(state, storage_writer=FileSystemWriter(folder, sync_files=True),
              planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     if strategy.global_rank == 0:
@@ -495,10 +519,11 @@ def _load_full(strategy: "HybridShardFSDPStrategy", path: Path, optimizers: list
     assert model is not None
     check_model_fits(path, {k: tuple(v.shape) for k, v in state.items() if isinstance(v, Tensor)},
                      _model_shapes(strategy), strict, type(strategy.lightning_module).__name__)
+    saved = checkpoint.get("optimizer_states")
+    if optimizers:
+        _check_optimizer_count(path, saved, optimizers)  # before anything is loaded
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
     if optimizers:
-        saved = checkpoint.get("optimizer_states")
-        _check_optimizer_count(path, saved, optimizers)
         for optimizer, optim_state in zip(optimizers, saved or []):
             _load_full_optimizer(strategy, optimizer, optim_state)
     return dict(checkpoint)

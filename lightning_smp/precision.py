@@ -21,7 +21,9 @@ class HybridShardPrecision(FSDPPrecision):
       module: the norm is taken once over the whole model (all shards, counted once across replicas), exactly
       as DDP's ``clip_grad_norm_`` on the full gradients. Lightning's plugin refuses norm clipping.
 
-    The strategy sets :attr:`device_type` and :attr:`fsdp_module` during ``setup``.
+    - ``16-mixed`` gets a loss scaler for that device type (Lightning's is CUDA's, disabled without CUDA).
+
+    The strategy calls :meth:`set_device_type` and sets :attr:`fsdp_module` during ``setup``.
     """
 
     def __init__(self, precision: Any = "32-true", scaler: Optional[Any] = None) -> None:
@@ -32,7 +34,20 @@ class HybridShardPrecision(FSDPPrecision):
     @classmethod
     def from_plugin(cls, plugin: FSDPPrecision) -> HybridShardPrecision:
         """Same precision and scaler as ``plugin``."""
-        return cls(plugin.precision, plugin.scaler)
+        # not through __init__: Lightning's FSDPPrecision refuses (and would drop) a scaler passed to it
+        upgraded = cls(plugin.precision)
+        upgraded.scaler = plugin.scaler
+        return upgraded
+
+    def set_device_type(self, device_type: str) -> None:
+        """Autocast on ``device_type``; a loss scaler made for another device (Lightning's default is CUDA's, which
+        disables itself on a machine without CUDA) is replaced by one for ``device_type``."""
+        self.device_type = device_type
+        scaler = self.scaler
+        if scaler is not None and getattr(scaler, "_device", device_type) != device_type:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(device=device_type)
 
     @override
     def forward_context(self) -> AbstractContextManager:

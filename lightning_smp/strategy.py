@@ -166,6 +166,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         self._requested_strategy = check_sharding_strategy(sharding_strategy)
         self._degree_arg = None if hybrid_shard_degree is None else check_degree(hybrid_shard_degree)
         self._user_mesh, mesh_degree = _check_device_mesh(device_mesh)
+        self._mesh_shape_arg = tuple(device_mesh) if isinstance(device_mesh, (tuple, list)) else None
         if device_mesh is not None and kwargs.get("process_group") is not None:
             raise HybridShardConfigError(
                 "device_mesh and process_group were both given; they are mutually exclusive. Fix: pass only one."
@@ -203,6 +204,8 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         )
         self._layout: Optional[Layout] = None
         self._device_mesh: Optional["DeviceMesh"] = None
+        self._mesh_layout: Optional[tuple[Layout, str]] = None
+        self._wrapped_root: Optional[Module] = None
         self._warned_override = False
 
     # ------------------------------------------------------------------ configuration
@@ -254,10 +257,11 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         if self._user_mesh is not None and layout.sharding_strategy not in HYBRID_STRATEGIES:
             # the user's own mesh is given to FSDP as is, which needs a hybrid strategy
             layout = _with_strategy(layout, HYBRID_SHARD_ZERO2 if "ZERO2" in layout.requested_strategy else HYBRID_SHARD)
-        if self._user_mesh is not None and tuple(self._user_mesh.shape) != layout.mesh_shape:
+        given = tuple(self._user_mesh.shape) if self._user_mesh is not None else self._mesh_shape_arg
+        if given is not None and given != layout.mesh_shape:
             raise HybridShardConfigError(
-                f"device_mesh of shape {tuple(self._user_mesh.shape)} does not fit world_size={world_size}"
-                f" (num_nodes={self.num_nodes} x devices={self.num_processes}). Fix: build it with shape"
+                f"device_mesh of shape {given} does not fit world_size={world_size}"
+                f" (num_nodes={self.num_nodes} x devices={self.num_processes}). Fix: use shape"
                 f" {layout.mesh_shape} or pass hybrid_shard_degree instead."
             )
         return layout
@@ -268,6 +272,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
     def _configure_launcher(self) -> None:
         # Validate the world-size facts here, at Trainer(...), before any process is started.
         self._layout = layout = self._resolve_layout()
+        self.precision_plugin.set_device_type(self.root_device.type)
         if layout.overridden and not self._warned_override:
             self._warned_override = True
             rank_zero_warn(
@@ -296,7 +301,12 @@ class HybridShardFSDPStrategy(FSDPStrategy):
 
         self.sharding_strategy = ShardingStrategy[layout.sharding_strategy]
         if self.kwargs.get("process_group") is None:
-            self._device_mesh = self._user_mesh or build_device_mesh(layout, self.root_device.type)
+            if self._user_mesh is not None:
+                self._device_mesh = self._user_mesh
+            elif self._mesh_layout != (layout, self.root_device.type):
+                # fit, then validate/test on the same Trainer: building again would create new process groups
+                self._device_mesh = build_device_mesh(layout, self.root_device.type)
+                self._mesh_layout = (layout, self.root_device.type)
             self.kwargs["device_mesh"] = self._device_mesh if self._user_mesh is not None else fsdp_mesh(self._device_mesh, layout)
         rank_zero_info(f"{type(self).__name__}: {layout.describe()}")
 
@@ -304,7 +314,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        self.precision_plugin.device_type = self.root_device.type
+        self.precision_plugin.set_device_type(self.root_device.type)
         super().setup(trainer)
         self.precision_plugin.fsdp_module = self.model
 
@@ -312,8 +322,17 @@ class HybridShardFSDPStrategy(FSDPStrategy):
     def _setup_model(self, model: Module) -> Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
+        from torch.distributed.fsdp._common_utils import _is_fsdp_flattened
+
+        previous = self._wrapped_root
+        if previous is not None and previous.module is model:
+            # validate/test (or another fit) after fit in the same processes: wrapping again would find the
+            # parameters already flattened into shards and leave 1-D views for the forward; keep the wrapper
+            return previous
         already_wrapped = any(isinstance(mod, FullyShardedDataParallel) for mod in model.modules())
-        synced = False
+        # parameters FSDP already manages were synced when they were wrapped; their local views differ in size
+        # between ranks and must not be broadcast
+        synced = any(_is_fsdp_flattened(p) for p in model.parameters())
         if already_wrapped:
             if _has_meta_device_parameters_or_buffers(model):
                 rank_zero_warn("The model is already wrapped in `FSDP` but there are still parameters on the meta device.")
@@ -321,7 +340,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
                 rank_zero_warn("A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be ignored.")
                 del self.kwargs["auto_wrap_policy"]
         else:
-            if not _has_meta_device_parameters_or_buffers(model):
+            if not synced and not _has_meta_device_parameters_or_buffers(model):
                 # DDP semantics: every replica starts from rank 0's weights, however the ranks were seeded.
                 broadcast_module_state(model, self.root_device, src=0)
                 synced = True
@@ -334,6 +353,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
                 device_id=self.root_device,
                 **self.kwargs,
             )
+            self._wrapped_root = model
         if not synced and self._device_mesh is not None:
             replicate_group = self._device_mesh.get_group(REPLICATE_AXIS)
             src = dist.get_process_group_ranks(replicate_group)[0]

@@ -199,9 +199,14 @@ class CollectiveCounter(Callback):
 
         calls: list[str] = []
 
+        from torch.utils._pytree import tree_leaves
+
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if "c10d" in str(func):
+                # collectives that move model or optimizer state (floating point); the ranks' small agreements
+                # (all_gather_object: bytes and sizes) do not count as assembling the checkpoint
+                if "c10d" in str(func) and any(
+                        isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree_leaves((args, kwargs))):
                     calls.append(str(func))
                 return func(*args, **(kwargs or {}))
 
@@ -483,6 +488,45 @@ class SaveAtEnd(Callback):
         except HybridShardConfigError as err:
             outcome = f"HybridShardConfigError: {err}"
         torch.save(outcome, self.path.parent / f"outcome_rank{trainer.global_rank}.pt")
+
+
+class FailingSaveAtEnd(Callback):
+    """At the end of fit, saves once with rank 0's file writes failing (a full disk); records each rank's outcome."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        original = ckpt.write_file
+
+        def disk_full(obj: Any, where: Path) -> None:
+            raise OSError(28, "No space left on device")
+
+        if trainer.global_rank == 0:
+            ckpt.write_file = disk_full
+        try:
+            trainer.save_checkpoint(self.path)
+            outcome = "saved"
+        except RuntimeError as err:
+            outcome = str(err)
+        finally:
+            ckpt.write_file = original
+        torch.save(outcome, self.path.parent / f"failed_rank{trainer.global_rank}.pt")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_failed_write_fails_every_rank_and_keeps_the_previous_checkpoint(tmp_path: Path, kind: str) -> None:
+    callback = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=0, every_n_train_steps=2, save_last=True)
+    target = tmp_path / "ckpts" / "last.ckpt"
+    run(tmp_path, 4, 2, tag="fail", kind=kind, max_steps=2, callbacks=(callback, FailingSaveAtEnd(target)))
+    outcomes = [torch.load(tmp_path / "ckpts" / f"failed_rank{r}.pt") for r in range(4)]
+    assert len(set(outcomes)) == 1, outcomes  # the same error on every rank, none left waiting
+    assert outcomes[0].startswith(f"Saving the checkpoint {str(target)!r} failed on rank 0: OSError")
+    assert not [p for p in (tmp_path / "ckpts").iterdir() if ".tmp-" in p.name]
+    # the checkpoint ModelCheckpoint wrote at step 2 is intact and resumes
+    run(tmp_path, 4, 2, tag="after_fail", kind=kind, max_steps=3, ckpt_path=target)
+    assert_same_state(probe(tmp_path, "after_fail", "start"), probe(tmp_path, "fail", "end"))
 
 
 @pytest.mark.timeout(120)

@@ -134,6 +134,42 @@ def test_process_group_contradicting_degree_is_refused():
                              " Fix: pass only one of them, or make them agree (hybrid_shard_degree=4)."}
 
 
+class ValidatedModel(TinyModel):
+    def validation_step(self, batch, batch_idx) -> None:
+        self.log("val_loss", torch.nn.functional.mse_loss(self(batch[0]), batch[1]), sync_dist=True)
+
+
+def _fit_then_validate(rank: int, world_size: int) -> tuple[bool, int, float, float]:
+    # ranks started externally, as under torchrun: fit and validate run in the same processes
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=2, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        limit_val_batches=1, num_sanity_val_steps=0)
+    model = ValidatedModel()
+    trainer.fit(model, make_loader(), make_loader())
+    mesh = strategy.device_mesh
+    val_loss = trainer.validate(model, make_loader(), verbose=False)[0]["val_loss"]
+    shard_group = torch.distributed.get_process_group_ranks(strategy.device_mesh.get_group("shard"))
+    # the same loss from the full weights: each rank's first validation batch (DistributedSampler), averaged
+    reference = ValidatedModel()
+    full = strategy.full_state_dict()  # a collective; the weights arrive on rank 0
+    if rank == 0:
+        reference.load_state_dict(full)
+    x, y = make_loader().dataset.tensors
+    with torch.no_grad():
+        expected = sum(torch.nn.functional.mse_loss(reference(x[r::world_size][:4]), y[r::world_size][:4])
+                       for r in range(world_size)) / world_size
+    return strategy.device_mesh is mesh, len(shard_group), float(val_loss), float(expected)
+
+
+@pytest.mark.timeout(120)
+def test_mesh_is_built_once_per_strategy_across_stages():
+    results = run_distributed(_fit_then_validate, 4, timeout=90)
+    assert all(r[:2] == (True, 2) for r in results)
+    # validation after fit in the same processes uses the trained shards (a second wrap used to see 1-D views)
+    assert abs(results[0][2] - results[0][3]) <= 1e-6
+
+
 class RankSeededModel(TinyModel):
     """Every rank initialises its own, different weights (no common seed), as an unseeded script would."""
 
@@ -197,11 +233,15 @@ class _SGDModel(TinyModel):
 
 
 @pytest.mark.timeout(240)
-def test_bf16_mixed_autocasts_on_cpu(tmp_path):
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)])
+def test_mixed_precision_autocasts_on_cpu(tmp_path, precision, dtype):
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork")
-    trainer, _, records = fit_and_record(strategy, tmp_path, 4, precision="bf16-mixed", max_steps=3)
-    assert trainer.strategy.precision_plugin.device_type == "cpu"
-    assert trainer.strategy.mixed_precision_config.param_dtype == torch.bfloat16
+    trainer, _, records = fit_and_record(strategy, tmp_path, 4, precision=precision, max_steps=3)
+    plugin = trainer.strategy.precision_plugin
+    assert plugin.device_type == "cpu"
+    assert trainer.strategy.mixed_precision_config.param_dtype == dtype
+    if precision == "16-mixed":  # a working loss scaler for the CPU, not CUDA's disabled one
+        assert plugin.scaler._device == "cpu" and plugin.scaler._enabled
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in records)
     # FSDP keeps the sharded master weights in fp32
     assert all(s.dtype == torch.float32 for r in records for s in r["shards"])

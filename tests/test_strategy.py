@@ -118,6 +118,10 @@ def test_device_mesh_tuple_is_a_degree_and_is_checked_against_the_world():
     assert _trainer(HybridShardFSDPStrategy(device_mesh=(2, 2))).strategy.layout.mesh_shape == (2, 2)
     with pytest.raises(HybridShardConfigError, match="hybrid_shard_degree=8 is larger than world_size=4"):
         _trainer(HybridShardFSDPStrategy(device_mesh=(1, 8)))
+    # the replica count must fit too, not only the shard degree
+    with pytest.raises(HybridShardConfigError, match=r"device_mesh of shape \(1, 2\) does not fit world_size=4"
+                                                     r" \(num_nodes=1 x devices=4\). Fix: use shape \(2, 2\)"):
+        _trainer(HybridShardFSDPStrategy(device_mesh=(1, 2)))
 
 
 def test_override_is_announced_once_naming_both():
@@ -140,11 +144,12 @@ def test_device_mesh_before_setup_is_a_clear_error():
         HybridShardFSDPStrategy().layout
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-mixed"])
 def test_precision_plugin_is_upgraded(precision):
     strategy = _trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2), precision=precision).strategy
     assert isinstance(strategy.precision_plugin, HybridShardPrecision)
     assert strategy.precision_plugin.precision == precision
+    assert (strategy.precision_plugin.scaler is not None) is (precision == "16-mixed")
     assert strategy.precision_plugin is strategy.precision_plugin  # not rebuilt on every access
 
 
