@@ -48,6 +48,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.mesh import SHARD_AXIS, axis_group, shard_group_of
 
 if TYPE_CHECKING:
     from lightning_smp.strategy import HybridShardFSDPStrategy
@@ -74,17 +75,16 @@ def writer_ranks(strategy: "HybridShardFSDPStrategy") -> list[int]:
     The other replicas hold identical shards; letting them gather too would build the full model once per replica
     group (FSDP's ``rank0_only`` means rank 0 *of each shard group* under hybrid sharding).
     """
-    if strategy._device_mesh is None or strategy._layout is None:
+    if strategy._device_mesh is None:
         return list(range(strategy.world_size))
-    return strategy._layout.shard_group(0)
+    # read from the mesh the model was wrapped with: a user's mesh need not hold consecutive ranks per row
+    return shard_group_of(strategy._device_mesh, 0)
 
 
 def _writer_group(strategy: "HybridShardFSDPStrategy") -> Optional[dist.ProcessGroup]:
     if strategy._device_mesh is None:
         return None
-    from lightning_smp.mesh import SHARD_AXIS
-
-    return strategy._device_mesh.get_group(SHARD_AXIS)
+    return axis_group(strategy._device_mesh, SHARD_AXIS)
 
 
 @contextmanager

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 
 from lightning_smp.degree import Layout
@@ -38,11 +37,19 @@ def fsdp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
     return mesh if axis == "both" else mesh[REPLICATE_AXIS if axis == "replicate" else SHARD_AXIS]
 
 
+def axis_group(mesh: DeviceMesh, axis: str) -> dist.ProcessGroup:
+    """This rank's process group along ``axis`` of a 2-D ``(replicate, shard)`` mesh.
+
+    By position, not by name: a mesh the user built (``init_device_mesh("cuda", (r, s))``) has no axis names.
+    """
+    return mesh.get_group(MESH_AXES.index(axis))
+
+
 def group_ranks(mesh: DeviceMesh, axis: str) -> list[int]:
     """Global ranks of this rank's group along ``axis``."""
-    return dist.get_process_group_ranks(mesh.get_group(axis))
+    return dist.get_process_group_ranks(axis_group(mesh, axis))
 
 
-def mesh_ranks(mesh: DeviceMesh) -> torch.Tensor:
-    """The mesh as a tensor of global ranks, shape ``(replicate, shard)``."""
-    return mesh.mesh.detach().cpu()
+def shard_group_of(mesh: DeviceMesh, rank: int) -> list[int]:
+    """Global ranks of the shard group (a row of the mesh) that holds ``rank``, for any 2-D mesh layout."""
+    return next(row for row in mesh.mesh.tolist() if rank in row)

@@ -45,7 +45,7 @@ from torch.nn import Module
 
 from lightning_smp.config import configured_degree, load_config, set_init_config
 from lightning_smp.degree import FULL_SHARD, Layout, resolve_layout
-from lightning_smp.mesh import REPLICATE_AXIS, build_device_mesh, fsdp_mesh
+from lightning_smp.mesh import build_device_mesh, fsdp_mesh
 from lightning_smp.replicas import broadcast_across_replicas, broadcast_module_state
 
 if TYPE_CHECKING:
@@ -160,11 +160,7 @@ def _rewrite(arguments: dict[str, Any]) -> Any | None:
         broadcast_module_state(module, device, src=0)
         return None
 
-    def sync_replicas(wrapped: Module) -> None:
-        group = mesh.get_group(REPLICATE_AXIS)
-        broadcast_across_replicas(wrapped, group, dist.get_process_group_ranks(group)[0], device)
-
-    return sync_replicas
+    return lambda wrapped: broadcast_across_replicas(wrapped, mesh, device)
 
 
 def _root_device(module: Module, device_id: Any) -> torch.device:

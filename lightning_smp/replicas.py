@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 from torch.nn import Module
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def _broadcast_tensors(
@@ -35,15 +38,17 @@ def broadcast_module_state(module: Module, device: torch.device, src: int = 0) -
     _broadcast_tensors(itertools.chain(module.parameters(), module.buffers()), src, None, device)
 
 
-def broadcast_across_replicas(
-    model: Module, replicate_group: dist.ProcessGroup, src: int, device: torch.device
-) -> None:
-    """After wrapping: copy each local shard from replica 0 (global rank ``src``) to the other replicas.
+def broadcast_across_replicas(model: Module, mesh: "DeviceMesh", device: torch.device) -> None:
+    """After wrapping: copy each local shard from the first replica of ``mesh`` to the other replicas.
 
     Used when the unwrapped model never existed in full (meta-device init, or a model the user wrapped
     in ``configure_model``). Each rank of a replicate group holds the same shard index, so sizes match.
     Buffers are not sharded and come from global rank 0.
     """
+    from lightning_smp.mesh import REPLICATE_AXIS, axis_group, group_ranks
+
+    replicate_group = axis_group(mesh, REPLICATE_AXIS)
     if replicate_group.size() > 1:
+        src = group_ranks(mesh, REPLICATE_AXIS)[0]
         _broadcast_tensors(itertools.chain(model.parameters()), src, replicate_group, device)
     _broadcast_tensors(itertools.chain(model.buffers()), 0, None, device)

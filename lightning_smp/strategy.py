@@ -355,9 +355,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
             )
             self._wrapped_root = model
         if not synced and self._device_mesh is not None:
-            replicate_group = self._device_mesh.get_group(REPLICATE_AXIS)
-            src = dist.get_process_group_ranks(replicate_group)[0]
-            broadcast_across_replicas(model, replicate_group, src, self.root_device)
+            broadcast_across_replicas(model, self._device_mesh, self.root_device)
 
         _move_torchmetrics_to_device(model, self.root_device)
         _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)

@@ -170,6 +170,31 @@ def test_mesh_is_built_once_per_strategy_across_stages():
     assert abs(results[0][2] - results[0][3]) <= 1e-6
 
 
+def _user_mesh_fit_and_save(rank: int, world_size: int, folder: str) -> list[int]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    # the user's own mesh: no axis names, and shard groups that are not consecutive ranks
+    mesh = DeviceMesh("cpu", [[0, 2], [1, 3]])
+    strategy = HybridShardFSDPStrategy(device_mesh=mesh, state_dict_type="full")
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=2, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    with torch.device("meta"):
+        model = RankSeededModel()  # materialised per rank: the replicas are synced through the user's mesh
+    trainer.fit(model, make_loader())
+    trainer.save_checkpoint(f"{folder}/user_mesh.ckpt")
+    full = strategy.full_state_dict()
+    if rank == 0:
+        saved = torch.load(f"{folder}/user_mesh.ckpt", weights_only=True)["state_dict"]
+        assert all(torch.equal(saved[k], v) for k, v in full.items())
+    return torch.distributed.get_process_group_ranks(strategy.model.process_group)
+
+
+@pytest.mark.timeout(120)
+def test_user_device_mesh_is_used_as_is(tmp_path):
+    shard_groups = run_distributed(_user_mesh_fit_and_save, 4, str(tmp_path), timeout=90)
+    assert shard_groups == [[0, 2], [1, 3], [0, 2], [1, 3]]
+
+
 class RankSeededModel(TinyModel):
     """Every rank initialises its own, different weights (no common seed), as an unseeded script would."""
 
