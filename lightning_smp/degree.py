@@ -103,6 +103,14 @@ class Layout:
         """Whether a degree >= 2 replaced the user's non-hybrid sharding strategy (SMP's override rule)."""
         return self.degree >= 2 and self.requested_strategy not in HYBRID_STRATEGIES
 
+    def override_message(self) -> str:
+        """The warning for :attr:`overridden`, naming both strategies."""
+        return (
+            f"hybrid_shard_degree={self.degree} overrides sharding_strategy={self.requested_strategy}:"
+            f" FSDP runs {self.sharding_strategy} (SMP semantics: a degree >= 2 means hybrid sharding;"
+            " choose _HYBRID_SHARD_ZERO2 for the ZeRO-2 flavour)."
+        )
+
     def shard_group(self, rank: int) -> list[int]:
         """Global ranks that shard the model together with ``rank`` (consecutive ranks)."""
         start = (rank // self.shard) * self.shard

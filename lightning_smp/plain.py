@@ -186,12 +186,7 @@ def _log_once(layout: Layout) -> None:
     if dist.get_rank() == 0:
         log.info(message)
         if layout.overridden:
-            warnings.warn(
-                f"hybrid_shard_degree={layout.degree} overrides sharding_strategy={layout.requested_strategy}:"
-                f" FSDP runs {layout.sharding_strategy} (SMP semantics; choose _HYBRID_SHARD_ZERO2 for ZeRO-2).",
-                UserWarning,
-                stacklevel=4,
-            )
+            warnings.warn(layout.override_message(), UserWarning, stacklevel=4)
 
 
 __all__ = ["init", "is_initialized", "shutdown"]

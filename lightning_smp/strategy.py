@@ -275,11 +275,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         self.precision_plugin.set_device_type(self.root_device.type)
         if layout.overridden and not self._warned_override:
             self._warned_override = True
-            rank_zero_warn(
-                f"hybrid_shard_degree={layout.degree} overrides sharding_strategy={layout.requested_strategy}:"
-                f" FSDP runs {layout.sharding_strategy} (SMP semantics: a degree >= 2 means hybrid sharding;"
-                " choose _HYBRID_SHARD_ZERO2 for the ZeRO-2 flavour)."
-            )
+            rank_zero_warn(layout.override_message())
         assert self.cluster_environment is not None
         if self._start_method == "popen" or self.cluster_environment.creates_processes_externally:
             # unlike FSDPStrategy, also in externally started processes: the launcher caps their threads
@@ -392,19 +388,15 @@ class HybridShardFSDPStrategy(FSDPStrategy):
     def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
         if precision_plugin is not None and not isinstance(precision_plugin, FSDPPrecision):
             raise TypeError(
-                f"The FSDP strategy can only work with the `FSDPPrecision` plugin, found {precision_plugin}"
+                f"HybridShardFSDPStrategy needs an `FSDPPrecision` plugin, found {type(precision_plugin).__name__}."
+                " Fix: pass `Trainer(precision=...)` (e.g. '32-true', 'bf16-mixed') instead of a precision plugin,"
+                " or an `FSDPPrecision`."
             )
         if isinstance(precision_plugin, FSDPPrecision) and not isinstance(precision_plugin, HybridShardPrecision):
             precision_plugin = HybridShardPrecision.from_plugin(precision_plugin)
         self._precision_plugin = precision_plugin
 
     # ------------------------------------------------------------------ state dicts
-
-    @contextmanager
-    def _full_state_dict_context(self, rank0_only: bool = True) -> Generator[None, None, None]:
-        assert self.model is not None
-        with checkpoint_lib.full_state_dict_context(self.model, self.root_device, rank0_only):
-            yield
 
     def full_state_dict(self) -> dict[str, Any]:
         """The unsharded model weights on global rank 0 (an empty dict on the other ranks). Call it on every rank.
