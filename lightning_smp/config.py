@@ -224,9 +224,24 @@ def load_config(config: Mapping | str | os.PathLike | None, where: str = INIT_SO
     )
 
 
-@lru_cache(maxsize=32)
+def _file_version(name: str, raw: str) -> int | None:
+    """The config file's modification time, so that editing the file (e.g. between two fits in a notebook)
+    is seen although the variable stays the same."""
+    if name != ENV_CONFIG or raw.lstrip().startswith("{"):
+        return None
+    try:
+        return os.stat(raw).st_mtime_ns
+    except OSError:
+        return None  # reading it reports the problem
+
+
 def _env_layer(name: str, raw: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
-    # cached per raw value: configured_degree() runs several times per fit, warnings should not
+    return _env_layer_cached(name, raw, _file_version(name, raw))
+
+
+@lru_cache(maxsize=32)
+def _env_layer_cached(name: str, raw: str, version: int | None) -> tuple[str, tuple[tuple[str, Any], ...]]:
+    # cached per value (and file version): configured_degree() runs several times per fit, warnings should not
     where = f"environment variable {name}"
     if name == ENV_CONFIG and not raw.lstrip().startswith("{"):
         return f"config file {raw!r} (from {where})", tuple(read_config_file(raw, where).items())

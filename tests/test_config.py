@@ -317,3 +317,13 @@ def test_errors_surface_at_trainer_creation_before_any_process():
     os.environ[ENV_CONFIG] = '{"hybrid_shard_degree": 2}'
     trainer = L.Trainer(strategy="smp_hybrid_notebook", accelerator="cpu", devices=4, logger=False)
     assert trainer.strategy.layout.mesh_shape == (2, 2)
+
+
+def test_editing_the_config_file_is_seen(tmp_path):
+    path = tmp_path / "smp.json"
+    path.write_text('{"hybrid_shard_degree": 2}')
+    os.environ[ENV_CONFIG] = str(path)
+    assert configured_degree() == 2
+    path.write_text('{"hybrid_shard_degree": 4}')
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
+    assert configured_degree() == 4
