@@ -23,6 +23,7 @@ import torch
 import torch.multiprocessing as mp
 from lightning.fabric.strategies.launchers.multiprocessing import _check_bad_cuda_fork
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
+from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.call import _call_callbacks_load_state_dict, _call_callbacks_state_dict
 from lightning.pytorch.trainer.states import TrainerFn
@@ -195,7 +196,7 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
             # non-strict, as Lightning's launcher: configure_model may have added layers in the ranks;
             # a model created on the meta device gets the trained tensors themselves
             module = trainer.lightning_module
-            on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+            on_meta = _has_meta_device_parameters_or_buffers(module)
             module.load_state_dict(payload["state_dict"], strict=False, assign=on_meta)
         if "fit_loop" in payload:
             trainer.fit_loop.load_state_dict(payload["fit_loop"])

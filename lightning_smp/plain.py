@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from torch.nn import Module
 
 from lightning_smp.config import configured_degree, load_config, set_init_config
@@ -154,7 +155,7 @@ def _rewrite(arguments: dict[str, Any]) -> Any | None:
     arguments["device_mesh"] = fsdp_mesh(mesh, layout)
     if arguments.get("device_id") is None and device.type == "cpu":
         arguments["device_id"] = device
-    on_meta = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+    on_meta = _has_meta_device_parameters_or_buffers(module)
     if not on_meta:
         # DDP semantics: all replicas train from global rank 0's weights, however the ranks were seeded
         broadcast_module_state(module, device, src=0)

@@ -23,7 +23,7 @@ class HybridShardPrecision(FSDPPrecision):
 
     - ``16-mixed`` gets a loss scaler for that device type (Lightning's is CUDA's, disabled without CUDA).
 
-    The strategy calls :meth:`set_device_type` and sets :attr:`fsdp_module` during ``setup``.
+    The strategy calls :meth:`set_device_type` when the Trainer is created and sets :attr:`fsdp_module` in ``setup``.
     """
 
     def __init__(self, precision: Any = "32-true", scaler: Optional[Any] = None) -> None:

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -29,7 +30,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_smp import checkpoint as checkpoint_lib
 from lightning_smp.degree import (
     HYBRID_SHARD,
@@ -310,14 +310,12 @@ class HybridShardFSDPStrategy(FSDPStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        self.precision_plugin.set_device_type(self.root_device.type)
         super().setup(trainer)
         self.precision_plugin.fsdp_module = self.model
 
     @override
     def _setup_model(self, model: Module) -> Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
-
         from torch.distributed.fsdp._common_utils import _is_fsdp_flattened
 
         previous = self._wrapped_root
@@ -340,15 +338,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
                 # DDP semantics: every replica starts from rank 0's weights, however the ranks were seeded.
                 broadcast_module_state(model, self.root_device, src=0)
                 synced = True
-            model = FullyShardedDataParallel(
-                module=model,
-                cpu_offload=self.cpu_offload,
-                mixed_precision=self.mixed_precision_config,
-                sharding_strategy=self.sharding_strategy,
-                # FSDP needs a device, not an index: ``torch.device("cpu").index`` is None
-                device_id=self.root_device,
-                **self.kwargs,
-            )
+            model = FullyShardedDataParallel(module=model, **self._fsdp_kwargs())
             self._wrapped_root = model
         if not synced and self._device_mesh is not None:
             broadcast_across_replicas(model, self._device_mesh, self.root_device)
@@ -363,15 +353,19 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import enable_wrap
 
-        with enable_wrap(
-            wrapper_cls=FullyShardedDataParallel,
-            cpu_offload=self.cpu_offload,
-            mixed_precision=self.mixed_precision_config,
-            sharding_strategy=self.sharding_strategy,
-            device_id=self.root_device,
-            **self.kwargs,
-        ):
+        with enable_wrap(wrapper_cls=FullyShardedDataParallel, **self._fsdp_kwargs()):
             yield
+
+    def _fsdp_kwargs(self) -> dict[str, Any]:
+        """What every ``FullyShardedDataParallel`` this strategy creates is given."""
+        return {
+            "cpu_offload": self.cpu_offload,
+            "mixed_precision": self.mixed_precision_config,
+            "sharding_strategy": self.sharding_strategy,
+            # FSDP needs a device, not an index: ``torch.device("cpu").index`` is None
+            "device_id": self.root_device,
+            **self.kwargs,
+        }
 
     # ------------------------------------------------------------------ precision
 
