@@ -37,7 +37,13 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, backend: str, ar
     torch.set_num_threads(1)
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size)
-        queue.put((rank, True, fn(rank, world_size, *args)))
+        result = fn(rank, world_size, *args)
+        if dist.is_initialized():
+            # A rank that leaves right after creating a group (new_group, a DeviceMesh) closes its sockets while a
+            # slower peer may still be connecting to it, and that peer fails ("Connection closed by peer"). Every
+            # rank waits here until all of them are done.
+            dist.barrier()
+        queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - the parent re-raises it with the rank
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -59,15 +65,18 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "g
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    failed = True
     try:
         for _ in range(world_size):
             rank, ok, value = queue.get(timeout=timeout)
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = value
+        failed = False
     finally:
         for p in procs:
-            p.join(timeout=10)
+            # after a failure the other ranks may wait in a collective forever: do not wait for them
+            p.join(timeout=0 if failed else 10)
             if p.is_alive():
                 p.kill()
                 p.join()
