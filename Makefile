@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test lint bench clean
 
 install: $(STAMP)
 
@@ -24,6 +24,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check lightning_smp tests benchmarks examples
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(ARGS)

@@ -12,8 +12,8 @@ from lightning_smp.config import SMPConfig, resolve_config
 from lightning_smp.degree import Layout, resolve_layout, valid_degrees
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.mesh import MESH_AXES, REPLICATE_AXIS, SHARD_AXIS, build_device_mesh
-from lightning_smp.precision import HybridShardPrecision
 from lightning_smp.plain import init, is_initialized, shutdown
+from lightning_smp.precision import HybridShardPrecision
 from lightning_smp.strategy import HybridShardFSDPStrategy
 
 HybridShardFSDPStrategy.register_strategies(StrategyRegistry)

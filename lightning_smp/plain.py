@@ -41,13 +41,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from torch.nn import Module
 
 from lightning_smp.config import configured_degree, load_config, set_init_config
 from lightning_smp.degree import FULL_SHARD, Layout, resolve_layout
 from lightning_smp.mesh import build_device_mesh, fsdp_mesh
-from lightning_smp.replicas import broadcast_across_replicas, broadcast_module_state
+from lightning_smp.replicas import broadcast_across_replicas, broadcast_before_wrapping
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -55,8 +54,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ORIGINAL_INIT: Any | None = None
-# one mesh per (layout, device type): building a mesh creates process groups, a collective on every rank
-_MESHES: dict[tuple[Layout, str], DeviceMesh] = {}
+# one mesh per (mesh shape, device type): building a mesh creates process groups, a collective on every rank.
+# FSDP calls that differ only in sharding strategy (FULL_SHARD vs SHARD_GRAD_OP units) share one mesh.
+_MESHES: dict[tuple[tuple[int, int], str], DeviceMesh] = {}
 _WARNED: set[str] = set()
 
 
@@ -145,7 +145,7 @@ def _rewrite(arguments: dict[str, Any]) -> Any | None:
     requested = arguments.get("sharding_strategy") or FULL_SHARD  # FSDP's own default
     layout = resolve_layout(dist.get_world_size(), degree, requested)
     device = _root_device(module, arguments.get("device_id"))
-    key = (layout, device.type)
+    key = (layout.mesh_shape, device.type)
     if key not in _MESHES:
         _MESHES[key] = build_device_mesh(layout, device.type)
     mesh = _MESHES[key]
@@ -155,12 +155,9 @@ def _rewrite(arguments: dict[str, Any]) -> Any | None:
     arguments["device_mesh"] = fsdp_mesh(mesh, layout)
     if arguments.get("device_id") is None and device.type == "cpu":
         arguments["device_id"] = device
-    on_meta = _has_meta_device_parameters_or_buffers(module)
-    if not on_meta:
-        # DDP semantics: all replicas train from global rank 0's weights, however the ranks were seeded
-        broadcast_module_state(module, device, src=0)
+    # DDP semantics: all replicas train from global rank 0's weights, however the ranks were seeded
+    if broadcast_before_wrapping(module, device):
         return None
-
     return lambda wrapped: broadcast_across_replicas(wrapped, mesh, device)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -13,20 +14,43 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
+#: Largest bucket of one weight broadcast, in bytes (FSDP's ``sync_module_states`` uses the same size).
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
+
+
 def _broadcast_tensors(
-    tensors: "itertools.chain[torch.Tensor]", src: int, group: Optional[dist.ProcessGroup], device: torch.device
+    tensors: Iterable[torch.Tensor], src: int, group: Optional[dist.ProcessGroup], device: torch.device
 ) -> None:
+    """Broadcast ``tensors`` in place from global rank ``src`` over ``group`` (the world when ``None``).
+
+    Tensors travel in buckets of up to :data:`BROADCAST_BUCKET_BYTES`, each one coalesced broadcast per dtype
+    (c10d's ``_broadcast_coalesced``, what DDP and FSDP use for their own start-up sync), not one collective per
+    tensor. Tensors that are not on ``device`` (the unwrapped model still on the CPU under NCCL) are staged there
+    one bucket at a time, so the device never holds more than one extra bucket.
+    """
+    group = group if group is not None else dist.group.WORLD
+    group_src = dist.get_group_rank(group, src)
+    bucket: list[torch.Tensor] = []
+    bucket_bytes = 0
+
+    def flush() -> None:
+        staged = [tensor.to(device) for tensor in bucket]  # the tensor itself when it is already on ``device``
+        dist._broadcast_coalesced(group, staged, BROADCAST_BUCKET_BYTES, group_src)
+        for tensor, on_device in zip(bucket, staged):
+            if on_device is not tensor:
+                tensor.copy_(on_device)
+
     with torch.no_grad():
         for tensor in tensors:
             if tensor.is_meta or tensor.numel() == 0:
                 continue
-            if tensor.device == device:
-                dist.broadcast(tensor.data, src=src, group=group)
-            else:
-                # e.g. NCCL needs the tensor on the GPU while the unwrapped model still sits on the CPU
-                staged = tensor.detach().to(device)
-                dist.broadcast(staged, src=src, group=group)
-                tensor.data.copy_(staged)
+            bucket.append(tensor.detach())
+            bucket_bytes += tensor.numel() * tensor.element_size()
+            if bucket_bytes >= BROADCAST_BUCKET_BYTES:
+                flush()
+                bucket, bucket_bytes = [], 0
+        if bucket:
+            flush()
 
 
 def broadcast_module_state(module: Module, device: torch.device, src: int = 0) -> None:
@@ -36,6 +60,20 @@ def broadcast_module_state(module: Module, device: torch.device, src: int = 0) -
     different seeds) all train from ``src``'s weights.
     """
     _broadcast_tensors(itertools.chain(module.parameters(), module.buffers()), src, None, device)
+
+
+def broadcast_before_wrapping(module: Module, device: torch.device) -> bool:
+    """Give every rank global rank 0's weights now if ``module`` exists in full; return whether it did.
+
+    A module with parameters or buffers on the meta device has nothing to send yet: it returns ``False``, and the
+    caller syncs the replicas after wrapping with :func:`broadcast_across_replicas`.
+    """
+    from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
+
+    if _has_meta_device_parameters_or_buffers(module):
+        return False
+    broadcast_module_state(module, device, src=0)
+    return True
 
 
 def broadcast_across_replicas(model: Module, mesh: "DeviceMesh", device: torch.device) -> None:

@@ -44,7 +44,7 @@ from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.launcher import HybridShardMultiProcessingLauncher
 from lightning_smp.mesh import REPLICATE_AXIS, SHARD_AXIS, build_device_mesh, fsdp_mesh
 from lightning_smp.precision import HybridShardPrecision
-from lightning_smp.replicas import broadcast_across_replicas, broadcast_module_state
+from lightning_smp.replicas import broadcast_across_replicas, broadcast_before_wrapping
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -334,10 +334,9 @@ class HybridShardFSDPStrategy(FSDPStrategy):
                 rank_zero_warn("A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be ignored.")
                 del self.kwargs["auto_wrap_policy"]
         else:
-            if not synced and not _has_meta_device_parameters_or_buffers(model):
+            if not synced:
                 # DDP semantics: every replica starts from rank 0's weights, however the ranks were seeded.
-                broadcast_module_state(model, self.root_device, src=0)
-                synced = True
+                synced = broadcast_before_wrapping(model, self.root_device)
             model = FullyShardedDataParallel(module=model, **self._fsdp_kwargs())
             self._wrapped_root = model
         if not synced and self._device_mesh is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -43,7 +44,9 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, backend: str, ar
             # slower peer may still be connecting to it, and that peer fails ("Connection closed by peer"). Every
             # rank waits here until all of them are done.
             dist.barrier()
-        queue.put((rank, True, result))
+        # by value: a tensor put on the queue as is travels as a shared-memory handle that the parent can only open
+        # while this process is alive, and this process exits right after
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - the parent re-raises it with the rank
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -56,7 +59,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "g
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks with a process group; return per-rank results.
 
     Raises ``RuntimeError`` with the first failing rank's traceback. Ranks still running after ``timeout`` seconds
-    are killed. Results travel through a pipe: keep them to tensors and plain Python objects.
+    are killed. Results are pickled by value: keep them to tensors and plain Python objects.
     """
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
@@ -71,7 +74,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "g
             rank, ok, value = queue.get(timeout=timeout)
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
         failed = False
     finally:
         for p in procs:

@@ -18,12 +18,12 @@ from typing import Any, Optional
 import lightning as L
 import pytest
 import torch
-from helpers import TinyModel, make_loader
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy
 from lightning_smp import checkpoint as ckpt
 from lightning_smp.strategy import REGISTERED_NAMES
+from tests.helpers import TinyModel, make_loader
 
 STRATEGIES = {name: args["sharding_strategy"] for name, _, args in REGISTERED_NAMES if name != "smp_hybrid_notebook"}
 # 64 samples, batch 4: 4 steps per epoch on 4 ranks, 8 on 2 ranks

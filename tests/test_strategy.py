@@ -139,9 +139,9 @@ def test_override_is_announced_once_naming_both():
 def test_device_mesh_before_setup_is_a_clear_error():
     strategy = _trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2)).strategy
     with pytest.raises(HybridShardConfigError, match="not available before setup"):
-        strategy.device_mesh
+        _ = strategy.device_mesh
     with pytest.raises(HybridShardConfigError, match="resolved when the Trainer is created"):
-        HybridShardFSDPStrategy().layout
+        _ = HybridShardFSDPStrategy().layout
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-mixed"])
