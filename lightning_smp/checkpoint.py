@@ -210,6 +210,7 @@ def save(strategy: "HybridShardFSDPStrategy", checkpoint: dict[str, Any], filepa
     run_id = ensure_run_id(strategy)
     kind = kind or strategy._state_dict_type
     # decide on rank 0, fail on every rank alike, before anything is written
+    checkpoint = plain_checkpoint(checkpoint)
     problem = collision(path, run_id) if strategy.global_rank == 0 else None
     if problem is None and strategy.global_rank == 0:
         problem = _unsafe_entry({k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")})
@@ -227,7 +228,7 @@ def save(strategy: "HybridShardFSDPStrategy", checkpoint: dict[str, Any], filepa
         if kind == SHARDED:
             _save_sharded(strategy, checkpoint, tmp)
         elif strategy.global_rank == 0:
-            write_file(_plain(checkpoint), tmp)
+            write_file(checkpoint, tmp)
 
     # every rank's files must be complete before the checkpoint becomes visible under its name
     _on_every_rank(strategy, write, path, tmp)
@@ -270,7 +271,7 @@ def _save_sharded(strategy: "HybridShardFSDPStrategy", checkpoint: dict[str, Any
     dcp.save(state, storage_writer=FileSystemWriter(folder, sync_files=True),
              planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     if strategy.global_rank == 0:
-        write_file(_plain(checkpoint), folder / META_FILENAME)
+        write_file(checkpoint, folder / META_FILENAME)
 
 
 def write_file(obj: Any, path: Path) -> None:
@@ -387,21 +388,28 @@ def collision(path: Path, run_id: str) -> Optional[str]:
 
 
 _PLAIN_LEAVES = (Tensor, str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size)
+# what the hyperparameters' type is stored under (Lightning stores the class of OmegaConf hyperparameters there)
+_HPARAMS_TYPE_KEYS = ("hparams_type", "datamodule_hparams_type")
 
 
 def _unsafe_entry(obj: Any, where: str = "checkpoint") -> Optional[str]:
-    """A message naming the first value that ``torch.load(weights_only=True)`` could not load back, else None."""
+    """A message naming the first value that ``torch.load(weights_only=True)`` could not load back, else None.
+
+    Judges the checkpoint as it is written, that is after :func:`plain_checkpoint`.
+    """
     if isinstance(obj, _PLAIN_LEAVES):
         return None
     if isinstance(obj, Mapping):
         for key, value in obj.items():
             if not isinstance(key, (str, int, float, bool, type(None), tuple)):
                 return _unsafe_message(f"{where} key {key!r}", key)
-            problem = _unsafe_entry(value, f"{where}[{key!r}]")
+            problem = (_unsafe_entry(key, f"{where} key {key!r}") if isinstance(key, tuple) else None) or \
+                _unsafe_entry(value, f"{where}[{key!r}]")
             if problem:
                 return problem
         return None
-    if isinstance(obj, (list, tuple, set, frozenset)):
+    # exact types: a namedtuple or a frozenset is pickled by its class, which weights_only loading refuses
+    if type(obj) in (list, tuple, set):
         for idx, value in enumerate(obj):
             problem = _unsafe_entry(value, f"{where}[{idx}]")
             if problem:
@@ -418,10 +426,36 @@ def _unsafe_message(where: str, obj: Any) -> str:
     )
 
 
+def plain_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` as it is written: plain containers throughout (see :func:`_plain`), and the class of OmegaConf
+    hyperparameters stored by name, which Lightning's ``load_from_checkpoint`` reads back as an ``AttributeDict``."""
+    out = _plain(checkpoint)
+    for key in _HPARAMS_TYPE_KEYS:
+        if isinstance(out.get(key), type):
+            out[key] = f"{out[key].__module__}.{out[key].__qualname__}"
+    return out
+
+
+def hyperparameters_problem(model: Any, datamodule: Any = None) -> Optional[str]:
+    """What the first checkpoint save would refuse among the hyperparameters of ``model`` and ``datamodule``, as
+    Lightning's ``dump_checkpoint`` stores them; None when they can be saved. Checked at fit start."""
+    part: dict[str, Any] = {}
+    for obj in (model, datamodule):
+        hparams = getattr(obj, "hparams", None) if obj is not None else None
+        if hparams:
+            part[obj.CHECKPOINT_HYPER_PARAMS_KEY] = hparams
+    return _unsafe_entry(plain_checkpoint(part))
+
+
 def _plain(obj: Any) -> Any:
-    """A copy of ``obj`` in which dict subclasses (e.g. Lightning's ``AttributeDict``) are plain dicts."""
+    """A copy of ``obj`` in which dict and list subclasses (e.g. Lightning's ``AttributeDict``) and OmegaConf
+    containers (resolved) are plain dicts and lists. Tensors are not copied."""
+    from omegaconf import Container, OmegaConf
+
     if isinstance(obj, Tensor):
         return obj
+    if isinstance(obj, Container):
+        return _plain(OmegaConf.to_container(obj, resolve=True))
     if isinstance(obj, collections.OrderedDict):
         out = collections.OrderedDict((k, _plain(v)) for k, v in obj.items())
         if hasattr(obj, "_metadata"):

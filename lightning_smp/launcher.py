@@ -85,6 +85,15 @@ def _bad_fork_message(start_method: str, runtime: str, why: str) -> str:
     )
 
 
+_CONFIG_ERROR_PREFIX = f"{HybridShardConfigError.__module__}.{HybridShardConfigError.__qualname__}: "
+
+
+def _config_error_message(rank_traceback: str) -> str | None:
+    """The message of a :class:`HybridShardConfigError` that ended a rank, from the traceback torch sends back."""
+    _, found, message = rank_traceback.rpartition(_CONFIG_ERROR_PREFIX)
+    return message.strip() if found else None
+
+
 @dataclass
 class MainProcessResults:
     """What the ranks of the last ``fit`` sent back, kept in the notebook process for ``trainer.save_checkpoint``."""
@@ -133,7 +142,14 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
                 " step counters too, call `trainer.save_checkpoint('last.ckpt')` first and then"
                 " `L.Trainer(...).fit(model, ckpt_path='last.ckpt')`."
             )
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except mp.ProcessRaisedException as err:
+            # a configuration error found inside the ranks reads as one here, as it would in a script
+            message = _config_error_message(str(err))
+            if message is None:
+                raise
+            raise HybridShardConfigError(message) from err
 
     # ------------------------------------------------------------------ inside the ranks
 

@@ -24,6 +24,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -310,6 +311,13 @@ class HybridShardFSDPStrategy(FSDPStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
+        if trainer.state.fn == TrainerFn.FITTING and trainer.checkpoint_callbacks:
+            # fail now, not at the first save hours into training (the same check as checkpoint_lib.save)
+            datamodule = getattr(trainer, "datamodule", None)
+            problem = checkpoint_lib.hyperparameters_problem(trainer.lightning_module, datamodule)
+            problem = self.broadcast(problem if self.global_rank == 0 else None)
+            if problem is not None:
+                raise HybridShardConfigError(f"ModelCheckpoint could not save this run: {problem}")
         super().setup(trainer)
         self.precision_plugin.fsdp_module = self.model
 

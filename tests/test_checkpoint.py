@@ -6,6 +6,9 @@ and optimizer state dicts gathered inside the ranks, bitwise.
 
 from __future__ import annotations
 
+import collections
+import enum
+import io
 import os
 import runpy
 import signal
@@ -19,6 +22,8 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities.parsing import AttributeDict
+from omegaconf import OmegaConf
 
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy
 from lightning_smp import checkpoint as ckpt
@@ -644,6 +649,78 @@ def test_saving_refuses_objects_that_only_unpickling_could_restore(tmp_path: Pat
     run(tmp_path / "p", 2, 2, tag="h2", kind="full", max_steps=1, model=HParamsModel(loss="mse"),
         callbacks=(SaveAtEnd(plain),))
     assert torch.load(plain, weights_only=True)["hyper_parameters"] == {"loss": "mse"}
+
+
+class CfgModel(CkptModel):
+    """Hyperparameters given as one OmegaConf config, as a config-driven project does."""
+
+    def __init__(self, cfg: Any = None) -> None:
+        super().__init__()
+        self.save_hyperparameters(cfg)
+
+
+@pytest.mark.timeout(120)
+def test_omegaconf_hyperparameters_are_saved_as_plain_values(tmp_path: Path) -> None:
+    cfg = OmegaConf.create({"lr": 0.1, "layers": [4, 8], "name": "${model}", "model": "tiny"})
+    for kind in ("full", "sharded"):
+        target = tmp_path / f"{kind}.ckpt"
+        torch.manual_seed(0)
+        run(tmp_path / kind, 2, 2, tag=kind, kind=kind, max_steps=1, model=CfgModel(cfg), callbacks=(SaveAtEnd(target),))
+        assert torch.load(tmp_path / "outcome_rank0.pt") == "saved"
+    full = torch.load(tmp_path / "full.ckpt", weights_only=True)
+    # resolved interpolations, plain containers, and the config's class by name
+    assert full["hyper_parameters"] == {"lr": 0.1, "layers": [4, 8], "name": "tiny", "model": "tiny"}
+    assert full["hparams_type"] == "omegaconf.dictconfig.DictConfig"
+    meta = torch.load(tmp_path / "sharded.ckpt" / ckpt.META_FILENAME, weights_only=True)
+    assert meta["hyper_parameters"] == full["hyper_parameters"]
+    # Lightning's own loader (weights_only by default) rebuilds the model with the same values
+    loaded = CfgModel.load_from_checkpoint(tmp_path / "full.ckpt")
+    assert dict(loaded.hparams) == full["hyper_parameters"] and loaded.hparams.lr == 0.1
+
+
+@pytest.mark.timeout(120)
+def test_unsavable_hyperparameters_fail_at_fit_start(tmp_path: Path) -> None:
+    seen = tmp_path / "steps"
+
+    class CountSteps(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            seen.touch()
+
+    every_epoch = ModelCheckpoint(dirpath=tmp_path / "ckpts")
+    with pytest.raises(HybridShardConfigError, match=r"ModelCheckpoint could not save this run: "
+                       r"checkpoint\['hyper_parameters'\]\['loss'\] is a torch\.nn\.modules\.loss\.MSELoss"):
+        run(tmp_path, 2, 2, tag="early", max_steps=1, model=HParamsModel(loss=torch.nn.MSELoss()),
+            callbacks=(every_epoch, CountSteps()))
+    assert not seen.exists() and not (tmp_path / "ckpts").exists()
+    # without a ModelCheckpoint nothing is saved, so nothing is refused
+    run(tmp_path / "off", 2, 2, tag="off", max_steps=1, model=HParamsModel(loss=torch.nn.MSELoss()))
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+@pytest.mark.parametrize("value", [
+    1, "x", b"x", 1.5, 2 + 1j, None, True, torch.ones(2), torch.float16, torch.device("cpu"), torch.Size([2]),
+    [1, [2]], (1, (2, "a")), {1, 2}, {(1, 2): 3}, {"a": {"b": [1]}}, AttributeDict(a=1),
+    OmegaConf.create({"a": [1, {"b": 2}]}), frozenset({1}), Point(1, 2), Path("p"), Color.RED, object(),
+    {(1, Path("p")): 1}, [Point(1, 2)], torch.nn.ReLU(),
+], ids=repr)
+def test_save_check_agrees_with_weights_only_loading(value: Any) -> None:
+    """The check before a save accepts exactly what torch.load(weights_only=True) loads back."""
+    written = ckpt.plain_checkpoint({"hyper_parameters": {"v": value}})
+    buffer = io.BytesIO()
+    torch.save(written, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+        loads = True
+    except Exception:  # noqa: BLE001 - any refusal counts
+        loads = False
+    assert (ckpt._unsafe_entry(written) is None) == loads
 
 
 def test_unsafe_entry_and_record_helpers() -> None:
