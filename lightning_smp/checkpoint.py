@@ -209,8 +209,8 @@ def save(strategy: "HybridShardFSDPStrategy", checkpoint: dict[str, Any], filepa
     path = Path(strategy.broadcast(os.fspath(filepath)))
     run_id = ensure_run_id(strategy)
     kind = kind or strategy._state_dict_type
+    checkpoint = plain_checkpoint(checkpoint)  # what is written, and what the check below judges
     # decide on rank 0, fail on every rank alike, before anything is written
-    checkpoint = plain_checkpoint(checkpoint)
     problem = collision(path, run_id) if strategy.global_rank == 0 else None
     if problem is None and strategy.global_rank == 0:
         problem = _unsafe_entry({k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")})
@@ -403,8 +403,7 @@ def _unsafe_entry(obj: Any, where: str = "checkpoint") -> Optional[str]:
         for key, value in obj.items():
             if not isinstance(key, (str, int, float, bool, type(None), tuple)):
                 return _unsafe_message(f"{where} key {key!r}", key)
-            problem = (_unsafe_entry(key, f"{where} key {key!r}") if isinstance(key, tuple) else None) or \
-                _unsafe_entry(value, f"{where}[{key!r}]")
+            problem = _unsafe_entry(key, f"{where} key {key!r}") or _unsafe_entry(value, f"{where}[{key!r}]")
             if problem:
                 return problem
         return None
