@@ -22,6 +22,11 @@ Convert a sharded checkpoint into a full one (no processes or GPUs needed)::
 
     python -m lightning_smp.checkpoint consolidate path/to/epoch=0-step=10.ckpt path/to/full.ckpt
 
+or, in Python, :func:`read_full` (the full checkpoint dict of either kind) and :func:`load_from_checkpoint`
+(``MyModule.load_from_checkpoint`` for either kind)::
+
+    model = lightning_smp.checkpoint.load_from_checkpoint(MyModule, "path/to/last.ckpt")
+
 Lightning's ``python -m lightning.pytorch.utilities.consolidate_checkpoint FOLDER`` reads the same folders.
 """
 
@@ -40,7 +45,7 @@ import uuid
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -62,6 +67,8 @@ FORMAT_VERSION = 1
 SHARDED = "sharded"
 FULL = "full"
 STATE_DICT_TYPES = (SHARDED, FULL)
+
+T = TypeVar("T")
 
 _PathLike = Union[str, os.PathLike]
 
@@ -750,23 +757,19 @@ def optimizer_state_by_index(optim_state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def consolidate(src: _PathLike, dst: _PathLike) -> Path:
-    """Turn the sharded checkpoint folder ``src`` into the full checkpoint file ``dst``; runs in one process.
-
-    The result equals what ``state_dict_type="full"`` would have written. ``dst`` must not exist.
-    """
+def read_full(path: _PathLike) -> dict[str, Any]:
+    """The full checkpoint at ``path`` as a dict of CPU tensors, in one process: a full file as it is, a sharded
+    folder assembled (what ``state_dict_type="full"`` would have written). Loads with ``weights_only=True``."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    src, dst = Path(src), Path(dst)
-    if checkpoint_kind(src) != SHARDED:
-        raise HybridShardConfigError(f"src={str(src)!r} is not a sharded checkpoint folder.")
-    if os.path.lexists(dst):
-        raise HybridShardConfigError(f"dst={str(dst)!r} exists; refusing to overwrite it. Fix: choose a new name.")
+    path = Path(path)
+    if checkpoint_kind(path) == FULL:
+        return torch.load(path, map_location="cpu", weights_only=True)
     state: dict[str, Any] = {}
     # the private loader, as Lightning's utility and torch's dcp_to_torch_save use: the public one keeps only the
     # keys of a template, and here the template is empty
-    _load_state_dict(state, storage_reader=SafeFileSystemReader(src), planner=_SafeEmptyLoadPlanner(), no_dist=True)
-    meta = src / META_FILENAME
+    _load_state_dict(state, storage_reader=SafeFileSystemReader(path), planner=_SafeEmptyLoadPlanner(), no_dist=True)
+    meta = path / META_FILENAME
     checkpoint: dict[str, Any] = dict(torch.load(meta, map_location="cpu", weights_only=True)) if meta.is_file() else {}
     checkpoint["state_dict"] = collections.OrderedDict(state.pop("model"))
     count = len([k for k in state if k.startswith("optimizer_")])
@@ -775,11 +778,43 @@ def consolidate(src: _PathLike, dst: _PathLike) -> Path:
     record = dict(checkpoint.get(RUN_KEY) or {})
     record["state_dict_type"] = FULL
     checkpoint[RUN_KEY] = record
+    return checkpoint
+
+
+def consolidate(src: _PathLike, dst: _PathLike) -> Path:
+    """Turn the sharded checkpoint folder ``src`` into the full checkpoint file ``dst``; runs in one process.
+
+    The result equals what ``state_dict_type="full"`` would have written. ``dst`` must not exist.
+    """
+    src, dst = Path(src), Path(dst)
+    if checkpoint_kind(src) != SHARDED:
+        raise HybridShardConfigError(f"src={str(src)!r} is not a sharded checkpoint folder.")
+    if os.path.lexists(dst):
+        raise HybridShardConfigError(f"dst={str(dst)!r} exists; refusing to overwrite it. Fix: choose a new name.")
+    checkpoint = read_full(src)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:12]}")
     write_file(checkpoint, tmp)
     commit(tmp, dst)
     return dst
+
+
+def load_from_checkpoint(cls: type[T], path: _PathLike, **kwargs: Any) -> T:
+    """``cls.load_from_checkpoint(path, **kwargs)`` for a checkpoint of either kind, in one process (no GPU needed).
+
+    ``cls`` is a ``LightningModule`` or ``LightningDataModule`` class; ``kwargs`` are those of Lightning's
+    ``load_from_checkpoint`` (``map_location``, ``strict``, hyperparameter overrides). A sharded folder is assembled
+    in memory first, which holds the model twice for a moment; for a large model write one file with
+    ``python -m lightning_smp.checkpoint consolidate`` instead.
+    """
+    path = Path(path)
+    if checkpoint_kind(path) == FULL:
+        return cls.load_from_checkpoint(path, **kwargs)  # type: ignore[attr-defined]
+    buffer = io.BytesIO()
+    torch.save(read_full(path), buffer)
+    buffer.seek(0)
+    kwargs.setdefault("weights_only", True)
+    return cls.load_from_checkpoint(buffer, **kwargs)  # type: ignore[attr-defined]
 
 
 def main(argv: Optional[Iterable[str]] = None) -> int:

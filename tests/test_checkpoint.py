@@ -373,6 +373,21 @@ def test_validate_and_predict_load_the_checkpoint(tmp_path: Path, written: dict[
 
 
 @pytest.mark.timeout(120)
+def test_load_from_checkpoint_reads_either_kind(written: dict[str, Path]) -> None:
+    full_path, sharded_path = (written[kind] / "ckpts" / "last.ckpt" for kind in ("full", "sharded"))
+    full = torch.load(full_path, weights_only=True)
+    assembled = ckpt.read_full(sharded_path)
+    assert_same_tensors(assembled["state_dict"], full["state_dict"])
+    assert_same_optimizer(assembled["optimizer_states"][0], full["optimizer_states"][0])
+    assert assembled["global_step"] == full["global_step"] == K
+    for path in (full_path, sharded_path):
+        model = ckpt.load_from_checkpoint(CkptModel, path, map_location="cpu")
+        assert type(model) is CkptModel
+        assert_same_tensors(model.state_dict(), full["state_dict"])
+    with pytest.raises(HybridShardConfigError, match="is not a checkpoint"):
+        ckpt.load_from_checkpoint(CkptModel, written["full"] / "missing.ckpt")
+
+
 def test_consolidate_sharded_to_full(tmp_path: Path, written: dict[str, Path]) -> None:
     source = written["sharded"] / "ckpts" / "last.ckpt"
     full = torch.load(written["full"] / "ckpts" / "last.ckpt", weights_only=True)
@@ -676,6 +691,9 @@ def test_omegaconf_hyperparameters_are_saved_as_plain_values(tmp_path: Path) -> 
     # Lightning's own loader (weights_only by default) rebuilds the model with the same values
     loaded = CfgModel.load_from_checkpoint(tmp_path / "full.ckpt")
     assert dict(loaded.hparams) == full["hyper_parameters"] and loaded.hparams.lr == 0.1
+    from_folder = ckpt.load_from_checkpoint(CfgModel, tmp_path / "sharded.ckpt")
+    assert dict(from_folder.hparams) == full["hyper_parameters"]
+    assert_same_tensors(from_folder.state_dict(), full["state_dict"])
 
 
 @pytest.mark.timeout(120)
