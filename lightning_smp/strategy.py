@@ -311,7 +311,10 @@ class HybridShardFSDPStrategy(FSDPStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        if trainer.state.fn == TrainerFn.FITTING and trainer.checkpoint_callbacks:
+        # a ModelCheckpoint(save_top_k=0) without save_last never saves
+        saving = [cb for cb in trainer.checkpoint_callbacks
+                  if getattr(cb, "save_top_k", 1) != 0 or getattr(cb, "save_last", False)]
+        if trainer.state.fn == TrainerFn.FITTING and saving:
             # fail now, not at the first save hours into training (the same check as checkpoint_lib.save)
             datamodule = getattr(trainer, "datamodule", None)
             problem = checkpoint_lib.hyperparameters_problem(trainer.lightning_module, datamodule)

@@ -710,8 +710,11 @@ def test_unsavable_hyperparameters_fail_at_fit_start(tmp_path: Path) -> None:
         run(tmp_path, 2, 2, tag="early", max_steps=1, model=HParamsModel(loss=torch.nn.MSELoss()),
             callbacks=(every_epoch, CountSteps()))
     assert not seen.exists() and not (tmp_path / "ckpts").exists()
-    # without a ModelCheckpoint nothing is saved, so nothing is refused
+    # without a ModelCheckpoint that saves, nothing is saved, so nothing is refused
     run(tmp_path / "off", 2, 2, tag="off", max_steps=1, model=HParamsModel(loss=torch.nn.MSELoss()))
+    run(tmp_path / "top0", 2, 2, tag="top0", max_steps=1, model=HParamsModel(loss=torch.nn.MSELoss()),
+        callbacks=(ModelCheckpoint(dirpath=tmp_path / "none", save_top_k=0),))
+    assert not (tmp_path / "none").exists()
 
 
 Point = collections.namedtuple("Point", "x y")
