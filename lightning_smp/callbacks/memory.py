@@ -23,8 +23,8 @@ Record fields (one plain ``dict`` per rank; all sizes in bytes):
 ``padding_bytes``              FSDP padding per rank in parameters and gradients (averaged over the shard group)
 ``floor_bytes``                ``unsharded_total / shard_degree + padding_bytes``: the least sharding can reach
 ``measured_over_floor``        ``total_bytes / floor_bytes`` (1.0 means nothing is wasted)
-``peak_allocated_bytes``,      CUDA ``max_memory_allocated`` / ``max_memory_reserved`` of the root device, ``None``
-``peak_reserved_bytes``        on other devices
+``peak_allocated_bytes``,      ``torch.accelerator.max_memory_allocated`` / ``max_memory_reserved`` of the root
+``peak_reserved_bytes``        device (CUDA, XPU, ...), ``None`` on the CPU
 ``peak_rss_bytes``             peak resident memory of the process (``getrusage``), on every device type
 ``comm``                       collectives of optimizer step ``comm_step`` (all its micro-batches), as counted by
                                :class:`~lightning_smp.comm.CommCounter`: ``{axis: {op: {"count", "bytes"}}}``;
@@ -218,13 +218,15 @@ def measure_memory(model: Module, optimizers: Sequence[Optimizer], grads_bytes: 
 
 
 def peak_memory(device: torch.device) -> dict[str, int | None]:
-    """Peak CUDA allocated/reserved bytes of ``device`` (``None`` unless CUDA) and the process's peak RSS."""
+    """Peak allocated/reserved bytes of ``device`` when it is the accelerator's (CUDA, XPU, ...; ``None`` on the CPU)
+    and the process's peak RSS."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rss *= 1 if sys.platform == "darwin" else 1024  # kilobytes on Linux, bytes on macOS
     allocated = reserved = None
-    if device.type == "cuda":
-        allocated = torch.cuda.max_memory_allocated(device)
-        reserved = torch.cuda.max_memory_reserved(device)
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is not None and device.type == accelerator.type:
+        allocated = torch.accelerator.max_memory_allocated(device)
+        reserved = torch.accelerator.max_memory_reserved(device)
     return {"peak_allocated_bytes": allocated, "peak_reserved_bytes": reserved, "peak_rss_bytes": rss}
 
 
