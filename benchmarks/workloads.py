@@ -12,7 +12,7 @@ Measured per rank:
   the process's CPU time over the same interval (less sensitive to other programs on the machine);
 - **model-state bytes** and their floor, from the real tensors at the end of the last warm-up step
   (:func:`lightning_smp.callbacks.memory.measure_memory`, gradients as they were before the optimizer step);
-- **traffic** of that same step per mesh axis (:class:`lightning_smp.comm.CommCounter`) next to the textbook figure
+- **traffic** of that same step per mesh axis (:class:`lightning_smp.accounting.CommCounter`) next to the textbook figure
   (:func:`lightning_smp.callbacks.memory.textbook`), and the size of the group each axis runs on;
 - **peak memory**: resident memory of the process (reset at the start of the run where Linux allows it) and, on
   CUDA, ``max_memory_allocated``/``max_memory_reserved``.
@@ -36,9 +36,11 @@ from torch.nn import Module
 from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.settings import ConfigSpec, Settings
-from lightning_smp.callbacks.memory import comm_groups, gradient_bytes, measure_memory, peak_memory, textbook
-from lightning_smp.comm import CommCounter
+from lightning_smp.accounting.comm import CommCounter
+from lightning_smp.accounting.memory import comm_groups, gradient_bytes, measure_memory, peak_memory, textbook
+from lightning_smp.callbacks.memory import strategy_mesh
 from lightning_smp.demo import Block, MarkovTokens, TinyGPT
+from lightning_smp.names import MESH_AXES
 
 
 class BenchGPT(TinyGPT):
@@ -167,7 +169,7 @@ def _lightning_probe_callback(probe: StepProbe) -> Any:
             self.groups: dict[str, Any] = {}
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            self.groups = comm_groups(trainer.strategy, trainer.strategy.model)
+            self.groups = comm_groups(trainer.strategy.model, strategy_mesh(trainer.strategy))
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             probe.batch_start(batch_idx, self.groups)
@@ -286,7 +288,7 @@ def run_torch_hsdp(spec: ConfigSpec, settings: Settings, dataset: Dataset, devic
     world, degree = settings.world_size, spec.degree
     assert degree is not None
     strategy = spec.sharding_strategy(world)
-    mesh = init_device_mesh(device.type, (world // degree, degree), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(device.type, (world // degree, degree), mesh_dim_names=MESH_AXES)
     if strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
         fsdp_mesh = mesh
     else:  # a 1-D mesh: FULL_SHARD over the shard axis, NO_SHARD over the replicate axis

@@ -10,8 +10,9 @@ from lightning_smp.__about__ import __version__
 from lightning_smp.callbacks import MemorySavingsCallback
 from lightning_smp.config import SMPConfig, resolve_config
 from lightning_smp.degree import Layout, resolve_layout, valid_degrees
-from lightning_smp.errors import HybridShardConfigError
-from lightning_smp.mesh import MESH_AXES, REPLICATE_AXIS, SHARD_AXIS, build_device_mesh
+from lightning_smp.errors import CheckpointError, HybridShardConfigError, LightningSMPError, UnsupportedOptionError
+from lightning_smp.mesh import build_device_mesh
+from lightning_smp.names import MESH_AXES, REPLICATE_AXIS, SHARD_AXIS
 from lightning_smp.plain import init, is_initialized, shutdown
 from lightning_smp.precision import HybridShardPrecision
 from lightning_smp.strategy import HybridShardFSDPStrategy
@@ -22,12 +23,15 @@ __all__ = [
     "MESH_AXES",
     "REPLICATE_AXIS",
     "SHARD_AXIS",
+    "CheckpointError",
     "HybridShardConfigError",
     "HybridShardFSDPStrategy",
     "HybridShardPrecision",
     "Layout",
+    "LightningSMPError",
     "MemorySavingsCallback",
     "SMPConfig",
+    "UnsupportedOptionError",
     "__version__",
     "build_device_mesh",
     "init",

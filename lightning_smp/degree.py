@@ -21,19 +21,20 @@ that no all-reduce over size-1 replica groups is issued; a layout whose shard gr
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import Any, Literal, cast
 
 from lightning_smp.errors import HybridShardConfigError
-
-FULL_SHARD = "FULL_SHARD"
-SHARD_GRAD_OP = "SHARD_GRAD_OP"
-NO_SHARD = "NO_SHARD"
-HYBRID_SHARD = "HYBRID_SHARD"
-HYBRID_SHARD_ZERO2 = "_HYBRID_SHARD_ZERO2"
-
-SHARDING_STRATEGIES = (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2)
-HYBRID_STRATEGIES = (HYBRID_SHARD, HYBRID_SHARD_ZERO2)
+from lightning_smp.names import (
+    FULL_SHARD,
+    HYBRID_SHARD,
+    HYBRID_SHARD_ZERO2,
+    HYBRID_STRATEGIES,
+    NO_SHARD,
+    SHARD_GRAD_OP,
+    SHARDING_STRATEGIES,
+    ShardingStrategyName,
+)
 
 #: Which part of the ``(replicate, shard)`` mesh FSDP receives.
 FSDPAxis = Literal["both", "shard", "replicate"]
@@ -58,11 +59,11 @@ def check_degree(value: Any, parameter: str = "hybrid_shard_degree") -> int:
     return int(value)
 
 
-def check_sharding_strategy(value: Any) -> str:
+def check_sharding_strategy(value: Any) -> ShardingStrategyName:
     """Normalise a sharding strategy given as a string (any case) or a ``ShardingStrategy`` member."""
     name = getattr(value, "name", value)
     if isinstance(name, str) and name.upper() in SHARDING_STRATEGIES:
-        return name.upper()
+        return cast(ShardingStrategyName, name.upper())
     raise HybridShardConfigError(
         f"sharding_strategy={value!r} is not a sharding strategy. Valid values: {', '.join(SHARDING_STRATEGIES)}."
     )
@@ -81,8 +82,8 @@ class Layout:
     degree: int
     replicate: int
     shard: int
-    requested_strategy: str
-    sharding_strategy: str
+    requested_strategy: ShardingStrategyName
+    sharding_strategy: ShardingStrategyName
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
@@ -178,6 +179,7 @@ def resolve_layout(
         # SMP forces HYBRID_SHARD for degree >= 2 unless the user chose _HYBRID_SHARD_ZERO2.
         zero2 = requested == HYBRID_SHARD_ZERO2
 
+    effective: ShardingStrategyName
     if shard == 1:
         effective = NO_SHARD
     elif shard == world_size:
@@ -192,3 +194,46 @@ def resolve_layout(
         requested_strategy=requested,
         sharding_strategy=effective,
     )
+
+
+def reconcile_degree(source: str, implied: int | None, degree: int | None) -> int | None:
+    """Merge the shard degree implied by ``source`` (a ``device_mesh`` or ``process_group``) with
+    ``hybrid_shard_degree``; ``None`` means "not given"."""
+    if implied is None:
+        return degree
+    if degree not in (None, 0, implied):
+        raise HybridShardConfigError(
+            f"hybrid_shard_degree={degree} contradicts {source}, whose shard group has {implied} rank(s)."
+            f" Fix: pass only one of them, or make them agree (hybrid_shard_degree={implied})."
+        )
+    return implied
+
+
+def resolve_strategy_layout(
+    num_nodes: int,
+    devices: int,
+    hybrid_shard_degree: int,
+    sharding_strategy: Any,
+    mesh_shape: tuple[int, ...] | None = None,
+    user_mesh: bool = False,
+) -> Layout:
+    """The layout a strategy runs on ``num_nodes x devices`` ranks (:func:`resolve_layout` with devices per node).
+
+    ``mesh_shape`` is the shape of a ``device_mesh`` the user gave (a tuple or a ``DeviceMesh``); it must match.
+    A ``DeviceMesh`` of the user's own (``user_mesh``) is handed to FSDP as it is, which needs a hybrid strategy.
+
+    Raises:
+        HybridShardConfigError: the degree does not fit the world, or the given mesh shape does not.
+    """
+    world_size = num_nodes * devices
+    layout = resolve_layout(world_size, hybrid_shard_degree, sharding_strategy, devices_per_node=devices)
+    if user_mesh and layout.sharding_strategy not in HYBRID_STRATEGIES:
+        hybrid = HYBRID_SHARD_ZERO2 if "ZERO2" in layout.requested_strategy else HYBRID_SHARD
+        layout = replace(layout, sharding_strategy=hybrid)
+    if mesh_shape is not None and tuple(mesh_shape) != layout.mesh_shape:
+        raise HybridShardConfigError(
+            f"device_mesh of shape {tuple(mesh_shape)} does not fit world_size={world_size}"
+            f" (num_nodes={num_nodes} x devices={devices}). Fix: use shape"
+            f" {layout.mesh_shape} or pass hybrid_shard_degree instead."
+        )
+    return layout

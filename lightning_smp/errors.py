@@ -1,9 +1,36 @@
-"""The one exception type of the package."""
+"""The package's exception types: one per kind of mistake, under one base class.
+
+Each also subclasses the built-in type that Lightning's ``FSDPStrategy`` (or torch) raises for the same mistake, so
+code written for ``FSDPStrategy`` keeps catching what it caught before.
+"""
 
 
-class HybridShardConfigError(ValueError):
+class LightningSMPError(Exception):
+    """Base class of every error ``lightning_smp`` raises on purpose."""
+
+
+class HybridShardConfigError(LightningSMPError, ValueError):
     """A configuration value that hybrid sharding cannot use.
 
-    Every message names the parameter, the value it got and what would be valid. It subclasses
-    ``ValueError`` so that code catching bad arguments the usual way keeps working.
+    Every message names the parameter, the value it got and what would be valid. It subclasses ``ValueError`` so
+    that code catching bad arguments the usual way keeps working.
     """
+
+
+class UnsupportedOptionError(HybridShardConfigError, TypeError):
+    """An argument of a kind the strategy does not take (e.g. ``storage_options``, a non-FSDP precision plugin).
+
+    A ``TypeError`` too, as Lightning's ``FSDPStrategy`` raises for the same arguments.
+    """
+
+
+class CheckpointError(LightningSMPError, ValueError, RuntimeError):
+    """A checkpoint that cannot be written or loaded as asked: another run's files at the path, something that is not
+    a checkpoint, a model or optimizer that does not fit it, a save that failed on some rank.
+
+    A ``ValueError`` (what this library raised for these before) and a ``RuntimeError`` (what Lightning and torch
+    raise for a state dict or an optimizer count that does not fit).
+    """
+
+
+__all__ = ["CheckpointError", "HybridShardConfigError", "LightningSMPError", "UnsupportedOptionError"]

@@ -29,15 +29,29 @@ from lightning.pytorch.trainer.call import _call_callbacks_load_state_dict, _cal
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_smp.checkpoint import full_optimizer_state
-from lightning_smp.errors import HybridShardConfigError
+from lightning_smp import errors
+from lightning_smp.errors import HybridShardConfigError, LightningSMPError
+from lightning_smp.names import START_METHODS, StartMethod
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_smp.checkpoint import CheckpointRun
+
 #: Attributes a callback fills with results for the user (e.g. ``MemorySavingsCallback.report``, one plain dict
 #: per rank, and ``.reports`` by stage): sent back from rank 0 and set on the main process's matching callback.
 REPORT_ATTRIBUTES = ("report", "reports")
+
+
+def check_start_method_name(start_method: object) -> StartMethod | None:
+    """Check a ``start_method`` argument statically: ``None`` (automatic) or one of :data:`START_METHODS`."""
+    if start_method is not None and start_method not in START_METHODS:
+        raise HybridShardConfigError(
+            f"start_method={start_method!r} is not supported. Valid values: None (automatic), "
+            + ", ".join(repr(m) for m in START_METHODS)
+            + "."
+        )
+    return start_method  # type: ignore[return-value]  # narrowed by the membership test above
 
 
 def check_start_method(start_method: str) -> None:
@@ -85,23 +99,53 @@ def _bad_fork_message(start_method: str, runtime: str, why: str) -> str:
     )
 
 
-_CONFIG_ERROR_PREFIX = f"{HybridShardConfigError.__module__}.{HybridShardConfigError.__qualname__}: "
-
-
-def _config_error_message(rank_traceback: str) -> str | None:
-    """The message of a :class:`HybridShardConfigError` that ended a rank, from the traceback torch sends back."""
-    _, found, message = rank_traceback.rpartition(_CONFIG_ERROR_PREFIX)
-    return message.strip() if found else None
+def rank_error(rank_traceback: str) -> LightningSMPError | None:
+    """The library error that ended a rank, rebuilt from the traceback torch sends back (None for other errors)."""
+    found: LightningSMPError | None = None
+    position = -1
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        prefix = f"{cls.__module__}.{cls.__qualname__}: "
+        at = rank_traceback.rfind(prefix)
+        if at > position:
+            position, found = at, cls(rank_traceback[at + len(prefix):].strip())
+    return found
 
 
 @dataclass
 class MainProcessResults:
-    """What the ranks of the last ``fit`` sent back, kept in the notebook process for ``trainer.save_checkpoint``."""
+    """What the ranks of the last ``fit`` sent back to the process that launched them (the notebook).
 
-    #: ``strategy.optimizer_state(optimizer)`` of rank 0 for every optimizer (full, unsharded); None if not sent.
+    Owned by the strategy, which creates it with the launcher and reads it when the notebook saves a checkpoint;
+    the launcher fills it in.
+    """
+
+    #: the process that created the Trainer; forked or spawned ranks see another pid
+    main_pid: int = field(default_factory=os.getpid)
+    #: the full optimizer state of rank 0 for every optimizer; None until a fit has finished
     optimizer_states: list[dict[str, Any]] | None = None
     #: ``scheduler.state_dict()`` for every learning-rate scheduler.
     lr_schedulers: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def in_main_process(self) -> bool:
+        """True in the process that created the Trainer (the notebook), False inside the launched ranks."""
+        return os.getpid() == self.main_pid
+
+    def complete_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Fill in what the main process cannot know in a checkpoint it dumped after a launched ``fit``.
+
+        The main process holds the trained weights, loop counters and callback state, but not the optimizers,
+        which lived in the ranks: their full state, sent back at the end of ``fit``, is added here.
+        """
+        if "optimizer_states" not in checkpoint:  # weights_only=True
+            return checkpoint
+        if self.optimizer_states is None:
+            raise HybridShardConfigError(
+                "trainer.save_checkpoint() in the notebook process has no optimizer state to save: this Trainer has"
+                " not finished a fit(). Fix: call trainer.fit(...) first, or pass weights_only=True."
+            )
+        return {**checkpoint, "optimizer_states": self.optimizer_states, "lr_schedulers": self.lr_schedulers}
 
 
 class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
@@ -113,21 +157,18 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
     callback state, and the main process loads them (see the module docstring for the list).
 
     Arguments:
-        strategy: the :class:`~lightning_smp.HybridShardFSDPStrategy` that uses this launcher.
+        strategy: the :class:`~lightning_smp.HybridShardFSDPStrategy` that uses this launcher; the ranks call its
+            public ``full_state_dict()`` and ``full_optimizer_state(optimizer)``.
         start_method: ``"fork"`` (notebooks), ``"spawn"`` or ``"forkserver"``.
+        results: where the main process keeps what the ranks sent back (owned by the strategy).
+        run: the checkpoint run identity; the main process continues the ranks' run.
     """
 
-    def __init__(self, strategy: pl.strategies.ParallelStrategy, start_method: str = "fork") -> None:
+    def __init__(self, strategy: Any, start_method: str, results: MainProcessResults, run: CheckpointRun) -> None:
         check_start_method(start_method)
-        super().__init__(strategy, start_method=start_method)  # type: ignore[arg-type]
-        # the process that builds the Trainer; forked or spawned ranks see another pid
-        self._main_pid = os.getpid()
-        self.main_process_results: MainProcessResults | None = None
-
-    @property
-    def in_main_process(self) -> bool:
-        """True in the process that created the Trainer (the notebook), False inside the launched ranks."""
-        return os.getpid() == self._main_pid
+        super().__init__(strategy, start_method=start_method)
+        self.results = results
+        self.run = run
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
@@ -145,11 +186,11 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except mp.ProcessRaisedException as err:
-            # a configuration error found inside the ranks reads as one here, as it would in a script
-            message = _config_error_message(str(err))
-            if message is None:
+            # an error of this library found inside the ranks reads as the same error here, as it would in a script
+            error = rank_error(str(err))
+            if error is None:
                 raise
-            raise HybridShardConfigError(message) from err
+            raise error from err
 
     # ------------------------------------------------------------------ inside the ranks
 
@@ -163,9 +204,9 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
         payload: dict[str, Any] = {}
         if fitting:
             # collectives: every rank must take part
-            payload["state_dict"] = strategy.full_state_dict()  # type: ignore[attr-defined]
+            payload["state_dict"] = strategy.full_state_dict()
             # full whatever state_dict_type says: the main process has no shards to pair a sharded state with
-            payload["optimizer_states"] = [full_optimizer_state(strategy, opt) for opt in trainer.optimizers]
+            payload["optimizer_states"] = [strategy.full_optimizer_state(opt) for opt in trainer.optimizers]
         if strategy.global_rank != 0:
             return None
         if fitting:
@@ -173,7 +214,7 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
             payload["fit_loop"] = trainer.fit_loop.state_dict()
             payload["callbacks"] = _call_callbacks_state_dict(trainer)
             # checkpoints the main process writes belong to the same run (see lightning_smp.checkpoint)
-            payload["checkpoint_run_id"] = getattr(strategy, "_checkpoint_run_id", None)
+            payload["checkpoint_run_id"] = self.run.run_id
         payload["reports"] = _callback_reports(trainer.callbacks)
 
         # a private folder: the file system may be shared between nodes
@@ -228,11 +269,10 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
             _call_callbacks_load_state_dict(trainer, {"callbacks": payload["callbacks"]})
         _set_callback_reports(trainer.callbacks, payload.get("reports", {}))
         if payload.get("checkpoint_run_id") is not None:
-            self._strategy._checkpoint_run_id = payload["checkpoint_run_id"]  # type: ignore[attr-defined]
+            self.run.run_id = payload["checkpoint_run_id"]
         if worker_output.trainer_state.fn == TrainerFn.FITTING:
-            self.main_process_results = MainProcessResults(
-                optimizer_states=payload.get("optimizer_states"), lr_schedulers=payload.get("lr_schedulers", [])
-            )
+            self.results.optimizer_states = payload.get("optimizer_states")
+            self.results.lr_schedulers = payload.get("lr_schedulers", [])
 
         trainer.state = worker_output.trainer_state
         self.update_main_process_results(trainer, worker_output.extra)
@@ -243,25 +283,6 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
         for name in ("logged_metrics", "progress_bar_metrics"):
             if f"{name}_bytes" in extra:
                 getattr(trainer, name).update(torch.load(io.BytesIO(extra[f"{name}_bytes"]), weights_only=True))
-
-    def complete_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """Fill in what the main process cannot know in a checkpoint it dumped after a launched ``fit``.
-
-        The main process holds the trained weights, loop counters and callback state, but not the optimizers,
-        which lived in the ranks: their full state, sent back at the end of ``fit``, is added here.
-        """
-        if "optimizer_states" not in checkpoint:  # weights_only=True
-            return checkpoint
-        results = self.main_process_results
-        if results is None or results.optimizer_states is None:
-            raise HybridShardConfigError(
-                "trainer.save_checkpoint() in the notebook process has no optimizer state to save: this Trainer has"
-                " not finished a fit(). Fix: call trainer.fit(...) first, or pass weights_only=True."
-            )
-        checkpoint = dict(checkpoint)
-        checkpoint["optimizer_states"] = results.optimizer_states
-        checkpoint["lr_schedulers"] = results.lr_schedulers
-        return checkpoint
 
 
 def _callback_keys(callbacks: list[Any]) -> list[str]:
@@ -293,4 +314,11 @@ def _set_callback_reports(callbacks: list[Any], reports: dict[str, dict[str, Any
             setattr(callback, name, value)
 
 
-__all__ = ["HybridShardMultiProcessingLauncher", "MainProcessResults", "check_fork_safety", "check_start_method"]
+__all__ = [
+    "HybridShardMultiProcessingLauncher",
+    "MainProcessResults",
+    "check_fork_safety",
+    "check_start_method",
+    "check_start_method_name",
+    "rank_error",
+]

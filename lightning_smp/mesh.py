@@ -1,21 +1,17 @@
-"""Building the 2-D ``(replicate, shard)`` DeviceMesh and reading groups back from it."""
+"""Building the 2-D ``(replicate, shard)`` DeviceMesh, checking a mesh the user gave, and reading groups back."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from lightning_smp.degree import Layout
+from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.names import MESH_AXES, REPLICATE_AXIS, SHARD_AXIS, MeshAxis
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-#: Mesh axis across replicas (outer: a rank's peers holding the same shard).
-REPLICATE_AXIS = "replicate"
-#: Mesh axis inside a shard group (inner: consecutive global ranks).
-SHARD_AXIS = "shard"
-MESH_AXES = (REPLICATE_AXIS, SHARD_AXIS)
 
 
 def build_device_mesh(layout: Layout, device_type: str) -> DeviceMesh:
@@ -37,7 +33,7 @@ def fsdp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
     return mesh if axis == "both" else mesh[REPLICATE_AXIS if axis == "replicate" else SHARD_AXIS]
 
 
-def axis_group(mesh: DeviceMesh, axis: str) -> dist.ProcessGroup:
+def axis_group(mesh: DeviceMesh, axis: MeshAxis) -> dist.ProcessGroup:
     """This rank's process group along ``axis`` of a 2-D ``(replicate, shard)`` mesh.
 
     By position, not by name: a mesh the user built (``init_device_mesh("cuda", (r, s))``) has no axis names.
@@ -45,7 +41,7 @@ def axis_group(mesh: DeviceMesh, axis: str) -> dist.ProcessGroup:
     return mesh.get_group(MESH_AXES.index(axis))
 
 
-def group_ranks(mesh: DeviceMesh, axis: str) -> list[int]:
+def group_ranks(mesh: DeviceMesh, axis: MeshAxis) -> list[int]:
     """Global ranks of this rank's group along ``axis``."""
     return dist.get_process_group_ranks(axis_group(mesh, axis))
 
@@ -53,3 +49,54 @@ def group_ranks(mesh: DeviceMesh, axis: str) -> list[int]:
 def shard_group_of(mesh: DeviceMesh, rank: int) -> list[int]:
     """Global ranks of the shard group (a row of the mesh) that holds ``rank``, for any 2-D mesh layout."""
     return next(row for row in mesh.mesh.tolist() if rank in row)
+
+
+def check_device_mesh(device_mesh: Any) -> tuple[DeviceMesh | None, int | None]:
+    """Static checks of a ``device_mesh`` argument: returns (the user's mesh or None, the shard degree it implies).
+
+    Accepts ``None``, a tuple ``(replicas, shard_degree)`` or a 2-D ``DeviceMesh`` whose shard groups hold more than
+    one rank.
+    """
+    if device_mesh is None:
+        return None, None
+    if isinstance(device_mesh, (tuple, list)):
+        if len(device_mesh) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in device_mesh):
+            raise HybridShardConfigError(
+                f"device_mesh={device_mesh!r} must be a tuple (replicas, shard_degree) of two positive integers."
+                " Fix: e.g. device_mesh=(2, 4), or pass hybrid_shard_degree=4 instead."
+            )
+        return None, device_mesh[1]
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim != 2:
+        raise HybridShardConfigError(
+            f"device_mesh={device_mesh!r} must be a 2-D DeviceMesh (replicate, shard) or a tuple (replicas, shard_degree)."
+        )
+    if device_mesh.size(1) == 1:
+        raise HybridShardConfigError(
+            f"device_mesh of shape {tuple(device_mesh.shape)} has shard groups of one rank: FSDP would all-reduce over"
+            " size-1 groups and replicas would never synchronise. Fix: pass hybrid_shard_degree=1 instead."
+        )
+    return device_mesh, device_mesh.size(1)
+
+
+def process_group_degree(process_group: Any) -> int | None:
+    """The shard degree of an FSDP ``process_group`` argument (a group, or a hybrid ``(intra, inter)`` pair)."""
+    if process_group is None:
+        return None
+    intra = process_group[0] if isinstance(process_group, tuple) else process_group
+    return intra.size()
+
+
+__all__ = [
+    "MESH_AXES",
+    "REPLICATE_AXIS",
+    "SHARD_AXIS",
+    "axis_group",
+    "build_device_mesh",
+    "check_device_mesh",
+    "fsdp_mesh",
+    "group_ranks",
+    "process_group_degree",
+    "shard_group_of",
+]

@@ -31,12 +31,10 @@ given no degree (see :mod:`lightning_smp.config` for the precedence of sources).
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,8 +42,10 @@ import torch.distributed as dist
 from torch.nn import Module
 
 from lightning_smp.config import configured_degree, load_config, set_init_config
-from lightning_smp.degree import FULL_SHARD, Layout, resolve_layout
+from lightning_smp.degree import Layout, resolve_layout
+from lightning_smp.engines import FSDP1Engine
 from lightning_smp.mesh import build_device_mesh, fsdp_mesh
+from lightning_smp.names import FULL_SHARD
 from lightning_smp.replicas import broadcast_across_replicas, broadcast_before_wrapping
 
 if TYPE_CHECKING:
@@ -53,7 +53,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_ORIGINAL_INIT: Any | None = None
+#: undoes the patch of the wrapper's constructor; ``None`` while nothing is patched
+_RESTORE: Callable[[], None] | None = None
 # one mesh per (mesh shape, device type): building a mesh creates process groups, a collective on every rank.
 # FSDP calls that differ only in sharding strategy (FULL_SHARD vs SHARD_GRAD_OP units) share one mesh.
 _MESHES: dict[tuple[tuple[int, int], str], DeviceMesh] = {}
@@ -88,16 +89,10 @@ def shutdown() -> None:
     Process groups built for the meshes are left to ``torch.distributed.destroy_process_group()``. Harmless
     when :func:`init` was never called.
     """
-    global _ORIGINAL_INIT
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    if _ORIGINAL_INIT is not None:
-        if getattr(FullyShardedDataParallel.__init__, "_lightning_smp_patch", False):
-            FullyShardedDataParallel.__init__ = _ORIGINAL_INIT  # type: ignore[method-assign]
-        else:
-            warnings.warn("lightning_smp.shutdown(): FullyShardedDataParallel.__init__ was patched again after"
-                          " lightning_smp.init(); that later patch is left in place.", UserWarning, stacklevel=2)
-        _ORIGINAL_INIT = None
+    global _RESTORE
+    if _RESTORE is not None:
+        _RESTORE()
+        _RESTORE = None
     set_init_config(None)
     _MESHES.clear()
     _WARNED.clear()
@@ -105,29 +100,13 @@ def shutdown() -> None:
 
 def is_initialized() -> bool:
     """Whether :func:`init` has patched FSDP in this process (and :func:`shutdown` has not undone it)."""
-    return _ORIGINAL_INIT is not None
+    return _RESTORE is not None
 
 
 def _patch() -> None:
-    global _ORIGINAL_INIT
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    if _ORIGINAL_INIT is not None:
-        return
-    original = FullyShardedDataParallel.__init__
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        bound = signature.bind(self, *args, **kwargs)
-        after = _rewrite(bound.arguments)
-        original(*bound.args, **bound.kwargs)
-        if after is not None:
-            after(self)
-
-    __init__._lightning_smp_patch = True  # type: ignore[attr-defined]
-    _ORIGINAL_INIT = original
-    FullyShardedDataParallel.__init__ = __init__  # type: ignore[method-assign]
+    global _RESTORE
+    if _RESTORE is None:
+        _RESTORE = FSDP1Engine().patch_wrapper(_rewrite)
 
 
 def _rewrite(arguments: dict[str, Any]) -> Any | None:

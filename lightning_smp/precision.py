@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
@@ -17,19 +17,21 @@ class HybridShardPrecision(FSDPPrecision):
 
     - ``*-mixed`` precision autocasts on :attr:`device_type` (the strategy's root device), where Lightning's
       plugin hard-codes ``"cuda"`` and so fails on CPU.
-    - ``gradient_clip_algorithm="norm"`` calls ``FullyShardedDataParallel.clip_grad_norm_`` on the root FSDP
-      module: the norm is taken once over the whole model (all shards, counted once across replicas), exactly
-      as DDP's ``clip_grad_norm_`` on the full gradients. Lightning's plugin refuses norm clipping.
+    - ``gradient_clip_algorithm="norm"`` clips through the engine that sharded :attr:`fsdp_module` (FSDP1:
+      ``clip_grad_norm_`` on the root unit): the norm is taken once over the whole model (all shards, counted once
+      across replicas), exactly as DDP's ``clip_grad_norm_`` on the full gradients. Lightning's plugin refuses
+      norm clipping.
 
     - ``16-mixed`` gets a loss scaler for that device type (Lightning's is CUDA's, disabled without CUDA).
 
     The strategy calls :meth:`set_device_type` when the Trainer is created and sets :attr:`fsdp_module` in ``setup``.
     """
 
-    def __init__(self, precision: Any = "32-true", scaler: Optional[Any] = None) -> None:
+    def __init__(self, precision: Any = "32-true", scaler: Any | None = None) -> None:
         super().__init__(precision, scaler)
         self.device_type: str = "cpu"
-        self.fsdp_module: Optional[Module] = None
+        #: the root of the sharded model, set by the strategy in ``setup``
+        self.fsdp_module: Module | None = None
 
     @classmethod
     def from_plugin(cls, plugin: FSDPPrecision) -> HybridShardPrecision:
@@ -58,11 +60,10 @@ class HybridShardPrecision(FSDPPrecision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
-        from torch.distributed.fsdp import FullyShardedDataParallel
+        from lightning_smp.engines import engine_of
 
         module = self.fsdp_module
-        if not isinstance(module, FullyShardedDataParallel):
-            # A model the user wrapped module by module has no single root to clip over.
+        engine = engine_of(module) if module is not None else None
+        if module is None or engine is None or engine.clip_grad_norm(module, float(clip_val)) is None:
+            # A model the user wrapped module by module has no single root to clip over: Lightning's refusal.
             super().clip_grad_by_norm(optimizer, clip_val)
-            return
-        module.clip_grad_norm_(clip_val)

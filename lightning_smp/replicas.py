@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
 
 def _broadcast_tensors(
-    tensors: Iterable[torch.Tensor], src: int, group: Optional[dist.ProcessGroup], device: torch.device
+    tensors: Iterable[torch.Tensor], src: int, group: dist.ProcessGroup | None, device: torch.device
 ) -> None:
     """Broadcast ``tensors`` in place from global rank ``src`` over ``group`` (the world when ``None``).
 
@@ -83,7 +83,8 @@ def broadcast_across_replicas(model: Module, mesh: "DeviceMesh", device: torch.d
     in ``configure_model``). Each rank of a replicate group holds the same shard index, so sizes match.
     Buffers are not sharded and come from global rank 0.
     """
-    from lightning_smp.mesh import REPLICATE_AXIS, axis_group, group_ranks
+    from lightning_smp.mesh import axis_group, group_ranks
+    from lightning_smp.names import REPLICATE_AXIS
 
     replicate_group = axis_group(mesh, REPLICATE_AXIS)
     if replicate_group.size() > 1:

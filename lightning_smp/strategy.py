@@ -6,7 +6,7 @@ import logging
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -32,18 +32,28 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_smp import checkpoint as checkpoint_lib
+from lightning_smp.checkpoint import CheckpointRun, ShardedModel
+from lightning_smp.collectives import Collectives
+from lightning_smp.config import SMPConfig, resolve_config
 from lightning_smp.degree import (
-    HYBRID_SHARD,
-    HYBRID_SHARD_ZERO2,
-    HYBRID_STRATEGIES,
     Layout,
     check_degree,
     check_sharding_strategy,
-    resolve_layout,
+    reconcile_degree,
+    resolve_strategy_layout,
 )
-from lightning_smp.errors import HybridShardConfigError
-from lightning_smp.launcher import HybridShardMultiProcessingLauncher
-from lightning_smp.mesh import REPLICATE_AXIS, SHARD_AXIS, build_device_mesh, fsdp_mesh
+from lightning_smp.engines import Engine, FSDP1Engine, ShardingPlan
+from lightning_smp.errors import CheckpointError, HybridShardConfigError, UnsupportedOptionError
+from lightning_smp.launcher import HybridShardMultiProcessingLauncher, MainProcessResults, check_start_method_name
+from lightning_smp.mesh import build_device_mesh, check_device_mesh, fsdp_mesh, process_group_degree
+from lightning_smp.names import (
+    FULL,
+    STATE_DICT_TYPES,
+    STRATEGY_NAMES,
+    ShardingStrategyName,
+    StartMethod,
+    StateDictType,
+)
 from lightning_smp.precision import HybridShardPrecision
 from lightning_smp.replicas import broadcast_across_replicas, broadcast_before_wrapping
 
@@ -52,27 +62,9 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    _POLICY = Union[set[type[Module]], Any, ModuleWrapPolicy]
+    _POLICY = set[type[Module]] | Any | ModuleWrapPolicy
 
 log = logging.getLogger(__name__)
-
-StartMethod = Literal["popen", "fork", "spawn", "forkserver"]
-_START_METHODS = ("popen", "fork", "spawn", "forkserver")
-
-#: Names registered in Lightning's ``StrategyRegistry`` on ``import lightning_smp``: (name, description, init args).
-REGISTERED_NAMES: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("smp_hybrid", "SMP-style hybrid sharded data parallelism (FSDP HYBRID_SHARD)", {"sharding_strategy": HYBRID_SHARD}),
-    (
-        "smp_hybrid_zero2",
-        "SMP-style hybrid sharded data parallelism, ZeRO-2 flavour (FSDP _HYBRID_SHARD_ZERO2)",
-        {"sharding_strategy": HYBRID_SHARD_ZERO2},
-    ),
-    (
-        "smp_hybrid_notebook",
-        "SMP-style hybrid sharding launched by fork, for Jupyter notebooks",
-        {"sharding_strategy": HYBRID_SHARD, "start_method": "fork"},
-    ),
-)
 
 
 class HybridShardFSDPStrategy(FSDPStrategy):
@@ -143,45 +135,42 @@ class HybridShardFSDPStrategy(FSDPStrategy):
 
     def __init__(
         self,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        cpu_offload: Union[bool, "CPUOffload", None] = None,
-        mixed_precision: Optional["MixedPrecision"] = None,
-        auto_wrap_policy: Optional["_POLICY"] = None,
-        activation_checkpointing: Optional[Union[type[Module], list[type[Module]]]] = None,
-        activation_checkpointing_policy: Optional["_POLICY"] = None,
-        sharding_strategy: Union[
-            "ShardingStrategy", Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
-        ] = "HYBRID_SHARD",
-        state_dict_type: Literal["sharded", "full"] = "sharded",
-        device_mesh: Optional[Union[tuple[int, int], "DeviceMesh"]] = None,
-        hybrid_shard_degree: Optional[int] = None,
-        start_method: Optional[StartMethod] = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        cpu_offload: bool | CPUOffload | None = None,
+        mixed_precision: MixedPrecision | None = None,
+        auto_wrap_policy: _POLICY | None = None,
+        activation_checkpointing: type[Module] | list[type[Module]] | None = None,
+        activation_checkpointing_policy: _POLICY | None = None,
+        sharding_strategy: ShardingStrategy | ShardingStrategyName = "HYBRID_SHARD",
+        state_dict_type: StateDictType = "sharded",
+        device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        hybrid_shard_degree: int | None = None,
+        start_method: StartMethod | None = None,
         **kwargs: Any,
     ) -> None:
+        # static checks, before anything is built: the same on every rank
         self._requested_strategy = check_sharding_strategy(sharding_strategy)
-        self._degree_arg = None if hybrid_shard_degree is None else check_degree(hybrid_shard_degree)
-        self._user_mesh, mesh_degree = _check_device_mesh(device_mesh)
+        degree = None if hybrid_shard_degree is None else check_degree(hybrid_shard_degree)
+        self._user_mesh, mesh_degree = check_device_mesh(device_mesh)
         self._mesh_shape_arg = tuple(device_mesh) if isinstance(device_mesh, (tuple, list)) else None
         if device_mesh is not None and kwargs.get("process_group") is not None:
             raise HybridShardConfigError(
                 "device_mesh and process_group were both given; they are mutually exclusive. Fix: pass only one."
             )
-        self._degree_arg = _reconcile("device_mesh", mesh_degree, self._degree_arg)
-        self._degree_arg = _reconcile("process_group", _process_group_degree(kwargs.get("process_group")), self._degree_arg)
-        if start_method is not None and start_method not in _START_METHODS:
+        degree = reconcile_degree("device_mesh", mesh_degree, degree)
+        self._degree_arg = reconcile_degree("process_group", process_group_degree(kwargs.get("process_group")), degree)
+        start_method = check_start_method_name(start_method)
+        if state_dict_type not in STATE_DICT_TYPES:
             raise HybridShardConfigError(
-                f"start_method={start_method!r} is not supported. Valid values: None (automatic), "
-                + ", ".join(repr(m) for m in _START_METHODS)
-                + "."
+                f"state_dict_type={state_dict_type!r} is not supported. Valid values: "
+                + ", ".join(repr(t) for t in STATE_DICT_TYPES) + "."
             )
-        if state_dict_type not in ("full", "sharded"):
-            raise HybridShardConfigError(f"state_dict_type={state_dict_type!r} is not supported. Valid values: 'full', 'sharded'.")
         self._start_method: StartMethod = start_method or ("fork" if _IS_INTERACTIVE else "popen")
         # Lightning refuses hybrid strategies before a mesh exists, and a mesh needs the process group:
         # start as FULL_SHARD and set the real strategy in setup_environment().
@@ -203,10 +192,17 @@ class HybridShardFSDPStrategy(FSDPStrategy):
             device_mesh=None,
             **kwargs,
         )
-        self._layout: Optional[Layout] = None
-        self._device_mesh: Optional["DeviceMesh"] = None
-        self._mesh_layout: Optional[tuple[Layout, str]] = None
-        self._wrapped_root: Optional[Module] = None
+        self._state_dict_type: StateDictType = state_dict_type
+        #: the engine that shards the model (FSDP1)
+        self.engine: Engine = FSDP1Engine()
+        #: who writes this run's checkpoints (see :class:`lightning_smp.checkpoint.CheckpointRun`)
+        self.checkpoint_run = CheckpointRun()
+        self._config: SMPConfig | None = None
+        self._layout: Layout | None = None
+        self._device_mesh: DeviceMesh | None = None
+        self._mesh_layout: tuple[Layout, str] | None = None
+        self._wrapped_root: Module | None = None
+        self._launch_results: MainProcessResults | None = None
         self._warned_override = False
 
     # ------------------------------------------------------------------ configuration
@@ -216,11 +212,13 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         """The degree in effect: the constructor argument, else a LightningCLI ``smp:`` section, else
         :func:`lightning_smp.init`, else ``LIGHTNING_SMP_CONFIG``/``SM_HP_MP_PARAMETERS``, else 0.
 
-        Every source is checked even when a higher one wins (see :mod:`lightning_smp.config`).
+        Resolved once, when the Trainer configures the strategy; every source is checked even when a higher one
+        wins (see :mod:`lightning_smp.config`).
         """
-        from lightning_smp.config import configured_degree
+        return (self._config or self._resolve_config()).hybrid_shard_degree
 
-        return configured_degree(explicit=self._degree_arg)
+    def _resolve_config(self) -> SMPConfig:
+        return resolve_config(None if self._degree_arg is None else {"hybrid_shard_degree": self._degree_arg})
 
     @property
     def start_method(self) -> StartMethod:
@@ -237,7 +235,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         return self._layout
 
     @property
-    def device_mesh(self) -> "DeviceMesh":
+    def device_mesh(self) -> DeviceMesh:
         """The 2-D ``DeviceMesh`` with axes ``("replicate", "shard")``, built in ``setup_environment``."""
         if self._device_mesh is None:
             if self.kwargs.get("process_group") is not None:
@@ -251,43 +249,38 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         return self._device_mesh
 
     def _resolve_layout(self) -> Layout:
-        world_size = self.num_nodes * self.num_processes
-        layout = resolve_layout(
-            world_size, self.hybrid_shard_degree, self._requested_strategy, devices_per_node=self.num_processes
-        )
-        if self._user_mesh is not None and layout.sharding_strategy not in HYBRID_STRATEGIES:
-            # the user's own mesh is given to FSDP as is, which needs a hybrid strategy
-            layout = _with_strategy(layout, HYBRID_SHARD_ZERO2 if "ZERO2" in layout.requested_strategy else HYBRID_SHARD)
         given = tuple(self._user_mesh.shape) if self._user_mesh is not None else self._mesh_shape_arg
-        if given is not None and given != layout.mesh_shape:
-            raise HybridShardConfigError(
-                f"device_mesh of shape {given} does not fit world_size={world_size}"
-                f" (num_nodes={self.num_nodes} x devices={self.num_processes}). Fix: use shape"
-                f" {layout.mesh_shape} or pass hybrid_shard_degree instead."
-            )
-        return layout
+        return resolve_strategy_layout(self.num_nodes, self.num_processes, self.hybrid_shard_degree,
+                                       self._requested_strategy, mesh_shape=given, user_mesh=self._user_mesh is not None)
 
     # ------------------------------------------------------------------ launch and process groups
 
     @override
     def _configure_launcher(self) -> None:
-        # Validate the world-size facts here, at Trainer(...), before any process is started.
+        # At Trainer(...), before any process is started: resolve the configuration once and check the world-size
+        # facts, so that a bad degree fails here and not in the ranks.
+        self._config = self._resolve_config()
         self._layout = layout = self._resolve_layout()
         self.precision_plugin.set_device_type(self.root_device.type)
         if layout.overridden and not self._warned_override:
             self._warned_override = True
             rank_zero_warn(layout.override_message())
-        assert self.cluster_environment is not None
+        if self.cluster_environment is None:
+            raise HybridShardConfigError("HybridShardFSDPStrategy has no cluster environment: create it through a Trainer.")
         if self._start_method == "popen" or self.cluster_environment.creates_processes_externally:
             # unlike FSDPStrategy, also in externally started processes: the launcher caps their threads
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = HybridShardMultiProcessingLauncher(self, start_method=self._start_method)
+            self._launch_results = MainProcessResults()
+            self._launcher = HybridShardMultiProcessingLauncher(
+                self, self._start_method, results=self._launch_results, run=self.checkpoint_run
+            )
 
     @override
     def setup_environment(self) -> None:
         # Same inputs on every rank, so every rank fails identically here, before the first collective.
-        self._layout = layout = self._resolve_layout()
+        layout = self._layout if self._layout is not None else self._resolve_layout()
+        self._layout = layout
         super().setup_environment()
         if dist.get_world_size() != layout.world_size:
             raise HybridShardConfigError(
@@ -304,13 +297,21 @@ class HybridShardFSDPStrategy(FSDPStrategy):
                 # fit, then validate/test on the same Trainer: building again would create new process groups
                 self._device_mesh = build_device_mesh(layout, self.root_device.type)
                 self._mesh_layout = (layout, self.root_device.type)
-            self.kwargs["device_mesh"] = self._device_mesh if self._user_mesh is not None else fsdp_mesh(self._device_mesh, layout)
         rank_zero_info(f"{type(self).__name__}: {layout.describe()}")
+
+    def _plan(self) -> ShardingPlan:
+        """What the engine builds: this layout on the root device, with the user's own FSDP arguments."""
+        layout = self.layout
+        mesh = self._device_mesh
+        if mesh is not None and self._user_mesh is None:
+            mesh = fsdp_mesh(mesh, layout)
+        return ShardingPlan(layout=layout, device=self.root_device, mesh=mesh, mixed_precision=self.mixed_precision_config,
+                            cpu_offload=self.cpu_offload, options=dict(self.kwargs))
 
     # ------------------------------------------------------------------ model wrapping
 
     @override
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         # a ModelCheckpoint(save_top_k=0) without save_last never saves
         saving = [cb for cb in trainer.checkpoint_callbacks
                   if getattr(cb, "save_top_k", 1) != 0 or getattr(cb, "save_last", False)]
@@ -320,25 +321,22 @@ class HybridShardFSDPStrategy(FSDPStrategy):
             problem = checkpoint_lib.hyperparameters_problem(trainer.lightning_module, datamodule)
             problem = self.broadcast(problem if self.global_rank == 0 else None)
             if problem is not None:
-                raise HybridShardConfigError(f"ModelCheckpoint could not save this run: {problem}")
+                raise CheckpointError(f"ModelCheckpoint could not save this run: {problem}")
         super().setup(trainer)
         self.precision_plugin.fsdp_module = self.model
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from torch.distributed.fsdp._common_utils import _is_fsdp_flattened
-
         previous = self._wrapped_root
-        if previous is not None and previous.module is model:
+        if previous is not None and getattr(previous, "module", None) is model:
             # validate/test (or another fit) after fit in the same processes: wrapping again would find the
             # parameters already flattened into shards and leave 1-D views for the forward; keep the wrapper
             return previous
-        already_wrapped = any(isinstance(mod, FullyShardedDataParallel) for mod in model.modules())
-        # parameters FSDP already manages were synced when they were wrapped; their local views differ in size
-        # between ranks and must not be broadcast
-        synced = any(_is_fsdp_flattened(p) for p in model.parameters())
-        if already_wrapped:
+        engine = self.engine
+        # parameters the engine already manages were synced when they were sharded; their local views differ in
+        # size between ranks and must not be broadcast
+        synced = engine.holds_shards(model)
+        if engine.is_sharded(model):
             if _has_meta_device_parameters_or_buffers(model):
                 rank_zero_warn("The model is already wrapped in `FSDP` but there are still parameters on the meta device.")
             if "auto_wrap_policy" in self.kwargs:
@@ -348,7 +346,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
             if not synced:
                 # DDP semantics: every replica starts from rank 0's weights, however the ranks were seeded.
                 synced = broadcast_before_wrapping(model, self.root_device)
-            model = FullyShardedDataParallel(module=model, **self._fsdp_kwargs())
+            model = engine.wrap(model, self._plan())
             self._wrapped_root = model
         if not synced and self._device_mesh is not None:
             broadcast_across_replicas(model, self._device_mesh, self.root_device)
@@ -360,22 +358,8 @@ class HybridShardFSDPStrategy(FSDPStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
-        from torch.distributed.fsdp.wrap import enable_wrap
-
-        with enable_wrap(wrapper_cls=FullyShardedDataParallel, **self._fsdp_kwargs()):
+        with self.engine.wrap_context(self._plan()):
             yield
-
-    def _fsdp_kwargs(self) -> dict[str, Any]:
-        """What every ``FullyShardedDataParallel`` this strategy creates is given."""
-        return {
-            "cpu_offload": self.cpu_offload,
-            "mixed_precision": self.mixed_precision_config,
-            "sharding_strategy": self.sharding_strategy,
-            # FSDP needs a device, not an index: ``torch.device("cpu").index`` is None
-            "device_id": self.root_device,
-            **self.kwargs,
-        }
 
     # ------------------------------------------------------------------ precision
 
@@ -383,15 +367,15 @@ class HybridShardFSDPStrategy(FSDPStrategy):
     @override
     def precision_plugin(self) -> HybridShardPrecision:
         plugin = self._precision_plugin
-        if plugin is None:
+        if not isinstance(plugin, HybridShardPrecision):
             plugin = self._precision_plugin = HybridShardPrecision("32-true")
-        return plugin  # type: ignore[return-value]
+        return plugin
 
     @precision_plugin.setter
     @override
-    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
         if precision_plugin is not None and not isinstance(precision_plugin, FSDPPrecision):
-            raise TypeError(
+            raise UnsupportedOptionError(
                 f"HybridShardFSDPStrategy needs an `FSDPPrecision` plugin, found {type(precision_plugin).__name__}."
                 " Fix: pass `Trainer(precision=...)` (e.g. '32-true', 'bf16-mixed') instead of a precision plugin,"
                 " or an `FSDPPrecision`."
@@ -402,45 +386,64 @@ class HybridShardFSDPStrategy(FSDPStrategy):
 
     # ------------------------------------------------------------------ state dicts
 
+    def _sharded_model(self) -> ShardedModel:
+        if self.model is None:
+            raise HybridShardConfigError(
+                "HybridShardFSDPStrategy has no model yet: state dicts exist once the Trainer has set up the model"
+                " (inside or after fit/validate/test/predict)."
+            )
+        return ShardedModel(self.model, self.engine, self._device_mesh, Collectives.current(self.root_device))
+
     def full_state_dict(self) -> dict[str, Any]:
         """The unsharded model weights on global rank 0 (an empty dict on the other ranks). Call it on every rank.
 
         Assembled once: only replica group 0 gathers, the other replicas skip the work.
         """
-        return checkpoint_lib.full_model_state(self)
+        return checkpoint_lib.full_model_state(self._sharded_model())
+
+    def full_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The unsharded state of ``optimizer`` on global rank 0 (torch's standard layout), empty elsewhere. Collective."""
+        return checkpoint_lib.full_optimizer_state(self._sharded_model(), _unwrap(optimizer))
 
     def _in_launching_process(self) -> bool:
         """True in the process (a notebook) that forked the ranks: its module is unwrapped and holds full weights."""
-        launcher = self._launcher
-        return isinstance(launcher, HybridShardMultiProcessingLauncher) and launcher.in_main_process
+        return self._launch_results is not None and self._launch_results.in_main_process
 
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
-    ) -> None:
-        if self._in_launching_process():
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        kind = self._state_dict_type
+        if self._launch_results is not None and self._launch_results.in_main_process:
             # the ranks that held the shards have ended: one full file, with the optimizer state they sent back
-            assert isinstance(self._launcher, HybridShardMultiProcessingLauncher)
-            checkpoint = self._launcher.complete_checkpoint(checkpoint)
-            checkpoint_lib.save(self, checkpoint, filepath, storage_options, kind=checkpoint_lib.FULL)
-            return
+            checkpoint, kind = self._launch_results.complete_checkpoint(checkpoint), FULL
         # atomic, never over another run's checkpoint, tensors written once (see lightning_smp.checkpoint)
-        checkpoint_lib.save(self, checkpoint, filepath, storage_options)
+        checkpoint_lib.save(checkpoint, filepath, kind=kind, collectives=Collectives.current(self.root_device),
+                            run=self.checkpoint_run, layout=self._layout, storage_options=storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         # always weights_only: a sharded folder or full file, resharded to this degree and world size
-        return checkpoint_lib.load(self, checkpoint_path)
+        module = self.lightning_module
+        if module is None:
+            raise HybridShardConfigError("HybridShardFSDPStrategy.load_checkpoint needs the LightningModule set up.")
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = [_unwrap(o) for o in self.optimizers] if fitting else []
+        checkpoint = checkpoint_lib.load(self._sharded_model(), checkpoint_path, optimizers=optimizers,
+                                         strict=module.strict_loading, model_name=type(module).__name__)
+        if fitting:
+            # resuming continues the run that wrote the checkpoint: its own files may be overwritten again
+            self.checkpoint_run.continue_from(checkpoint)
+        return checkpoint
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._in_launching_process():
-            return self.lightning_module.state_dict()  # type: ignore[union-attr]
-        return checkpoint_lib.module_state_dict(self)
+            module = self.lightning_module
+            return module.state_dict() if module is not None else {}
+        return checkpoint_lib.module_state_dict(self._sharded_model(), self._state_dict_type)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        return checkpoint_lib.optimizer_state(self, optimizer)
+        return checkpoint_lib.optimizer_state(self._sharded_model(), _unwrap(optimizer), self._state_dict_type)
 
     # ------------------------------------------------------------------ registration
 
@@ -450,61 +453,18 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         """Register ``smp_hybrid``, ``smp_hybrid_zero2`` and ``smp_hybrid_notebook``; calling it again is harmless."""
         if not dist.is_available():
             return
-        for name, description, init_params in REGISTERED_NAMES:
+        for name, description, init_params in STRATEGY_NAMES:
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, **init_params)
             if name not in cls._registered_strategies:
                 cls._registered_strategies.append(name)
 
 
-def _check_device_mesh(device_mesh: Any) -> tuple[Optional["DeviceMesh"], Optional[int]]:
-    """Static checks of ``device_mesh``: returns (user mesh or None, the shard degree it implies or None)."""
-    if device_mesh is None:
-        return None, None
-    if isinstance(device_mesh, (tuple, list)):
-        if len(device_mesh) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in device_mesh):
-            raise HybridShardConfigError(
-                f"device_mesh={device_mesh!r} must be a tuple (replicas, shard_degree) of two positive integers."
-                " Fix: e.g. device_mesh=(2, 4), or pass hybrid_shard_degree=4 instead."
-            )
-        return None, device_mesh[1]
-    from torch.distributed.device_mesh import DeviceMesh
+def _unwrap(optimizer: Any) -> Optimizer:
+    """The torch optimizer inside Lightning's ``LightningOptimizer`` (its public ``optimizer`` property)."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
 
-    if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim != 2:
-        raise HybridShardConfigError(
-            f"device_mesh={device_mesh!r} must be a 2-D DeviceMesh (replicate, shard) or a tuple (replicas, shard_degree)."
-        )
-    if device_mesh.size(1) == 1:
-        raise HybridShardConfigError(
-            f"device_mesh of shape {tuple(device_mesh.shape)} has shard groups of one rank: FSDP would all-reduce over"
-            " size-1 groups and replicas would never synchronise. Fix: pass hybrid_shard_degree=1 instead."
-        )
-    return device_mesh, device_mesh.size(1)
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-def _process_group_degree(process_group: Any) -> Optional[int]:
-    if process_group is None:
-        return None
-    intra = process_group[0] if isinstance(process_group, tuple) else process_group
-    return intra.size()
-
-
-def _reconcile(source: str, implied: Optional[int], degree: Optional[int]) -> Optional[int]:
-    """Merge the degree implied by ``device_mesh``/``process_group`` with ``hybrid_shard_degree``."""
-    if implied is None:
-        return degree
-    if degree not in (None, 0, implied):
-        raise HybridShardConfigError(
-            f"hybrid_shard_degree={degree} contradicts {source}, whose shard group has {implied} rank(s)."
-            f" Fix: pass only one of them, or make them agree (hybrid_shard_degree={implied})."
-        )
-    return implied
-
-
-def _with_strategy(layout: Layout, sharding_strategy: str) -> Layout:
-    from dataclasses import replace
-
-    return replace(layout, sharding_strategy=sharding_strategy)
-
-
-__all__ = ["HybridShardFSDPStrategy", "REGISTERED_NAMES", "SHARD_AXIS", "REPLICATE_AXIS"]
+__all__ = ["HybridShardFSDPStrategy"]

@@ -11,6 +11,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_smp.callbacks.memory import strategy_mesh
+
 # the one way the suite starts ranks; it lives in the package so that the benchmarks use it too
 from lightning_smp.testing import PROCESS_TIMEOUT, free_port, run_distributed  # noqa: F401
 
@@ -79,7 +81,7 @@ class RankRecorder(Callback):
             "losses": self.losses,
             "shards": [s.cpu() for s in local_flat_params(strategy.model)],
         }
-        mesh = getattr(strategy, "_device_mesh", None)
+        mesh = strategy_mesh(strategy)
         if mesh is not None:
             record["shard_group"] = dist.get_process_group_ranks(mesh.get_group("shard"))
             record["replicate_group"] = dist.get_process_group_ranks(mesh.get_group("replicate"))

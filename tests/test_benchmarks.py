@@ -26,8 +26,8 @@ from benchmarks.settings import (
 )
 from benchmarks.workloads import BenchGPT, plain_mixed_precision
 from lightning_smp import HybridShardConfigError
+from lightning_smp.accounting.shards import flat_param_numel, rank_bytes
 from lightning_smp.demo import Block
-from lightning_smp.shards import flat_param_numel, rank_bytes
 
 WORLD4_NAMES = [
     "ddp", "lightning_fsdp",

@@ -24,13 +24,16 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.parsing import AttributeDict
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.multiprocessing import ProcessRaisedException
 
-from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy
+from lightning_smp import CheckpointError, HybridShardFSDPStrategy
 from lightning_smp import checkpoint as ckpt
-from lightning_smp.strategy import REGISTERED_NAMES
+from lightning_smp.checkpoint import convert, safety, saving
+from lightning_smp.names import STRATEGY_NAMES
 from tests.helpers import TinyModel, make_loader
 
-STRATEGIES = {name: args["sharding_strategy"] for name, _, args in REGISTERED_NAMES if name != "smp_hybrid_notebook"}
+STRATEGIES = {name: args["sharding_strategy"] for name, _, args in STRATEGY_NAMES if name != "smp_hybrid_notebook"}
 # 64 samples, batch 4: 4 steps per epoch on 4 ranks, 8 on 2 ranks
 K, N = 4, 10  # save after K steps (the last batch of epoch 0 on 4 ranks), train to N (into epoch 2)
 
@@ -75,8 +78,8 @@ class Probe(Callback):
     def _dump(self, trainer: L.Trainer, when: str, optimizers: bool = False) -> None:
         strategy = trainer.strategy
         record = {
-            "model": ckpt.full_model_state(strategy),
-            "optimizers": [ckpt.full_optimizer_state(strategy, o) for o in trainer.optimizers] if optimizers else [],
+            "model": strategy.full_state_dict(),
+            "optimizers": [strategy.full_optimizer_state(o) for o in trainer.optimizers] if optimizers else [],
             "global_step": trainer.global_step, "epoch": trainer.current_epoch, "losses": list(self.losses),
             "batch_idx": trainer.fit_loop.epoch_loop.batch_idx if trainer.state.fn == "fit" else None,
         }
@@ -181,7 +184,7 @@ def test_sharded_checkpoint_tensors_are_written_once_by_replica_group_zero(writt
     # degree 2 on 4 ranks: replica group 0 is ranks 0 and 1; ranks 2 and 3 (replica 1) write no bytes
     assert sizes.get("__2_0.distcp", 0) == 0 and sizes.get("__3_0.distcp", 0) == 0, sizes
     assert sizes["__0_0.distcp"] > 0 and sizes["__1_0.distcp"] > 0, sizes
-    metadata = ckpt.SafeFileSystemReader(folder).read_metadata()
+    metadata = safety.SafeFileSystemReader(folder).read_metadata()
     files = {info.relative_path for info in metadata.storage_data.values()}
     assert files == {"__0_0.distcp", "__1_0.distcp"}
     for key, meta in metadata.state_dict_metadata.items():
@@ -384,7 +387,7 @@ def test_load_from_checkpoint_reads_either_kind(written: dict[str, Path]) -> Non
         model = ckpt.load_from_checkpoint(CkptModel, path, map_location="cpu")
         assert type(model) is CkptModel
         assert_same_tensors(model.state_dict(), full["state_dict"])
-    with pytest.raises(HybridShardConfigError, match="is not a checkpoint"):
+    with pytest.raises(CheckpointError, match="is not a checkpoint"):
         ckpt.load_from_checkpoint(CkptModel, written["full"] / "missing.ckpt")
 
 
@@ -403,7 +406,7 @@ def test_consolidate_sharded_to_full(tmp_path: Path, written: dict[str, Path]) -
     assert converted["loops"] == full["loops"]
     assert converted[ckpt.RUN_KEY]["state_dict_type"] == "full"
     # the same command refuses to overwrite
-    assert ckpt.main(["consolidate", str(source), str(ours)]) == 2
+    assert convert.main(["consolidate", str(source), str(ours)]) == 2
 
     # Lightning's own utility reads our folders too (optimizer keyed by name there)
     theirs = tmp_path / "theirs.ckpt"
@@ -429,7 +432,7 @@ def _kill_scenario(folder: Path, kind: str, ready: Path) -> None:
 
     saves = {"n": 0}
     if kind == "full":
-        real_write = ckpt.write_file
+        real_write = saving.write_file
 
         def write_file(obj: Any, path: Path) -> None:
             saves["n"] += 1
@@ -446,7 +449,7 @@ def _kill_scenario(folder: Path, kind: str, ready: Path) -> None:
             ready.write_text(str(os.getpid()))
             time.sleep(600)
 
-        ckpt.write_file = write_file
+        saving.write_file = write_file
     else:
         real_write_data = dcp_fs.FileSystemWriter.write_data
 
@@ -505,8 +508,8 @@ class SaveAtEnd(Callback):
         try:
             trainer.save_checkpoint(self.path)
             outcome = "saved"
-        except HybridShardConfigError as err:
-            outcome = f"HybridShardConfigError: {err}"
+        except CheckpointError as err:
+            outcome = f"CheckpointError: {err}"
         torch.save(outcome, self.path.parent / f"outcome_rank{trainer.global_rank}.pt")
 
 
@@ -517,20 +520,20 @@ class FailingSaveAtEnd(Callback):
         self.path = path
 
     def on_train_end(self, trainer, pl_module) -> None:
-        original = ckpt.write_file
+        original = saving.write_file
 
         def disk_full(obj: Any, where: Path) -> None:
             raise OSError(28, "No space left on device")
 
         if trainer.global_rank == 0:
-            ckpt.write_file = disk_full
+            saving.write_file = disk_full
         try:
             trainer.save_checkpoint(self.path)
             outcome = "saved"
         except RuntimeError as err:
             outcome = str(err)
         finally:
-            ckpt.write_file = original
+            saving.write_file = original
         torch.save(outcome, self.path.parent / f"failed_rank{trainer.global_rank}.pt")
 
 
@@ -561,7 +564,7 @@ def test_name_collision_never_overwrites_another_run(tmp_path: Path, kind: str) 
     run(tmp_path / "b", 4, 2, tag="b", kind=kind, max_steps=3, callbacks=(SaveAtEnd(target),))
     outcomes = [torch.load(tmp_path / f"outcome_rank{r}.pt") for r in range(4)]
     assert len(set(outcomes)) == 1, outcomes  # every rank failed the same way, none hung
-    assert outcomes[0].startswith("HybridShardConfigError") and "another run" in outcomes[0]
+    assert outcomes[0].startswith("CheckpointError") and "another run" in outcomes[0]
     assert str(target) in outcomes[0]
     after = {p.relative_to(tmp_path): p.read_bytes() for p in [target, *target.rglob("*")] if p.is_file()}
     assert after == before and ckpt.run_id_of(target) == first_id
@@ -590,10 +593,10 @@ class ExtraLayer(CkptModel):
 @pytest.mark.parametrize("kind", ["sharded", "full"])
 def test_mismatched_model_names_first_mismatching_key(tmp_path: Path, written: dict[str, Path], kind: str) -> None:
     source = written[kind] / "ckpts" / "last.ckpt"
-    with pytest.raises(Exception, match=r"first mismatching key 'net\.2\.weight': the checkpoint has shape \(4, 33\),"
+    with pytest.raises(CheckpointError, match=r"first mismatching key 'net\.2\.weight': the checkpoint has shape \(4, 33\),"
                                         r" the model expects \(5, 33\)"):
         run(tmp_path, 2, 2, tag="wide", fn="validate", ckpt_path=source, model=WiderHead())
-    with pytest.raises(Exception, match=r"first mismatching key 'extra\.weight': the model has it"):
+    with pytest.raises(CheckpointError, match=r"first mismatching key 'extra\.weight': the model has it"):
         run(tmp_path, 2, 2, tag="extra", fn="validate", ckpt_path=source, model=ExtraLayer())
 
 
@@ -619,26 +622,26 @@ def test_loading_never_unpickles_code(tmp_path: Path, written: dict[str, Path]) 
     checkpoint = torch.load(written["full"] / "ckpts" / "last.ckpt", weights_only=True)
     checkpoint["hyper_parameters"] = {"payload": Evil(marker)}
     torch.save(checkpoint, evil_full)
-    with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
+    # torch's UnpicklingError inside a rank, as the fork launcher reports it
+    with pytest.raises(ProcessRaisedException, match="Weights only load failed|Unsupported global"):
         run(tmp_path / "r1", 2, 2, tag="e1", fn="validate", ckpt_path=evil_full)
     # a sharded checkpoint whose DCP .metadata is a pickle with an object in it
     evil_sharded = tmp_path / "evil_sharded.ckpt"
     shutil.copytree(written["sharded"] / "ckpts" / "last.ckpt", evil_sharded)
     (evil_sharded / ".metadata").write_bytes(__import__("pickle").dumps(Evil(marker)))
-    with pytest.raises(Exception, match="refusing to unpickle pathlib.*Path.touch|refusing to unpickle"):
+    with pytest.raises(ProcessRaisedException, match="refusing to unpickle pathlib.*Path.touch|refusing to unpickle"):
         run(tmp_path / "r2", 2, 2, tag="e2", fn="validate", ckpt_path=evil_sharded)
     # a non-tensor entry inside DCP data (how optimizer param_groups are stored) goes through weights_only too
     folder = tmp_path / "dcp_bytes"
     dcp.save({"x": {"groups": [{"lr": 0.1, "params": [0, 1]}], "obj": Evil(marker)}}, checkpoint_id=folder,
              no_dist=True)
     template: dict[str, Any] = {"x": {"groups": [{"lr": 0.0, "params": [5]}]}}
-    dcp.load(template, storage_reader=ckpt.SafeFileSystemReader(folder), planner=ckpt.SafeLoadPlanner(
+    dcp.load(template, storage_reader=safety.SafeFileSystemReader(folder), planner=safety.SafeLoadPlanner(
         allow_partial_load=True), no_dist=True)
     assert template["x"]["groups"] == [{"lr": 0.1, "params": [0, 1]}]
-    # DCP raises CheckpointException, a BaseException
-    with pytest.raises(BaseException, match="Weights only load failed|Unsupported global"):
-        dcp.load({"x": {"obj": 0}}, storage_reader=ckpt.SafeFileSystemReader(folder),
-                 planner=ckpt.SafeLoadPlanner(allow_partial_load=True), no_dist=True)
+    with pytest.raises(CheckpointException, match="Weights only load failed|Unsupported global"):
+        dcp.load({"x": {"obj": 0}}, storage_reader=safety.SafeFileSystemReader(folder),
+                 planner=safety.SafeLoadPlanner(allow_partial_load=True), no_dist=True)
     assert not marker.exists()
 
 
@@ -705,7 +708,7 @@ def test_unsavable_hyperparameters_fail_at_fit_start(tmp_path: Path) -> None:
             seen.touch()
 
     every_epoch = ModelCheckpoint(dirpath=tmp_path / "ckpts")
-    with pytest.raises(HybridShardConfigError, match=r"ModelCheckpoint could not save this run: "
+    with pytest.raises(CheckpointError, match=r"ModelCheckpoint could not save this run: "
                        r"checkpoint\['hyper_parameters'\]\['loss'\] is a torch\.nn\.modules\.loss\.MSELoss"):
         run(tmp_path, 2, 2, tag="early", max_steps=1, model=HParamsModel(loss=torch.nn.MSELoss()),
             callbacks=(every_epoch, CountSteps()))
@@ -741,12 +744,12 @@ def test_save_check_agrees_with_weights_only_loading(value: Any) -> None:
         loads = True
     except Exception:  # noqa: BLE001 - any refusal counts
         loads = False
-    assert (ckpt._unsafe_entry(written) is None) == loads
+    assert (safety.unsafe_entry(written) is None) == loads
 
 
 def test_unsafe_entry_and_record_helpers() -> None:
-    assert ckpt._unsafe_entry({"a": [1, 2.0, "x", None, torch.ones(1), (torch.float32, torch.device("cpu"))]}) is None
-    assert "checkpoint['a'][1]" in ckpt._unsafe_entry({"a": [1, object()]})
+    assert safety.unsafe_entry({"a": [1, 2.0, "x", None, torch.ones(1), (torch.float32, torch.device("cpu"))]}) is None
+    assert "checkpoint['a'][1]" in safety.unsafe_entry({"a": [1, object()]})
     by_name = {"state": {"b": {"m": torch.ones(1)}}, "param_groups": [{"lr": 1.0, "params": ["a", "b"]}]}
     by_index = ckpt.optimizer_state_by_index(by_name)
     assert by_index["param_groups"] == [{"lr": 1.0, "params": [0, 1]}]

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_smp.comm import CommCounter, FSDPUnitSpec, fsdp_step_textbook, ring_bytes
+from lightning_smp.accounting.comm import CommCounter, FSDPUnitSpec, fsdp_step_textbook, ring_bytes
 from lightning_smp.degree import FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, NO_SHARD, SHARD_GRAD_OP, resolve_layout
 from lightning_smp.mesh import build_device_mesh
 from tests.helpers import fit_and_record, run_distributed

@@ -4,8 +4,8 @@ import pytest
 from torch.distributed.fsdp import ShardingStrategy
 
 from lightning_smp import HybridShardConfigError, resolve_layout, valid_degrees
+from lightning_smp.accounting.shards import flat_param_numel, local_shard_numel
 from lightning_smp.degree import check_degree, check_sharding_strategy
-from lightning_smp.shards import flat_param_numel, local_shard_numel
 
 
 @pytest.mark.parametrize(

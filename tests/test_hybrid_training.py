@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, resolve_layout
-from lightning_smp.shards import local_shard_numel
+from lightning_smp.accounting.shards import local_shard_numel
 from tests.helpers import TinyModel, fit_and_record, make_loader, run_distributed
 
 TINY_NUMELS = [n for layer in TinyModel.LAYER_NUMELS for n in layer]

@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 import lightning_smp.strategy as strategy_module
-from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy
+from lightning_smp import CheckpointError, HybridShardConfigError, HybridShardFSDPStrategy
 from lightning_smp.launcher import (
     HybridShardMultiProcessingLauncher,
     _callback_reports,
@@ -171,7 +171,7 @@ def test_notebook_process_writes_one_full_file_under_sharded_state_dict_type(tmp
     first = _trainer(tmp_path, strategy=sharded(), max_steps=2)
     first.fit(model, make_loader())
     (tmp_path / "a_folder").mkdir()
-    with pytest.raises(HybridShardConfigError, match="not a checkpoint of this run; refusing to overwrite"):
+    with pytest.raises(CheckpointError, match="not a checkpoint of this run; refusing to overwrite"):
         first.save_checkpoint(tmp_path / "a_folder")
     path = tmp_path / "from_notebook.ckpt"
     first.save_checkpoint(path)

@@ -16,10 +16,11 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_smp import HybridShardFSDPStrategy
+from lightning_smp.accounting.comm import FSDPUnitSpec, fsdp_step_textbook
+from lightning_smp.accounting.memory import MEMORY_FIELDS, PEAK_FIELDS, measure_memory, shard_layout
+from lightning_smp.accounting.shards import flat_param_numel, floor_bytes, padding_per_rank, rank_bytes, unsharded_bytes
 from lightning_smp.callbacks import MemorySavingsCallback
-from lightning_smp.callbacks.memory import MEMORY_FIELDS, PEAK_FIELDS, REPORT_FILENAME, measure_memory, shard_layout
-from lightning_smp.comm import FSDPUnitSpec, fsdp_step_textbook
-from lightning_smp.shards import flat_param_numel, floor_bytes, padding_per_rank, rank_bytes, unsharded_bytes
+from lightning_smp.callbacks.memory import REPORT_FILENAME
 from tests.helpers import TinyModel, make_loader, run_distributed
 
 #: TinyModel's parameters (697 in all) as one FSDP unit (root only) or one unit per Linear layer.

@@ -17,7 +17,7 @@ Conventions (the same in both halves, so they compare one to one):
 
 Example::
 
-    from lightning_smp.comm import CommCounter
+    from lightning_smp.accounting import CommCounter
 
     with CommCounter(strategy.device_mesh) as counter:
         loss = model(batch).sum(); loss.backward()
@@ -41,15 +41,24 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_smp.degree import FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, NO_SHARD, SHARD_GRAD_OP
+from lightning_smp.names import (
+    FULL_SHARD,
+    HYBRID_SHARD,
+    HYBRID_SHARD_ZERO2,
+    NO_SHARD,
+    OTHER_AXIS,
+    REPLICATE_AXIS,
+    SHARD_AXIS,
+    SHARD_GRAD_OP,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 #: Operation names in counts and textbook figures, in display order.
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "other")
-#: Axis name for collectives whose group is none of the named groups (e.g. Lightning's world-group reductions).
-OTHER_AXIS = "other"
+#: ``{axis: {op: {"count", "bytes", "ring_bytes"}}}``: a textbook figure of one step.
+CommFigure = dict[str, dict[str, dict[str, float]]]
 
 # c10d dispatcher ops (what every torch.distributed collective becomes, gloo and NCCL alike) -> operation name.
 _C10D_OPS = {
@@ -192,7 +201,7 @@ class FSDPUnitSpec:
 
     Attributes:
         padded_numel: elements of the unit's unsharded flat parameter, padding included
-            (:func:`lightning_smp.shards.flat_param_numel`).
+            (:func:`lightning_smp.accounting.shards.flat_param_numel`).
         is_root: the root unit keeps its parameters gathered from forward to backward (no second all-gather).
         gather_bytes: element size of the all-gathered parameters (the forward/backward dtype).
         reduce_bytes: element size of the reduced gradients (the reduce dtype).
@@ -204,7 +213,7 @@ class FSDPUnitSpec:
     reduce_bytes: int = 4
 
 
-def _new_figure(axes: Iterable[str]) -> dict[str, dict[str, dict[str, float]]]:
+def _new_figure(axes: Iterable[str]) -> CommFigure:
     return {axis: {op: {"count": 0, "bytes": 0, "ring_bytes": 0.0} for op in OPS} for axis in axes}
 
 
@@ -222,9 +231,9 @@ def fsdp_step_textbook(
     replicate: int,
     backward_passes: int = 1,
     synced_passes: int | None = None,
-    shard_axis: str = "shard",
-    replicate_axis: str = "replicate",
-) -> dict[str, dict[str, dict[str, float]]]:
+    shard_axis: str = SHARD_AXIS,
+    replicate_axis: str = REPLICATE_AXIS,
+) -> CommFigure:
     """What FSDP1 issues per rank in one optimizer step: ``{axis: {op: {"count", "bytes", "ring_bytes"}}}``.
 
     An optimizer step runs ``backward_passes`` forward+backward passes (micro-batches of gradient accumulation), of
@@ -263,8 +272,8 @@ def fsdp_step_textbook(
 
 
 def ddp_step_textbook(
-    grad_bytes: int, world_size: int, buckets: int = 1, replicate_axis: str = "replicate"
-) -> dict[str, dict[str, dict[str, float]]]:
+    grad_bytes: int, world_size: int, buckets: int = 1, replicate_axis: str = REPLICATE_AXIS
+) -> CommFigure:
     """What DDP issues per rank in one optimizer step: all-reduces of every gradient across replicas, one per bucket.
 
     Lightning runs gradient accumulation under DDP's ``no_sync``, so only the last micro-batch communicates.
@@ -293,39 +302,14 @@ def ddp_bucket_count(model: torch.nn.Module) -> int | None:
     return len(str(sizes).split(",")) if sizes else None
 
 
-def fsdp_units(model: torch.nn.Module) -> list[FSDPUnitSpec]:
-    """The :class:`FSDPUnitSpec` of every FSDP1 unit of ``model`` that owns parameters, read from the real units."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    specs = []
-    for unit in FSDP.fsdp_modules(model):
-        handle = unit._handle
-        if handle is None:
-            continue
-        flat = handle.flat_param
-        padded = sum(flat._numels_with_padding)
-        if handle.uses_sharded_strategy:
-            # the last rank's chunk carries the padding up to a multiple of the group size
-            padded = flat._local_shard.numel() * handle.world_size if hasattr(flat, "_local_shard") else padded
-        gather_dtype = getattr(handle, "_fwd_bwd_param_dtype", None) or flat.dtype
-        reduce_dtype = getattr(handle, "_reduce_dtype", None) or flat.dtype
-        specs.append(FSDPUnitSpec(
-            padded_numel=padded,
-            is_root=bool(unit._is_root),
-            gather_bytes=torch.empty((), dtype=gather_dtype).element_size(),
-            reduce_bytes=torch.empty((), dtype=reduce_dtype).element_size(),
-        ))
-    return specs
-
-
 __all__ = [
-    "ddp_bucket_count",
     "OPS",
     "OTHER_AXIS",
+    "CommFigure",
     "CommCounter",
     "FSDPUnitSpec",
+    "ddp_bucket_count",
     "ddp_step_textbook",
     "fsdp_step_textbook",
-    "fsdp_units",
     "ring_bytes",
 ]

@@ -1,0 +1,143 @@
+"""The one table renderer: rich tables for terminals, notebooks and logs, shared by the memory report and the
+benchmarks. Plain text (for logs and tests) is the same tables rendered without colour."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from lightning_smp.accounting.comm import OPS
+
+#: Each table: (title, header, rows); every cell a string.
+TableSpec = tuple[str, Sequence[str], Sequence[Sequence[str]]]
+
+
+def fmt_bytes(value: float | None) -> str:
+    """``1536`` -> ``"1.50 KiB"``; ``None`` -> ``"-"``."""
+    if value is None:
+        return "-"
+    sign = "-" if value < 0 else ""
+    value = abs(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{sign}{value:.0f} {unit}" if unit == "B" else f"{sign}{value:.2f} {unit}"
+        value /= 1024
+    return str(value)
+
+
+def build_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]],
+                left: Sequence[str] = ()) -> Table:
+    """A rich table; columns named in ``left`` are left-aligned, numbers right-aligned."""
+    table = Table(title=title)
+    for column in header:
+        table.add_column(column, justify="left" if column in left else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _console(width: int | None = None, file: io.StringIO | None = None) -> Console:
+    if file is not None:
+        return Console(file=file, width=width or 200, color_system=None, force_terminal=False)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, width or 140))  # logs and notebooks: do not wrap every cell
+    return console
+
+
+def print_tables(tables: Sequence[TableSpec], left: Sequence[str] = (), width: int | None = None,
+                 footer: str | None = None) -> None:
+    """Print every table that has rows (and ``footer``) on the terminal or in the notebook."""
+    console = _console(width)
+    for title, header, rows in tables:
+        if rows:
+            console.print(build_table(title, header, rows, left))
+    if footer:
+        console.print(footer)
+
+
+def tables_text(tables: Sequence[TableSpec], left: Sequence[str] = (), width: int | None = None) -> str:
+    """The same tables as plain text."""
+    buffer = io.StringIO()
+    console = _console(width, buffer)
+    for title, header, rows in tables:
+        if rows:
+            console.print(build_table(title, header, rows, left))
+    return buffer.getvalue().rstrip("\n")
+
+
+# ---------------------------------------------------------------------------------------------- the memory report
+
+
+def memory_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
+    """Header and one row per rank of the memory table."""
+    header = ["rank", "params", "grads", "optimizer", "total", "unsharded", "saved", "floor", "measured/floor", "peak"]
+    rows = []
+    for r in records:
+        peak = r["peak_allocated_bytes"] if r["peak_allocated_bytes"] is not None else r["peak_rss_bytes"]
+        rows.append([
+            str(r["rank"]), fmt_bytes(r["params_bytes"]), fmt_bytes(r["grads_bytes"]), fmt_bytes(r["optimizer_bytes"]),
+            fmt_bytes(r["total_bytes"]), fmt_bytes(r["unsharded_total_bytes"]),
+            f"{fmt_bytes(r['saved_bytes'])} ({r['saved_ratio']:.1%})", fmt_bytes(r["floor_bytes"]),
+            f"{r['measured_over_floor']:.3f}", fmt_bytes(peak),
+        ])
+    return header, rows
+
+
+def comm_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows (rank, axis, operation) of the communication table; none when nothing was counted or
+    expected."""
+    header = ["rank", "axis", "op", "count", "bytes", "textbook count", "textbook bytes", "ring bytes/rank"]
+    rows = []
+    for r in records:
+        measured, book = r.get("comm") or {}, r.get("comm_textbook") or {}
+        for axis in dict.fromkeys([*measured, *book]):
+            for op in OPS:
+                m = measured.get(axis, {}).get(op, {"count": 0, "bytes": 0})
+                t = book.get(axis, {}).get(op)
+                if not m["count"] and not (t and t["count"]):
+                    continue
+                rows.append([
+                    str(r["rank"]), axis, op, str(m["count"]) if measured else "-",
+                    fmt_bytes(m["bytes"]) if measured else "-", str(t["count"]) if t else "-",
+                    fmt_bytes(t["bytes"]) if t else "-", fmt_bytes(t["ring_bytes"]) if t else "-",
+                ])
+    return header, rows
+
+
+def report_tables(records: Sequence[dict]) -> list[TableSpec]:
+    """The memory table and the communication table of one report."""
+    r0 = records[0]
+    where = (f"{r0['strategy']}, {r0['sharding_strategy'] or 'no sharding'}, {r0['replicas']} replica(s) x"
+             f" {r0['shard_degree']} shard(s)")
+    return [
+        (f"Memory per rank at {r0['stage']} (step {r0['step']}): {where}", *memory_rows(records)),
+        (f"Collectives per rank in one optimizer step ({r0.get('backward_passes', 1)} micro-batch(es))",
+         *comm_rows(records)),
+    ]
+
+
+def format_report(records: Sequence[dict]) -> str:
+    """The report as plain text: a memory table and a communication table."""
+    return tables_text(report_tables(records), left=("axis", "op"))
+
+
+def print_report(records: Sequence[dict]) -> None:
+    """Print the report's tables with rich."""
+    print_tables(report_tables(records), left=("axis", "op"))
+
+
+__all__ = [
+    "build_table",
+    "comm_rows",
+    "fmt_bytes",
+    "format_report",
+    "memory_rows",
+    "print_report",
+    "print_tables",
+    "report_tables",
+    "tables_text",
+]

@@ -1,0 +1,171 @@
+"""Loading either kind of checkpoint into a sharded model, at any degree and world size, whatever wrote it.
+
+Keys and shapes are checked before anything is loaded, naming the first key that does not fit; the optimizer state
+is resharded through ``torch.distributed.checkpoint.state_dict`` (Lightning's FSDP loader splits it over the whole
+world under hybrid sharding, which is silently wrong).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_smp.checkpoint.format import META_FILENAME, checkpoint_kind
+from lightning_smp.checkpoint.safety import SafeFileSystemReader, SafeLoadPlanner
+from lightning_smp.checkpoint.state_dict import ShardedModel
+from lightning_smp.errors import CheckpointError
+from lightning_smp.names import SHARDED
+
+
+def load(model: ShardedModel, path: str | os.PathLike, *, optimizers: Sequence[Optimizer] = (), strict: bool = True,
+         model_name: str = "the model") -> dict[str, Any]:
+    """Load the checkpoint at ``path`` into ``model`` and ``optimizers`` (none: weights only). Collective.
+
+    Returns the rest of the checkpoint (loops, callbacks, schedulers, this library's record, ...). ``strict=False``
+    allows missing and unexpected keys; shapes must fit either way. ``model_name`` names the model in errors.
+
+    Raises:
+        CheckpointError: ``path`` is not a checkpoint, a key or shape does not fit, or the optimizer count differs.
+    """
+    path = Path(model.collectives.broadcast(os.fspath(path)))
+    if checkpoint_kind(path) == SHARDED:
+        return _load_sharded(model, path, list(optimizers), strict, model_name)
+    return _load_full(model, path, list(optimizers), strict, model_name)
+
+
+def _model_shapes(model: ShardedModel) -> dict[str, tuple[int, ...]]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return {k: tuple(v.shape) for k, v in get_model_state_dict(model.module).items() if isinstance(v, Tensor)}
+
+
+def check_model_fits(path: Path, saved: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]],
+                     strict: bool, model_name: str) -> None:
+    """Raise naming the first key (in the model's order, then the checkpoint's) that does not fit."""
+    for key, shape in expected.items():
+        if key not in saved:
+            if strict:
+                raise _mismatch(path, model_name, key, "the model has it, the checkpoint does not")
+        elif tuple(saved[key]) != tuple(shape):
+            raise _mismatch(path, model_name, key,
+                            f"the checkpoint has shape {tuple(saved[key])}, the model expects {tuple(shape)}")
+    if strict:
+        for key in saved:
+            if key not in expected:
+                raise _mismatch(path, model_name, key, "the checkpoint has it, the model does not")
+
+
+def _mismatch(path: Path, model_name: str, key: str, reason: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {str(path)!r} does not fit {model_name}: first mismatching key {key!r}: {reason}. Fix: load it"
+        " into the model that wrote it, or set `strict_loading = False` on the LightningModule to skip missing"
+        " or unexpected keys (shapes must still match)."
+    )
+
+
+def _check_optimizer_count(path: Path, saved: list[Any] | None, optimizers: list[Optimizer]) -> None:
+    if saved is None or len(saved) != len(optimizers):
+        have = "no optimizer state" if saved is None else f"{len(saved)} optimizer state(s)"
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds {have} but {len(optimizers)} optimizer(s) are configured, so training"
+            " cannot resume exactly. Fix: resume with the same optimizers, or load the weights only"
+            " (trainer.validate/test/predict(ckpt_path=...), or a checkpoint saved with weights_only=False)."
+        )
+
+
+def _load_param_groups(optimizer: Optimizer, saved_groups: list[dict[str, Any]]) -> None:
+    local = optimizer.state_dict()["param_groups"]
+    if len(local) != len(saved_groups):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(saved_groups)} parameter group(s), this one has {len(local)}."
+            " Fix: configure the optimizer as in the run that wrote the checkpoint."
+        )
+    optimizer.load_state_dict({"state": {}, "param_groups": [{**s, "params": g["params"]} for s, g in zip(saved_groups, local)]})
+
+
+def _load_full(model: ShardedModel, path: Path, optimizers: list[Optimizer], strict: bool,
+               model_name: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise CheckpointError(f"ckpt_path={str(path)!r} is not a Lightning checkpoint: it has no 'state_dict'.")
+    state = checkpoint.pop("state_dict")
+    check_model_fits(path, {k: tuple(v.shape) for k, v in state.items() if isinstance(v, Tensor)},
+                     _model_shapes(model), strict, model_name)
+    saved = checkpoint.get("optimizer_states")
+    if optimizers:
+        _check_optimizer_count(path, saved, optimizers)  # before anything is loaded
+    set_model_state_dict(model.module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+    for optimizer, optim_state in zip(optimizers, saved or []):
+        _load_full_optimizer(model, optimizer, optim_state)
+    return dict(checkpoint)
+
+
+def _load_full_optimizer(model: ShardedModel, optimizer: Optimizer, optim_state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    if not optim_state.get("state"):
+        # no per-parameter state (plain SGD, or saved before a step): only the hyperparameters of each group
+        _load_param_groups(optimizer, optim_state["param_groups"])
+        return
+    params = [p for g in optim_state["param_groups"] for p in g["params"]]
+    if params and isinstance(params[0], int):
+        optim_state = model.engine.optimizer_state_by_name(model.module, optimizer, optim_state)
+    set_optimizer_state_dict(model.module, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
+
+
+def _load_sharded(model: ShardedModel, path: Path, optimizers: list[Optimizer], strict: bool,
+                  model_name: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    module = model.module
+    reader = SafeFileSystemReader(path)
+    keys = reader.read_metadata().state_dict_metadata
+    saved = {k[len("model."):]: tuple(v.size) for k, v in keys.items()
+             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    model_state = get_model_state_dict(module)
+    expected = {k: tuple(v.shape) for k, v in model_state.items() if isinstance(v, Tensor)}
+    check_model_fits(path, saved, expected, strict, model_name)
+    if not strict:
+        model_state = {k: v for k, v in model_state.items() if k in saved}
+
+    state: dict[str, Any] = {"model": model_state}
+    if optimizers:
+        count = len({k.split(".", 1)[0] for k in keys if k.startswith("optimizer_")})
+        _check_optimizer_count(path, [None] * count if count else None, optimizers)
+        for idx, optimizer in enumerate(optimizers):
+            if any(k.startswith(f"optimizer_{idx}.state.") for k in keys):
+                # the template holds this layout's shards; DCP reads whichever saved chunks overlap them
+                state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, optimizer)
+            else:
+                # saved without per-parameter state: DCP needs the same structure to read the groups back into
+                state[f"optimizer_{idx}"] = {"param_groups": optimizer.state_dict()["param_groups"]}
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(allow_partial_load=not strict))
+    set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
+    for idx, optimizer in enumerate(optimizers):
+        optim_state = state[f"optimizer_{idx}"]
+        if "state" in optim_state:
+            set_optimizer_state_dict(module, optimizer, optim_state)
+        else:
+            _load_param_groups(optimizer, optim_state["param_groups"])
+
+    meta = path / META_FILENAME
+    return dict(torch.load(meta, map_location="cpu", weights_only=True)) if meta.is_file() else {}
+
+
+__all__ = ["check_model_fits", "load"]

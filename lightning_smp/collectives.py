@@ -1,0 +1,80 @@
+"""A small handle on the world's object collectives and rank facts, for code that must not depend on a front end.
+
+The checkpoint and replica code takes one of these instead of a Lightning strategy, so that the Trainer strategy and
+a Fabric strategy (or a plain script) can share it. Without an initialised process group it is one process: every
+collective returns its own input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """Rank facts and object collectives over the default (world) process group.
+
+    Attributes:
+        rank: global rank of this process.
+        world_size: number of ranks.
+        device: the root device; tensors of the collectives below live there (NCCL needs them on the GPU).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @classmethod
+    def current(cls, device: torch.device | None = None) -> Collectives:
+        """The handle for this process: the world group when one is initialised, else a single process."""
+        device = device if device is not None else torch.device("cpu")
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), device)
+        return cls(0, 1, device)
+
+    @property
+    def distributed(self) -> bool:
+        """Whether there is more than one rank to talk to."""
+        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        """``obj`` of global rank ``src`` on every rank (any picklable object)."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def all_gather(self, obj: T) -> list[T]:
+        """Every rank's ``obj``, in rank order."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on any rank."""
+        if not self.distributed:
+            return bool(flag)
+        value = torch.tensor(int(bool(flag)), device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return bool(value.item() > 0)
+
+    def barrier(self) -> None:
+        """Wait until every rank is here."""
+        if not self.distributed:
+            return
+        if self.device.type != "cpu" and dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.device.index or 0])
+        else:
+            dist.barrier()
+
+
+__all__ = ["Collectives"]

@@ -1,0 +1,77 @@
+"""The library's vocabulary, each name defined once: mesh axes, sharding strategies, start methods, checkpoint
+formats, FSDP engines and the registered strategy names.
+
+Every option is a ``Literal`` (for signatures and type checkers) with its values read back by ``typing.get_args``
+(for validation, messages and tests), so a value cannot be spelled two ways.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal, get_args
+
+#: The axes of the 2-D ``DeviceMesh``: outer across replicas, inner inside a shard group (consecutive ranks).
+MeshAxis = Literal["replicate", "shard"]
+MESH_AXES: Final[tuple[MeshAxis, ...]] = get_args(MeshAxis)
+REPLICATE_AXIS: Final[MeshAxis] = "replicate"
+SHARD_AXIS: Final[MeshAxis] = "shard"
+#: Collectives on a process group that is neither axis (e.g. Lightning's own world-group reductions).
+OTHER_AXIS: Final = "other"
+
+#: FSDP sharding strategies, by ``torch.distributed.fsdp.ShardingStrategy`` member name.
+ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
+SHARDING_STRATEGIES: Final[tuple[ShardingStrategyName, ...]] = get_args(ShardingStrategyName)
+FULL_SHARD: Final[ShardingStrategyName] = "FULL_SHARD"
+SHARD_GRAD_OP: Final[ShardingStrategyName] = "SHARD_GRAD_OP"
+NO_SHARD: Final[ShardingStrategyName] = "NO_SHARD"
+HYBRID_SHARD: Final[ShardingStrategyName] = "HYBRID_SHARD"
+HYBRID_SHARD_ZERO2: Final[ShardingStrategyName] = "_HYBRID_SHARD_ZERO2"
+HYBRID_STRATEGIES: Final[tuple[ShardingStrategyName, ...]] = (HYBRID_SHARD, HYBRID_SHARD_ZERO2)
+
+#: How the ranks are started: ``popen`` re-runs the script per rank (Lightning's FSDP default), the others are
+#: ``multiprocessing`` start methods (``fork`` is what notebooks need).
+StartMethod = Literal["popen", "fork", "spawn", "forkserver"]
+START_METHODS: Final[tuple[StartMethod, ...]] = get_args(StartMethod)
+
+#: Checkpoint formats: a ``torch.distributed.checkpoint`` folder, or one ``torch.save`` file.
+StateDictType = Literal["sharded", "full"]
+STATE_DICT_TYPES: Final[tuple[StateDictType, ...]] = get_args(StateDictType)
+SHARDED: Final[StateDictType] = "sharded"
+FULL: Final[StateDictType] = "full"
+
+#: Names registered in Lightning's strategy registry on ``import lightning_smp``: (name, description, init args).
+STRATEGY_NAMES: Final[tuple[tuple[str, str, dict[str, Any]], ...]] = (
+    ("smp_hybrid", "SMP-style hybrid sharded data parallelism (FSDP HYBRID_SHARD)", {"sharding_strategy": HYBRID_SHARD}),
+    (
+        "smp_hybrid_zero2",
+        "SMP-style hybrid sharded data parallelism, ZeRO-2 flavour (FSDP _HYBRID_SHARD_ZERO2)",
+        {"sharding_strategy": HYBRID_SHARD_ZERO2},
+    ),
+    (
+        "smp_hybrid_notebook",
+        "SMP-style hybrid sharding launched by fork, for Jupyter notebooks",
+        {"sharding_strategy": HYBRID_SHARD, "start_method": "fork"},
+    ),
+)
+
+__all__ = [
+    "FULL",
+    "FULL_SHARD",
+    "HYBRID_SHARD",
+    "HYBRID_SHARD_ZERO2",
+    "HYBRID_STRATEGIES",
+    "MESH_AXES",
+    "NO_SHARD",
+    "OTHER_AXIS",
+    "REPLICATE_AXIS",
+    "SHARDED",
+    "SHARDING_STRATEGIES",
+    "SHARD_AXIS",
+    "SHARD_GRAD_OP",
+    "START_METHODS",
+    "STATE_DICT_TYPES",
+    "STRATEGY_NAMES",
+    "MeshAxis",
+    "ShardingStrategyName",
+    "StartMethod",
+    "StateDictType",
+]
