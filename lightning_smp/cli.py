@@ -34,7 +34,7 @@ from typing import Any
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 import lightning_smp  # noqa: F401  (registers the strategy names before parsing)
-from lightning_smp.config import ENV_CLI, configured_degree, set_cli_config
+from lightning_smp.config import ENV_CLI, SMPSection, configured_degree, set_cli_config
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.strategy import HybridShardFSDPStrategy
 
@@ -54,9 +54,9 @@ class HybridShardCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
             "--smp",
-            type=dict[str, Any] | None,
+            type=SMPSection | None,
             default=None,
-            help="SageMaker SMP v2 config keys, e.g. {hybrid_shard_degree: 2} (see lightning_smp.config).",
+            help="SageMaker SMP v2 config keys, e.g. {hybrid_shard_degree: 2} (see lightning_smp.config.SMPConfig).",
         )
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
@@ -82,9 +82,10 @@ class HybridShardCLI(LightningCLI):
 
     def _apply_smp_section(self) -> None:
         section = self._section()
-        set_cli_config(section.get("smp"))
+        smp = _set_keys(section.get("smp"))
+        set_cli_config(smp)
         explicit = _explicit_degree(section)
-        smp = section.get("smp") or {}
+        smp = smp or {}
         if explicit is not None and "hybrid_shard_degree" in smp and smp["hybrid_shard_degree"] != explicit:
             warnings.warn(
                 f"trainer.strategy.init_args.hybrid_shard_degree={explicit} overrides"
@@ -96,10 +97,19 @@ class HybridShardCLI(LightningCLI):
     def _print_resolved_config(self, flags: list[str]) -> None:
         section = self._section().clone()
         degree = configured_degree(explicit=_explicit_degree(section))
-        section["smp"] = {**(section.get("smp") or {}), "hybrid_shard_degree": degree}
+        # the keys that are set, and the degree that will run, so that the printed config reproduces the run
+        section["smp"] = {**(_set_keys(section.get("smp")) or {}), "hybrid_shard_degree": degree}
         kwargs = {_PRINT_FLAGS[f]: True for f in flags if f}
         sys.stdout.write(self._parser(self.config.get("subcommand")).dump(section, skip_unset=False, **kwargs))
         sys.exit(0)
+
+
+def _set_keys(smp: Any) -> dict[str, Any] | None:
+    """The keys of a parsed ``smp:`` section (a jsonargparse ``Namespace``) that are set; ``None`` without one."""
+    if smp is None:
+        return None
+    values = smp.as_dict() if hasattr(smp, "as_dict") else dict(smp)
+    return {k: v for k, v in values.items() if v is not None}
 
 
 def _split_print_config(args: ArgsType) -> tuple[list[str] | None, ArgsType]:

@@ -30,10 +30,10 @@ import json
 import os
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, make_dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, get_type_hints
 
 from lightning_smp.degree import check_degree
 from lightning_smp.errors import HybridShardConfigError
@@ -56,14 +56,46 @@ DEFAULT_SOURCE = "default"
 
 @dataclass
 class SMPConfig:
-    """The SMP v2 keys this library implements, with SMP's defaults.
+    """SMP v2's configuration keys: those this library implements with SMP's defaults, the others ``None`` (not set).
+
+    A key this library does not implement may only hold a value that changes nothing (``tensor_parallel_degree: 1``,
+    with a warning); any other value is refused by :func:`check_config`, so a resolved config never holds one.
 
     Attributes:
         hybrid_shard_degree: 0 (native FSDP), 1 (no sharding, DDP-like) or the number of consecutive ranks
             that shard the model together; see :mod:`lightning_smp.degree`.
+        tensor_parallel_degree, context_parallel_degree, expert_parallel_degree: SMP's other parallelisms; only 1.
+        sm_activation_offloading: SMP's activation offloading; only ``false``.
+        activation_loading_horizon, fsdp_cache_flush_warnings, allow_empty_shards, random_seed: accepted and
+            ignored, with a warning.
     """
 
     hybrid_shard_degree: int = 0
+    tensor_parallel_degree: int | None = None
+    context_parallel_degree: int | None = None
+    expert_parallel_degree: int | None = None
+    sm_activation_offloading: bool | None = None
+    activation_loading_horizon: int | None = None
+    fsdp_cache_flush_warnings: bool | None = None
+    allow_empty_shards: bool | None = None
+    random_seed: int | None = None
+
+
+def _optional_fields(cls: type, name: str, doc: str) -> type:
+    """``cls`` with every field optional and ``None`` by default: a section in which a key left out is not set."""
+    hints = get_type_hints(cls)
+    section = make_dataclass(name, [(f.name, Optional[hints[f.name]], None) for f in fields(cls)])  # noqa: UP007
+    section.__doc__ = doc
+    section.__module__ = __name__
+    return section
+
+
+#: The type of the LightningCLI ``smp:`` section: :class:`SMPConfig`'s keys and types, each optional, so that
+#: jsonargparse checks names and types and a key left out is taken from the lower sources.
+SMPSection = _optional_fields(
+    SMPConfig, "SMPSection",
+    "SMP v2 config keys for the LightningCLI `smp:` section (see SMPConfig); a key left out is not set here.",
+)
 
 
 def _check_hybrid_shard_degree(value: Any, where: str) -> None:
@@ -129,6 +161,8 @@ UNIMPLEMENTED_KEYS: dict[str, _Unimplemented] = {
 }
 
 KNOWN_KEYS = (*IMPLEMENTED_KEYS, *UNIMPLEMENTED_KEYS)
+if set(KNOWN_KEYS) != {f.name for f in fields(SMPConfig)}:  # one list of keys: the dataclass and the rules agree
+    raise RuntimeError("lightning_smp.config: SMPConfig's fields and the key rules differ")
 
 
 def _type_name(value: Any) -> str:
@@ -301,12 +335,12 @@ def _export(name: str, values: dict[str, Any] | None) -> None:
 def set_cli_config(values: Mapping[str, Any] | None) -> dict[str, Any]:
     """Check a LightningCLI ``smp:`` section and make it the CLI source for this process and its children.
 
-    ``None`` removes the CLI source. Returns the checked values.
+    ``None`` removes the CLI source; keys whose value is ``None`` are not set. Returns the checked values.
     """
     if values is None:
         _export(ENV_CLI, None)
         return {}
-    checked = check_config(values, CLI_SOURCE)
+    checked = check_config({k: v for k, v in values.items() if v is not None}, CLI_SOURCE)
     _export(ENV_CLI, checked)
     return checked
 
@@ -325,6 +359,7 @@ __all__ = [
     "INIT_SOURCE",
     "KNOWN_KEYS",
     "SMPConfig",
+    "SMPSection",
     "check_config",
     "config_layers",
     "config_source",

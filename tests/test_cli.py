@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import yaml
 import lightning_smp
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy
 from lightning_smp.cli import HybridShardCLI, main
-from lightning_smp.config import ENV_CLI, ENV_CONFIG
+from lightning_smp.config import ENV_CLI, ENV_CONFIG, SMPConfig
 from tests.helpers import PROCESS_TIMEOUT
 
 # the tests pass args while pytest's own argv is set; that is intended here
@@ -85,20 +86,41 @@ def test_precedence_inside_the_cli(tmp_path):
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        pytest.param("--smp.hybrid_shard_dgree=2", "LightningCLI `smp:` section: unknown SMP config key"
-                     " 'hybrid_shard_dgree'. Did you mean 'hybrid_shard_degree'?", id="typo"),
-        pytest.param("--smp.hybrid_shard_degree=two", "LightningCLI `smp:` section: hybrid_shard_degree='two' (str)"
-                     " is not an integer.", id="string"),
-        pytest.param("--smp.hybrid_shard_degree=2.5", "LightningCLI `smp:` section: hybrid_shard_degree=2.5 (float)"
-                     " is not an integer.", id="float"),
-        pytest.param("--smp.hybrid_shard_degree=true", "LightningCLI `smp:` section: hybrid_shard_degree=True (bool)"
-                     " is not an integer.", id="bool"),
+        pytest.param("--smp.hybrid_shard_dgree=2", ["Option 'hybrid_shard_dgree' is not accepted"], id="typo"),
+        pytest.param("--smp.hybrid_shard_degree=two",
+                     ['Parser key "hybrid_shard_degree"', "Expected a <class 'int'>", "Given value: two"], id="string"),
+        pytest.param("--smp.hybrid_shard_degree=2.5",
+                     ['Parser key "hybrid_shard_degree"', "Expected a <class 'int'>", "Given value: 2.5"], id="float"),
+        pytest.param("--smp.hybrid_shard_degree=true",
+                     ['Parser key "hybrid_shard_degree"', "Expected a <class 'int'>. Got value: True"], id="bool"),
+        pytest.param("--smp.sm_activation_offloading=3",
+                     ['Parser key "sm_activation_offloading"', "Expected a <class 'bool'>", "Given value: 3"],
+                     id="not_bool"),
+    ],
+)
+def test_cli_smp_section_is_typed_by_jsonargparse(override, expected, capsys, tmp_path):
+    """The section is SMPConfig's keys and types: jsonargparse refuses unknown keys and wrong types, naming both."""
+    args = ["fit", "--config", str(CONFIGS / "hybrid_cpu.yaml"), override, f"--trainer.default_root_dir={tmp_path}"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert 'Parser key "smp"' in err and all(fragment in err for fragment in expected)
+    assert ENV_CLI not in os.environ
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
         pytest.param("--smp.tensor_parallel_degree=2", "LightningCLI `smp:` section: tensor_parallel_degree=2 is not"
                      " supported", id="tensor_parallel"),
+        pytest.param("--smp.hybrid_shard_degree=-1", "LightningCLI `smp:` section: hybrid_shard_degree=-1 is"
+                     " negative.", id="negative"),
         pytest.param("--smp.hybrid_shard_degree=3", "hybrid_shard_degree=3 does not divide world_size=4", id="divisor"),
     ],
 )
 def test_cli_errors_name_the_source_and_key(override, expected, tmp_path):
+    """What typing cannot know (SMP semantics, the world size) is checked by the library, naming the source."""
     args = ["fit", "--config", str(CONFIGS / "hybrid_cpu.yaml"), override, f"--trainer.default_root_dir={tmp_path}"]
     with pytest.raises(SystemExit) as exit_info:
         main(args)
@@ -170,7 +192,10 @@ def test_console_script_trains_on_four_cpu_ranks(tmp_path):
     with open(run_dir / "metrics.csv") as f:
         losses = [float(row["train_loss"]) for row in csv.DictReader(f) if row.get("train_loss")]
     assert len(losses) == 3
-    assert yaml.safe_load((run_dir / "config.yaml").read_text())["smp"] == {"hybrid_shard_degree": 2}
+    # the saved config holds the typed section (SMPConfig's keys; those not set are null)
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())["smp"]
+    assert {k: v for k, v in saved.items() if v is not None} == {"hybrid_shard_degree": 2}
+    assert set(saved) == {f.name for f in dataclasses.fields(SMPConfig)}
 
 
 @pytest.mark.slow
