@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.settings import ConfigSpec, Settings, build_configs, hybrid_degree
+from lightning_smp.accounting import render
 
 #: Targets the suite checks on every run (name -> bound, all "at most" except traffic which is "equal").
 TARGETS = {
@@ -411,30 +412,16 @@ def to_markdown(summary: dict[str, Any], settings: Settings, machine: dict[str, 
 
 
 def print_tables(summary: dict[str, Any], settings: Settings) -> None:
-    """Print the per-rank table, the targets and the ratios (rich tables, plain text without rich)."""
-    tables = [
-        (f"Per configuration and rank ({settings.mode} mode, {settings.world_size} ranks)", rank_header(summary), rank_rows(summary)),
-        ("Targets", ["figure", "value", "target", "verdict"], check_rows(summary)),
-        ("Step-time ratios", RATIO_HEADER, ratio_rows(summary)),
-    ]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:  # rich is a dependency, but keep the report readable without it
-        for title, header, rows in tables:
-            print(title)
-            print(_markdown_table(header, rows))
-        print(GLOO_NOTE)
-        return
-    console = Console(width=max(Console().width, 180))
-    for title, header, rows in tables:
-        table = Table(title=title)
-        for column in header:
-            table.add_column(column, justify="left" if column in ("configuration", "FSDP", "figure", "step-time ratio") else "right")
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
-    console.print(GLOO_NOTE)
+    """Print the per-rank table, the targets and the ratios with the library's table renderer."""
+    render.print_tables(
+        [
+            (f"Per configuration and rank ({settings.mode} mode, {settings.world_size} ranks)", rank_header(summary),
+             rank_rows(summary)),
+            ("Targets", ["figure", "value", "target", "verdict"], check_rows(summary)),
+            ("Step-time ratios", RATIO_HEADER, ratio_rows(summary)),
+        ],
+        left=("configuration", "FSDP", "figure", "step-time ratio"), width=180, footer=GLOO_NOTE,
+    )
 
 
 def plot_memory(summary: dict[str, Any], settings: Settings, path: Path) -> Path:

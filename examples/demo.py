@@ -11,7 +11,9 @@ Launch commands (the same script everywhere; Lightning starts one process per de
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import warnings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -51,9 +53,14 @@ def main() -> None:
 
     world = args.devices * args.num_nodes
     degree = args.degree if args.degree is not None else (2 if world % 2 == 0 else 1)
+    # Lightning's own deprecation notices (one per rank) would bury the tables
+    warnings.filterwarnings("ignore", message=r".*treespec, LeafSpec.*")
     L.seed_everything(0, verbose=False)
     model = TinyGPT(vocab_size=64, dim=args.dim, layers=args.layers, heads=4, block_size=32)
-    data = MarkovDataModule(vocab_size=64, block_size=32, samples=2048, batch_size=8)
+    batch_size = 8
+    # one epoch of exactly max_steps batches per rank: the progress bar then counts steps ("Epoch 0/0 ... 60/60")
+    samples = max(2048, math.ceil(args.max_steps * batch_size * world / 1024) * 1024)
+    data = MarkovDataModule(vocab_size=64, block_size=32, samples=samples, batch_size=batch_size)
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, auto_wrap_policy={Block})
     trainer = L.Trainer(
         accelerator="gpu" if gpus else "cpu",
@@ -61,14 +68,18 @@ def main() -> None:
         num_nodes=args.num_nodes,
         strategy=strategy,
         precision="bf16-mixed" if gpus else "32-true",
+        max_epochs=1,
+        limit_train_batches=args.max_steps,
         max_steps=args.max_steps,
         limit_val_batches=4,
         val_check_interval=args.max_steps // 2,
         log_every_n_steps=10,
         logger=False,
         enable_checkpointing=False,
-        # per-rank memory (held, unsharded, floor) and the collectives of step 2 (step 1 follows the sanity check)
-        callbacks=[ShowMesh(), MemorySavingsCallback(comm_step=2)],
+        enable_model_summary=False,  # it would count the local shards, not the model
+        # one memory table (held, unsharded, floor per rank) and one table of the collectives of step 2 (step 1
+        # follows the sanity check), both at the end of fit
+        callbacks=[ShowMesh(), MemorySavingsCallback(comm_step=2, print_stages=("fit_end",))],
         default_root_dir="lightning_logs/demo",  # the memory report's JSON goes there
     )
     if trainer.is_global_zero:

@@ -34,9 +34,6 @@ PYTHON_INFO = {"python", "py", "python3"}
 README_MAX_LINES = 160
 #: Per snippet; the slowest (two short fits and a checkpoint round trip on one CPU device) takes about 4 s.
 RUN_TIMEOUT = 120
-#: Pages the docs link that are written alongside the package refactor. Checked like any other page once they
-#: exist; remove an entry when its file lands.
-PENDING_PAGES = {"docs/architecture.md"}
 #: Inline links and images ``[text](target)`` / ``![alt](target "title")``, and reference definitions ``[x]: target``.
 INLINE_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?(?P<target>[^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 REFERENCE_LINK = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(?P<target>\S+?)>?(?:\s|$)", re.MULTILINE)
@@ -130,7 +127,7 @@ def link_targets(text: str) -> list[str]:
     return [m["target"] for m in INLINE_LINK.finditer(prose)] + [m["target"] for m in REFERENCE_LINK.finditer(prose)]
 
 
-def broken_links(path: Path, text: str, root: Path = ROOT) -> list[str]:
+def broken_links(path: Path, text: str) -> list[str]:
     """Relative link targets of ``path`` that name no existing file or folder (anchors are not checked)."""
     broken = []
     for target in link_targets(text):
@@ -139,8 +136,6 @@ def broken_links(path: Path, text: str, root: Path = ROOT) -> list[str]:
         relative = target.split("#", 1)[0].split("?", 1)[0]
         resolved = (path.parent / relative).resolve()
         if resolved.exists():
-            continue
-        if resolved.is_relative_to(root) and resolved.relative_to(root).as_posix() in PENDING_PAGES:
             continue
         broken.append(target)
     return broken
@@ -190,7 +185,7 @@ def test_readme_is_short() -> None:
 
 def test_readme_links_every_docs_page() -> None:
     targets = {t.split("#", 1)[0] for t in link_targets(README.read_text(encoding="utf-8"))}
-    pages = {p.relative_to(ROOT).as_posix() for p in DOCS.glob("*.md")} | PENDING_PAGES
+    pages = {p.relative_to(ROOT).as_posix() for p in DOCS.glob("*.md")}
     assert sorted(pages - targets) == []
 
 
@@ -265,4 +260,4 @@ def test_a_failing_snippet_exits_non_zero() -> None:
 
 def test_broken_links_are_found(tmp_path: Path) -> None:
     (tmp_path / "a.md").write_text("")
-    assert broken_links(tmp_path / "page.md", BAD_PAGE, root=tmp_path) == ["nowhere.md#part", "img/missing.png"]
+    assert broken_links(tmp_path / "page.md", BAD_PAGE) == ["nowhere.md#part", "img/missing.png"]

@@ -89,7 +89,8 @@ def memory_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
 
 def comm_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
     """Header and rows (rank, axis, operation) of the communication table; none when nothing was counted or
-    expected."""
+    expected. Where a textbook figure exists, an operation it does not list counts 0 (e.g. Lightning's own
+    world-group reductions on the ``"other"`` axis); "-" means no figure at all (one device) or nothing counted."""
     header = ["rank", "axis", "op", "count", "bytes", "textbook count", "textbook bytes", "ring bytes/rank"]
     rows = []
     for r in records:
@@ -97,7 +98,7 @@ def comm_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
         for axis in dict.fromkeys([*measured, *book]):
             for op in OPS:
                 m = measured.get(axis, {}).get(op, {"count": 0, "bytes": 0})
-                t = book.get(axis, {}).get(op)
+                t = book.get(axis, {}).get(op) or ({"count": 0, "bytes": 0, "ring_bytes": 0} if book else None)
                 if not m["count"] and not (t and t["count"]):
                     continue
                 rows.append([

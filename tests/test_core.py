@@ -1,0 +1,128 @@
+"""The core's seams: one vocabulary, one error hierarchy, the engine interface, the collectives handle."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+import torch
+
+import lightning_smp
+from lightning_smp import names
+from lightning_smp.collectives import Collectives
+from lightning_smp.config import KNOWN_KEYS, SMPConfig, SMPSection
+from lightning_smp.engines import ENGINES, Engine, FSDP1Engine, engine_of
+from lightning_smp.errors import CheckpointError, HybridShardConfigError, LightningSMPError, UnsupportedOptionError
+from lightning_smp.launcher import rank_error
+
+
+@pytest.mark.parametrize(
+    ("literal", "values"),
+    [
+        (names.MeshAxis, names.MESH_AXES),
+        (names.ShardingStrategyName, names.SHARDING_STRATEGIES),
+        (names.StartMethod, names.START_METHODS),
+        (names.StateDictType, names.STATE_DICT_TYPES),
+    ],
+)
+def test_each_option_is_defined_once(literal, values):
+    assert typing.get_args(literal) == values
+    assert len(set(values)) == len(values)
+
+
+def test_names_spell_the_values_torch_and_lightning_use():
+    from torch.distributed.fsdp import ShardingStrategy
+
+    assert set(names.SHARDING_STRATEGIES) == {s.name for s in ShardingStrategy}
+    assert (names.REPLICATE_AXIS, names.SHARD_AXIS) == names.MESH_AXES == lightning_smp.MESH_AXES
+    assert [n for n, _, _ in names.STRATEGY_NAMES] == ["smp_hybrid", "smp_hybrid_zero2", "smp_hybrid_notebook"]
+
+
+@pytest.mark.parametrize(
+    ("error", "builtins"),
+    [
+        (HybridShardConfigError, (ValueError,)),
+        (UnsupportedOptionError, (HybridShardConfigError, ValueError, TypeError)),
+        (CheckpointError, (ValueError, RuntimeError)),
+    ],
+)
+def test_every_error_is_a_library_error_and_the_builtin_lightning_raises(error, builtins):
+    assert issubclass(error, LightningSMPError)
+    for builtin in builtins:
+        assert issubclass(error, builtin)
+    assert not issubclass(CheckpointError, HybridShardConfigError)  # a checkpoint problem is not a config mistake
+
+
+def test_storage_options_is_a_type_error_as_in_lightning(tmp_path):
+    from lightning_smp.checkpoint import CheckpointRun, save
+
+    with pytest.raises(TypeError, match=r"storage_options=\{'x': 1\} is not supported") as err:
+        save({}, tmp_path / "x.ckpt", kind="full", collectives=Collectives(), run=CheckpointRun(),
+             storage_options={"x": 1})
+    assert isinstance(err.value, UnsupportedOptionError)
+    assert not (tmp_path / "x.ckpt").exists()
+
+
+def test_a_precision_plugin_of_another_kind_is_a_type_error_as_in_lightning():
+    from lightning.pytorch.plugins.precision import Precision
+
+    with pytest.raises(TypeError, match="needs an `FSDPPrecision` plugin, found Precision") as err:
+        lightning_smp.HybridShardFSDPStrategy(precision_plugin=Precision())
+    assert isinstance(err.value, UnsupportedOptionError)
+
+
+@pytest.mark.parametrize("error", [HybridShardConfigError, UnsupportedOptionError, CheckpointError])
+def test_an_error_raised_in_a_rank_comes_back_as_the_same_type(error):
+    try:
+        raise error("first line: the value\nand a second line")
+    except LightningSMPError as raised:
+        import traceback
+
+        rebuilt = rank_error("".join(traceback.format_exception(raised)))
+    assert type(rebuilt) is error
+    assert str(rebuilt) == "first line: the value\nand a second line"
+    assert rank_error("Traceback ...\nValueError: not ours") is None
+
+
+def test_the_fsdp1_engine_implements_the_interface():
+    engine = FSDP1Engine()
+    assert isinstance(engine, Engine)
+    assert any(isinstance(e, FSDP1Engine) for e in ENGINES)
+    members = {name for name in dir(Engine) if not name.startswith("_")}
+    assert members <= set(dir(engine))
+    plain = torch.nn.Linear(2, 2)
+    assert engine_of(plain) is None and not engine.is_sharded(plain) and engine.sharding(plain) is None
+
+
+def test_collectives_in_one_process_return_their_input():
+    one = Collectives.current()
+    assert (one.rank, one.world_size, one.distributed) == (0, 1, False)
+    assert one.broadcast({"a": 1}) == {"a": 1}
+    assert one.all_gather("x") == ["x"]
+    assert one.any(True) is True and one.any(False) is False
+    one.barrier()
+
+
+def test_one_list_of_smp_keys_types_the_config_and_the_cli_section():
+    config_fields = {f.name: f for f in dataclasses.fields(SMPConfig)}
+    assert set(config_fields) == set(KNOWN_KEYS)
+    section = dataclasses.fields(SMPSection)
+    assert [f.name for f in section] == list(config_fields)
+    assert all(f.default is None for f in section)  # a key left out of the smp: section is not set there
+    hints = typing.get_type_hints(SMPSection)
+    assert hints["hybrid_shard_degree"] == typing.Optional[int]  # noqa: UP007
+    assert hints["sm_activation_offloading"] == typing.Optional[bool]  # noqa: UP007
+
+
+def test_the_configuration_is_resolved_once_when_the_trainer_is_created(monkeypatch):
+    import lightning as L
+
+    from lightning_smp.config import ENV_CONFIG
+
+    monkeypatch.setenv(ENV_CONFIG, '{"hybrid_shard_degree": 2}')
+    strategy = lightning_smp.HybridShardFSDPStrategy()
+    L.Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False, enable_progress_bar=False)
+    monkeypatch.setenv(ENV_CONFIG, '{"hybrid_shard_degree": 4}')  # a later change does not reach this Trainer
+    assert strategy.hybrid_shard_degree == 2
+    assert strategy.layout.mesh_shape == (2, 2)
