@@ -29,7 +29,7 @@ import importlib
 import os
 import sys
 import warnings
-from typing import Any
+from typing import Any, cast
 
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
@@ -66,7 +66,8 @@ class HybridShardCLI(LightningCLI):
             self._apply_smp_section()
             return
         try:
-            self.config = parser.parse_args(stripped)
+            # with --print_config found, the arguments are a command line (see _split_print_config)
+            self.config = parser.parse_args(cast(list[str], stripped))
         except SystemExit:
             # an incomplete config (e.g. no model yet): let jsonargparse print it as it is
             super().parse_arguments(parser, args)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, make_dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Optional, get_type_hints
+from typing import Any, cast, get_type_hints
 
 from lightning_smp.degree import check_degree
 from lightning_smp.errors import HybridShardConfigError
@@ -84,7 +84,7 @@ class SMPConfig:
 def _optional_fields(cls: type, name: str, doc: str) -> type:
     """``cls`` with every field optional and ``None`` by default: a section in which a key left out is not set."""
     hints = get_type_hints(cls)
-    section = make_dataclass(name, [(f.name, Optional[hints[f.name]], None) for f in fields(cls)])  # noqa: UP007
+    section = make_dataclass(name, [(f.name, hints[f.name] | None, None) for f in fields(cls)])
     section.__doc__ = doc
     section.__module__ = __name__
     return section
@@ -305,7 +305,8 @@ def resolve_config(explicit: dict[str, Any] | None = None) -> SMPConfig:
     from omegaconf import OmegaConf
 
     merged = OmegaConf.merge(OmegaConf.structured(SMPConfig), *(values for _, values in config_layers(explicit)))
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    # to_object of a structured config is an instance of its dataclass
+    return cast(SMPConfig, OmegaConf.to_object(merged))
 
 
 def config_source(key: str = "hybrid_shard_degree", explicit: dict[str, Any] | None = None) -> str:

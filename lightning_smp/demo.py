@@ -69,7 +69,7 @@ class TinyGPT(L.LightningModule):
         self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.0)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=0.0)
 
 
 class MarkovTokens(Dataset):

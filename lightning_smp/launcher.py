@@ -31,12 +31,13 @@ from typing_extensions import override
 
 from lightning_smp import errors
 from lightning_smp.errors import HybridShardConfigError, LightningSMPError
-from lightning_smp.names import START_METHODS, StartMethod
+from lightning_smp.names import START_METHODS, ProcessStartMethod, StartMethod
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_smp.checkpoint import CheckpointRun
+    from lightning_smp.strategy import HybridShardFSDPStrategy
 
 #: Attributes a callback fills with results for the user (e.g. ``MemorySavingsCallback.report``, one plain dict
 #: per rank, and ``.reports`` by stage): sent back from rank 0 and set on the main process's matching callback.
@@ -45,13 +46,16 @@ REPORT_ATTRIBUTES = ("report", "reports")
 
 def check_start_method_name(start_method: object) -> StartMethod | None:
     """Check a ``start_method`` argument statically: ``None`` (automatic) or one of :data:`START_METHODS`."""
-    if start_method is not None and start_method not in START_METHODS:
-        raise HybridShardConfigError(
-            f"start_method={start_method!r} is not supported. Valid values: None (automatic), "
-            + ", ".join(repr(m) for m in START_METHODS)
-            + "."
-        )
-    return start_method  # type: ignore[return-value]  # narrowed by the membership test above
+    if start_method is None:
+        return None
+    for method in START_METHODS:  # a loop, not `in`: mypy before 1.20 does not narrow by `in`
+        if start_method == method:
+            return method
+    raise HybridShardConfigError(
+        f"start_method={start_method!r} is not supported. Valid values: None (automatic), "
+        + ", ".join(repr(m) for m in START_METHODS)
+        + "."
+    )
 
 
 def check_start_method(start_method: str) -> None:
@@ -164,7 +168,15 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
         run: the checkpoint run identity; the main process continues the ranks' run.
     """
 
-    def __init__(self, strategy: Any, start_method: str, results: MainProcessResults, run: CheckpointRun) -> None:
+    _strategy: HybridShardFSDPStrategy  # the base class declares a ParallelStrategy
+
+    def __init__(
+        self,
+        strategy: HybridShardFSDPStrategy,
+        start_method: ProcessStartMethod,
+        results: MainProcessResults,
+        run: CheckpointRun,
+    ) -> None:
         check_start_method(start_method)
         super().__init__(strategy, start_method=start_method)
         self.results = results
@@ -215,7 +227,7 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
             payload["callbacks"] = _call_callbacks_state_dict(trainer)
             # checkpoints the main process writes belong to the same run (see lightning_smp.checkpoint)
             payload["checkpoint_run_id"] = self.run.run_id
-        payload["reports"] = _callback_reports(trainer.callbacks)
+        payload["reports"] = _callback_reports(trainer.callbacks)  # type: ignore[attr-defined]  # undeclared on Trainer
 
         # a private folder: the file system may be shared between nodes
         payload_path = os.path.join(tempfile.mkdtemp(prefix="lightning_smp_"), "results.pt")
@@ -239,8 +251,8 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
     @override
     def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
         callback = trainer.checkpoint_callback
-        if worker_output.best_model_path is not None and hasattr(callback, "best_model_path"):
-            callback.best_model_path = str(worker_output.best_model_path)  # type: ignore[union-attr]
+        if worker_output.best_model_path is not None and callback is not None and hasattr(callback, "best_model_path"):
+            callback.best_model_path = str(worker_output.best_model_path)
         payload: dict[str, Any] = {}
         if worker_output.weights_path is not None:
             path = str(worker_output.weights_path)
@@ -265,9 +277,10 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
             for callback in trainer.checkpoint_callbacks:
                 state = payload["callbacks"].get(callback.state_key, {})
                 if getattr(callback, "dirpath", None) is None and state.get("dirpath") is not None:
-                    callback.dirpath = state["dirpath"]
+                    callback.dirpath = state["dirpath"]  # type: ignore[attr-defined]  # not only ModelCheckpoint
             _call_callbacks_load_state_dict(trainer, {"callbacks": payload["callbacks"]})
-        _set_callback_reports(trainer.callbacks, payload.get("reports", {}))
+        reports = payload.get("reports", {})
+        _set_callback_reports(trainer.callbacks, reports)  # type: ignore[attr-defined]  # undeclared on Trainer
         if payload.get("checkpoint_run_id") is not None:
             self.run.run_id = payload["checkpoint_run_id"]
         if worker_output.trainer_state.fn == TrainerFn.FITTING:

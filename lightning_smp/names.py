@@ -27,9 +27,11 @@ HYBRID_SHARD: Final[ShardingStrategyName] = "HYBRID_SHARD"
 HYBRID_SHARD_ZERO2: Final[ShardingStrategyName] = "_HYBRID_SHARD_ZERO2"
 HYBRID_STRATEGIES: Final[tuple[ShardingStrategyName, ...]] = (HYBRID_SHARD, HYBRID_SHARD_ZERO2)
 
+#: The ``multiprocessing`` start methods, what Lightning's multiprocessing launcher takes.
+ProcessStartMethod = Literal["fork", "spawn", "forkserver"]
 #: How the ranks are started: ``popen`` re-runs the script per rank (Lightning's FSDP default), the others are
 #: ``multiprocessing`` start methods (``fork`` is what notebooks need).
-StartMethod = Literal["popen", "fork", "spawn", "forkserver"]
+StartMethod = Literal["popen", ProcessStartMethod]
 START_METHODS: Final[tuple[StartMethod, ...]] = get_args(StartMethod)
 
 #: Checkpoint formats: a ``torch.distributed.checkpoint`` folder, or one ``torch.save`` file.
@@ -71,6 +73,7 @@ __all__ = [
     "STATE_DICT_TYPES",
     "STRATEGY_NAMES",
     "MeshAxis",
+    "ProcessStartMethod",
     "ShardingStrategyName",
     "StartMethod",
     "StateDictType",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,8 @@ def _broadcast_tensors(
     tensor. Tensors that are not on ``device`` (the unwrapped model still on the CPU under NCCL) are staged there
     one bucket at a time, so the device never holds more than one extra bucket.
     """
-    group = group if group is not None else dist.group.WORLD
+    # torch types ``group.WORLD`` as optional; it is set whenever the default process group exists, as it must here
+    group = group if group is not None else cast(dist.ProcessGroup, dist.group.WORLD)
     group_src = dist.get_group_rank(group, src)
     bucket: list[torch.Tensor] = []
     bucket_bytes = 0

@@ -10,9 +10,10 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, Protocol, TypeVar
 
 import torch
+from typing_extensions import Self
 
 from lightning_smp.checkpoint.atomic import commit, temporary_name, write_file
 from lightning_smp.checkpoint.format import META_FILENAME, RUN_KEY, checkpoint_kind
@@ -20,7 +21,15 @@ from lightning_smp.checkpoint.safety import SafeEmptyLoadPlanner, SafeFileSystem
 from lightning_smp.errors import CheckpointError
 from lightning_smp.names import FULL, SHARDED
 
-T = TypeVar("T")
+
+class _Loadable(Protocol):
+    """A ``LightningModule`` or ``LightningDataModule`` class, as :func:`load_from_checkpoint` uses it."""
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str | Path | IO, **kwargs: Any) -> Self: ...
+
+
+T = TypeVar("T", bound=_Loadable)
 
 
 def optimizer_state_by_index(optim_state: dict[str, Any]) -> dict[str, Any]:
@@ -87,12 +96,12 @@ def load_from_checkpoint(cls: type[T], path: str | os.PathLike, **kwargs: Any) -
     """
     path = Path(path)
     if checkpoint_kind(path) == FULL:
-        return cls.load_from_checkpoint(path, **kwargs)  # type: ignore[attr-defined]
+        return cls.load_from_checkpoint(path, **kwargs)
     buffer = io.BytesIO()
     torch.save(read_full(path), buffer)
     buffer.seek(0)
     kwargs.setdefault("weights_only", True)
-    return cls.load_from_checkpoint(buffer, **kwargs)  # type: ignore[attr-defined]
+    return cls.load_from_checkpoint(buffer, **kwargs)
 
 
 def main(argv: Iterable[str] | None = None) -> int:
