@@ -8,7 +8,6 @@ import subprocess
 import sys
 import warnings
 
-import lightning as L
 import pytest
 
 import lightning_smp
@@ -23,6 +22,7 @@ from lightning_smp.config import (
     resolve_config,
     set_cli_config,
 )
+from tests.helpers import cpu_trainer
 
 ALL_ENV = (ENV_CONFIG, ENV_SAGEMAKER, ENV_CLI, ENV_INIT)
 
@@ -309,13 +309,13 @@ def test_overridden_source_is_still_checked():
 def test_errors_surface_at_trainer_creation_before_any_process():
     os.environ[ENV_CONFIG] = '{"hybrid_shard_degree": 3}'
     with pytest.raises(HybridShardConfigError, match=r"hybrid_shard_degree=3 does not divide world_size=4"):
-        L.Trainer(strategy=HybridShardFSDPStrategy(start_method="fork"), accelerator="cpu", devices=4, logger=False)
+        cpu_trainer(HybridShardFSDPStrategy(start_method="fork"), devices=4)
     os.environ[ENV_CONFIG] = '{"tensor_parallel_degree": 2}'
     with pytest.raises(HybridShardConfigError, match=r"^environment variable LIGHTNING_SMP_CONFIG: "
                                                      r"tensor_parallel_degree=2 is not supported"):
-        L.Trainer(strategy="smp_hybrid_notebook", accelerator="cpu", devices=4, logger=False)
+        cpu_trainer("smp_hybrid_notebook", devices=4)
     os.environ[ENV_CONFIG] = '{"hybrid_shard_degree": 2}'
-    trainer = L.Trainer(strategy="smp_hybrid_notebook", accelerator="cpu", devices=4, logger=False)
+    trainer = cpu_trainer("smp_hybrid_notebook", devices=4)
     assert trainer.strategy.layout.mesh_shape == (2, 2)
 
 

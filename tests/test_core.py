@@ -116,13 +116,12 @@ def test_one_list_of_smp_keys_types_the_config_and_the_cli_section():
 
 
 def test_the_configuration_is_resolved_once_when_the_trainer_is_created(monkeypatch):
-    import lightning as L
-
     from lightning_smp.config import ENV_CONFIG
+    from tests.helpers import cpu_trainer
 
     monkeypatch.setenv(ENV_CONFIG, '{"hybrid_shard_degree": 2}')
     strategy = lightning_smp.HybridShardFSDPStrategy()
-    L.Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False, enable_progress_bar=False)
+    cpu_trainer(strategy, devices=4)
     monkeypatch.setenv(ENV_CONFIG, '{"hybrid_shard_degree": 4}')  # a later change does not reach this Trainer
     assert strategy.hybrid_shard_degree == 2
     assert strategy.layout.mesh_shape == (2, 2)

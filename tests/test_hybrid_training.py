@@ -1,4 +1,5 @@
-"""Real multi-process training on CPU (gloo): what each rank holds, and equality with DDP."""
+"""Real multi-process training: what each rank holds, and equality with DDP, on CPU (gloo) and, where GPUs
+exist, on CUDA (NCCL)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,25 @@ from functools import lru_cache
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, resolve_layout
 from lightning_smp.accounting.shards import local_shard_numel
-from tests.helpers import TinyModel, fit_and_record, make_loader, run_distributed
+from tests.helpers import (
+    BACKENDS,
+    LIGHTNING_DEFAULTS,
+    NCCL_BACKENDS,
+    TinyModel,
+    accelerator_for,
+    cpu_trainer,
+    fit_and_record,
+    make_loader,
+    process_group_backend_for,
+    require_devices,
+    run_distributed,
+)
 
 TINY_NUMELS = [n for layer in TinyModel.LAYER_NUMELS for n in layer]
 TOL = 1e-5
@@ -55,12 +67,17 @@ CONFIGS = [
 ]
 
 
-def check_matches_ddp(folder: Path, devices: int, degree: int, requested: str, expected: tuple,
-                      accelerator: str = "cpu") -> None:
-    """The shared body of the CPU and the CUDA tests: groups, shard sizes, replica equality and DDP parity."""
-    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, sharding_strategy=requested, start_method="fork")
+@pytest.mark.parametrize(("devices", "degree", "requested", "expected"), CONFIGS)
+@pytest.mark.parametrize("backend", BACKENDS)  # the timeout comes with the backend
+def test_hybrid_training_matches_ddp(tmp_path, backend, devices, degree, requested, expected):
+    """Groups, shard sizes, replica equality and DDP parity, on every backend of BACKENDS."""
+    require_devices(backend, devices)
+    accelerator = accelerator_for(backend)
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, sharding_strategy=requested, start_method="fork",
+                                       process_group_backend=process_group_backend_for(backend))
     torch.manual_seed(0)
-    _, model, records = fit_and_record(strategy, folder, devices, model=TinyModel(), accelerator=accelerator)
+    trainer, model, records = fit_and_record(strategy, tmp_path, devices, model=TinyModel(), accelerator=accelerator)
+    assert trainer.strategy.root_device.type == accelerator
     layout = resolve_layout(devices, degree, requested)
     replicate, shard, fsdp_strategy = expected
     assert (layout.replicate, layout.shard, layout.sharding_strategy) == expected
@@ -89,10 +106,18 @@ def check_matches_ddp(folder: Path, devices: int, degree: int, requested: str, e
     assert _max_diff(_state(model), ddp_weights) <= TOL
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize(("devices", "degree", "requested", "expected"), CONFIGS)
-def test_hybrid_training_matches_ddp(tmp_path, devices, degree, requested, expected):
-    check_matches_ddp(tmp_path, devices, degree, requested, expected)
+@pytest.mark.parametrize("backend", NCCL_BACKENDS)  # the timeout comes with the backend
+def test_one_gpu_trains_with_bf16_mixed(tmp_path, backend):
+    """What a single-GPU machine can check: the NCCL (or mixed) group, the mesh on "cuda", bf16 autocast."""
+    require_devices(backend, 1)
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=1, start_method="spawn",
+                                       process_group_backend=process_group_backend_for(backend))
+    torch.manual_seed(0)
+    trainer, _, records = fit_and_record(strategy, tmp_path, 1, model=TinyModel(), accelerator=accelerator_for(backend),
+                                         precision="bf16-mixed", max_steps=3)
+    assert records[0]["fsdp_strategy"] == "NO_SHARD"
+    assert all(torch.isfinite(torch.tensor(records[0]["losses"])))
+    assert trainer.strategy.root_device.type == "cuda"
 
 
 @pytest.mark.timeout(240)
@@ -106,8 +131,8 @@ def test_mixed_backend_string_reaches_the_mesh_groups(tmp_path):
 def test_trainer_defaults_work_on_cpu(tmp_path, recwarn):
     """Checkpointing, progress bar, logger and model summary on, as a user gets them without asking."""
     torch.manual_seed(0)
-    trainer = L.Trainer(strategy=HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork"),
-                        accelerator="cpu", devices=4, max_steps=4, default_root_dir=tmp_path)
+    trainer = cpu_trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork"), tmp_path, 4,
+                          max_steps=4, **LIGHTNING_DEFAULTS)
     trainer.fit(TinyModel(), make_loader())
     assert trainer.global_step == 4
     saved = list((tmp_path / "lightning_logs" / "version_0" / "checkpoints").glob("*.ckpt"))
@@ -142,9 +167,7 @@ class ValidatedModel(TinyModel):
 def _fit_then_validate(rank: int, world_size: int) -> tuple[bool, int, float, float]:
     # ranks started externally, as under torchrun: fit and validate run in the same processes
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=2, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                        limit_val_batches=1, num_sanity_val_steps=0)
+    trainer = cpu_trainer(strategy, devices=world_size, max_steps=2, limit_val_batches=1, num_sanity_val_steps=0)
     model = ValidatedModel()
     trainer.fit(model, make_loader(), make_loader())
     mesh = strategy.device_mesh
@@ -176,8 +199,7 @@ def _user_mesh_fit_and_save(rank: int, world_size: int, folder: str) -> list[int
     # the user's own mesh: no axis names, and shard groups that are not consecutive ranks
     mesh = DeviceMesh("cpu", [[0, 2], [1, 3]])
     strategy = HybridShardFSDPStrategy(device_mesh=mesh, state_dict_type="full")
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=2, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = cpu_trainer(strategy, folder, world_size, max_steps=2)
     with torch.device("meta"):
         model = RankSeededModel()  # materialised per rank: the replicas are synced through the user's mesh
     trainer.fit(model, make_loader())
@@ -277,8 +299,7 @@ def _bad_degree_in_every_rank(rank: int, world_size: int) -> str:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", GROUP_RANK="0", LOCAL_WORLD_SIZE=str(world_size),
                       TORCHELASTIC_RUN_ID="test")
     try:
-        L.Trainer(strategy=HybridShardFSDPStrategy(hybrid_shard_degree=3), accelerator="cpu", devices=world_size,
-                  logger=False)
+        cpu_trainer(HybridShardFSDPStrategy(hybrid_shard_degree=3), devices=world_size)
     except HybridShardConfigError as err:
         return str(err)
     return "no error"

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -24,36 +21,7 @@ from lightning_smp.launcher import (
     _set_callback_reports,
     check_fork_safety,
 )
-from tests.helpers import PROCESS_TIMEOUT, TinyModel, make_loader
-
-
-def _state_digest(state: dict[str, torch.Tensor]) -> str:
-    digest = hashlib.sha256()
-    for key in sorted(state):
-        digest.update(key.encode())
-        digest.update(state[key].detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
-class RankReport(Callback):
-    """Fills ``report`` (one plain dict per rank, on rank 0) as the memory callback does, from inside the ranks."""
-
-    def __init__(self) -> None:
-        self.report: list[dict[str, Any]] | None = None
-        self.last_loss: float | None = None
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        self.last_loss = float(outputs["loss"])
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        full = trainer.strategy.full_state_dict()  # a collective; full weights on rank 0
-        mine = {"rank": trainer.global_rank, "pid": os.getpid(), "last_loss": self.last_loss,
-                "weights_sha256": _state_digest(full) if full else None,
-                "counters": (trainer.global_step, trainer.current_epoch)}
-        gathered: list[Any] = [None] * trainer.world_size
-        dist.all_gather_object(gathered, mine)
-        self.report = gathered if trainer.global_rank == 0 else None
+from tests.helpers import PROCESS_TIMEOUT, RankRecorder, TinyModel, cpu_trainer, make_loader, state_digest
 
 
 @pytest.fixture
@@ -65,13 +33,8 @@ def private_tempdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return folder
 
 
-def _trainer(folder: Path, strategy: Any = None, **kwargs: Any) -> L.Trainer:
-    kwargs.setdefault("enable_checkpointing", False)
-    return L.Trainer(
-        strategy=strategy or HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork"),
-        accelerator="cpu", devices=4, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=folder, **kwargs,
-    )
+def _fork_hybrid(**kwargs: Any) -> HybridShardFSDPStrategy:
+    return HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork", **kwargs)
 
 
 def _set_interactive(monkeypatch: pytest.MonkeyPatch, value: bool) -> None:
@@ -89,16 +52,16 @@ def interactive(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_interactive_session_forks_and_scripts_rerun_the_script(monkeypatch: pytest.MonkeyPatch) -> None:
     _set_interactive(monkeypatch, True)
-    trainer = L.Trainer(strategy="smp_hybrid", accelerator="cpu", devices=4, logger=False)
+    trainer = cpu_trainer("smp_hybrid", devices=4)
     launcher = trainer.strategy.launcher
     assert type(launcher) is HybridShardMultiProcessingLauncher
     assert launcher._start_method == "fork" and launcher.is_interactive_compatible
     assert trainer.strategy.start_method == "fork"
 
     _set_interactive(monkeypatch, False)
-    script = L.Trainer(strategy="smp_hybrid", accelerator="cpu", devices=4, logger=False)
+    script = cpu_trainer("smp_hybrid", devices=4)
     assert type(script.strategy.launcher) is _SubprocessScriptLauncher
-    explicit = L.Trainer(strategy="smp_hybrid_notebook", accelerator="cpu", devices=4, logger=False)
+    explicit = cpu_trainer("smp_hybrid_notebook", devices=4)
     assert type(explicit.strategy.launcher) is HybridShardMultiProcessingLauncher
 
 
@@ -106,11 +69,9 @@ def test_interactive_session_forks_and_scripts_rerun_the_script(monkeypatch: pyt
 def test_results_come_back_to_the_notebook_process(tmp_path: Path, interactive: None, private_tempdir: Path) -> None:
     torch.manual_seed(0)
     model = TinyModel()
-    initial = _state_digest(model.state_dict())
-    reporter = RankReport()
-    trainer = L.Trainer(strategy="smp_hybrid", accelerator="cpu", devices=4, max_steps=5, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp_path, callbacks=[reporter])
+    initial = state_digest(model.state_dict())
+    reporter = RankRecorder(tmp_path / "records", report=True)
+    trainer = cpu_trainer("smp_hybrid", tmp_path, 4, max_steps=5, callbacks=[reporter])
     trainer.fit(model, make_loader())
 
     # the ranks really were other processes, and their report reached this process's callback
@@ -118,12 +79,13 @@ def test_results_come_back_to_the_notebook_process(tmp_path: Path, interactive: 
     assert report is not None and [r["rank"] for r in report] == [0, 1, 2, 3]
     assert len({r["pid"] for r in report} | {os.getpid()}) == 5
     # trained weights: exactly what the ranks assembled, loaded into this process's module
-    assert report[0]["weights_sha256"] == _state_digest(model.state_dict()) != initial
+    assert report[0]["weights_sha256"] == state_digest(model.state_dict()) != initial
     # loop counters and metrics
     assert (trainer.global_step, trainer.current_epoch) == report[0]["counters"]
     assert trainer.global_step == 5
     assert trainer.state.finished
-    assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(report[0]["last_loss"], abs=0, rel=1e-6)
+    last_loss = report[0]["local_losses"][-1]  # rank 0's own loss, as logged without sync_dist
+    assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(last_loss, abs=0, rel=1e-6)
     assert float(trainer.logged_metrics["train_loss"]) == float(trainer.callback_metrics["train_loss"])
     # the next cell can use the model directly
     x, _ = next(iter(make_loader()))
@@ -135,11 +97,11 @@ def test_results_come_back_to_the_notebook_process(tmp_path: Path, interactive: 
 def test_checkpoint_saved_in_notebook_process_resumes_exactly(tmp_path: Path, private_tempdir: Path) -> None:
     torch.manual_seed(0)
     uninterrupted = TinyModel()
-    _trainer(tmp_path, max_epochs=2).fit(uninterrupted, make_loader())
+    cpu_trainer(_fork_hybrid(), tmp_path, 4, max_epochs=2).fit(uninterrupted, make_loader())
 
     torch.manual_seed(0)
     model = TinyModel()
-    first = _trainer(tmp_path, max_epochs=1)
+    first = cpu_trainer(_fork_hybrid(), tmp_path, 4, max_epochs=1)
     first.fit(model, make_loader())
     path = tmp_path / "last.ckpt"
     first.save_checkpoint(path)
@@ -153,7 +115,7 @@ def test_checkpoint_saved_in_notebook_process_resumes_exactly(tmp_path: Path, pr
     with pytest.raises(HybridShardConfigError, match=r"create a new Trainer.*ckpt_path='last.ckpt'"):
         first.fit(model, make_loader())
 
-    second = _trainer(tmp_path, max_epochs=2)
+    second = cpu_trainer(_fork_hybrid(), tmp_path, 4, max_epochs=2)
     second.fit(model, make_loader(), ckpt_path=path)
     assert (second.global_step, second.current_epoch) == (8, 2)
     for (name, expected), actual in zip(uninterrupted.state_dict().items(), model.state_dict().values()):
@@ -164,11 +126,11 @@ def test_checkpoint_saved_in_notebook_process_resumes_exactly(tmp_path: Path, pr
 @pytest.mark.timeout(PROCESS_TIMEOUT)
 def test_notebook_process_writes_one_full_file_under_sharded_state_dict_type(tmp_path: Path) -> None:
     def sharded() -> HybridShardFSDPStrategy:
-        return HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork", state_dict_type="sharded")
+        return _fork_hybrid(state_dict_type="sharded")
 
     torch.manual_seed(0)
     model = TinyModel()
-    first = _trainer(tmp_path, strategy=sharded(), max_steps=2)
+    first = cpu_trainer(sharded(), tmp_path, 4, max_steps=2)
     first.fit(model, make_loader())
     (tmp_path / "a_folder").mkdir()
     with pytest.raises(CheckpointError, match="not a checkpoint of this run; refusing to overwrite"):
@@ -177,35 +139,35 @@ def test_notebook_process_writes_one_full_file_under_sharded_state_dict_type(tmp
     first.save_checkpoint(path)
     assert path.is_file()
     checkpoint = torch.load(path, weights_only=False)
-    assert _state_digest(checkpoint["state_dict"]) == _state_digest(model.state_dict())
+    assert state_digest(checkpoint["state_dict"]) == state_digest(model.state_dict())
     # full Adam state (not rank 0's shard): one entry per parameter with the parameter's shape
     (adam,) = checkpoint["optimizer_states"]
     assert sorted(tuple(s["exp_avg_sq"].shape) for s in adam["state"].values()) == [(4,), (4, 33), (33,), (33, 16)]
 
     # a sharded-strategy Trainer loads it: max_steps is reached already, so the weights are exactly the loaded ones
     fresh = TinyModel()
-    resumed = _trainer(tmp_path, strategy=sharded(), max_steps=2)
+    resumed = cpu_trainer(sharded(), tmp_path, 4, max_steps=2)
     resumed.fit(fresh, make_loader(), ckpt_path=path)
     assert resumed.global_step == 2
-    assert _state_digest(fresh.state_dict()) == _state_digest(checkpoint["state_dict"])
+    assert state_digest(fresh.state_dict()) == state_digest(checkpoint["state_dict"])
 
 
 def test_checkpoint_before_fit_in_notebook_process(tmp_path: Path) -> None:
     model = TinyModel()
-    trainer = _trainer(tmp_path)
+    trainer = cpu_trainer(_fork_hybrid(), tmp_path, 4)
     trainer.strategy.connect(model)
     with pytest.raises(HybridShardConfigError, match="not finished a fit.*weights_only=True"):
         trainer.save_checkpoint(tmp_path / "x.ckpt")
     trainer.save_checkpoint(tmp_path / "w.ckpt", weights_only=True)
     saved = torch.load(tmp_path / "w.ckpt", weights_only=True)["state_dict"]
-    assert _state_digest(saved) == _state_digest(model.state_dict())
+    assert state_digest(saved) == state_digest(model.state_dict())
 
 
 def test_platform_without_fork(monkeypatch: pytest.MonkeyPatch, interactive: None) -> None:
     monkeypatch.setattr(mp, "get_all_start_methods", lambda: ["spawn"])
     for strategy in ("smp_hybrid", "smp_hybrid_notebook"):
         with pytest.raises(HybridShardConfigError, match=r"start_method='fork' is not available .*available: spawn"):
-            L.Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
+            cpu_trainer(strategy, devices=4)
 
 
 def test_cuda_initialised_before_fork(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -220,7 +182,7 @@ def test_cuda_initialised_before_fork(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_fork_is_refused_before_any_process_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # what torch reports in a process that inherited an initialised CUDA context through fork
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
-    trainer = _trainer(tmp_path, max_steps=1)
+    trainer = cpu_trainer(_fork_hybrid(), tmp_path, 4, max_steps=1)
     with pytest.raises(HybridShardConfigError, match=r"HybridShardFSDPStrategy\(start_method='fork'\) cannot fork"):
         trainer.fit(TinyModel(), make_loader())
     assert trainer.strategy.launcher.procs == []
@@ -228,7 +190,7 @@ def test_bad_fork_is_refused_before_any_process_starts(tmp_path: Path, monkeypat
 
 def test_degree_that_does_not_divide_devices_in_notebook(interactive: None) -> None:
     with pytest.raises(HybridShardConfigError, match=r"hybrid_shard_degree=3 does not divide world_size=4.*Valid"):
-        L.Trainer(strategy=HybridShardFSDPStrategy(hybrid_shard_degree=3), accelerator="cpu", devices=4, logger=False)
+        cpu_trainer(HybridShardFSDPStrategy(hybrid_shard_degree=3), devices=4)
 
 
 class _Reporter(Callback):

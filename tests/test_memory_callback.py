@@ -8,7 +8,6 @@ import json
 import pickle
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -21,7 +20,7 @@ from lightning_smp.accounting.memory import MEMORY_FIELDS, PEAK_FIELDS, measure_
 from lightning_smp.accounting.shards import flat_param_numel, floor_bytes, padding_per_rank, rank_bytes, unsharded_bytes
 from lightning_smp.callbacks import MemorySavingsCallback
 from lightning_smp.callbacks.memory import REPORT_FILENAME
-from tests.helpers import TinyModel, make_loader, run_distributed
+from tests.helpers import TinyModel, cpu_trainer, make_loader, run_distributed
 
 #: TinyModel's parameters (697 in all) as one FSDP unit (root only) or one unit per Linear layer.
 ROOT_UNIT = [[n for layer in TinyModel.LAYER_NUMELS for n in layer]]
@@ -32,13 +31,10 @@ WORLD = 4
 def _fit(tmp_path: Path, strategy, devices: int = WORLD, max_steps: int = 4, **kwargs) -> dict[str, list[dict]]:
     """A fork-launched fit with only the memory callback (no probe issuing its own collectives); the JSON reports."""
     torch.manual_seed(0)
-    kwargs.setdefault("logger", False)
     kwargs.setdefault("callbacks", [MemorySavingsCallback(print_table=False)])
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps,
-                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                        default_root_dir=tmp_path, **kwargs)
+    trainer = cpu_trainer(strategy, tmp_path, devices, max_steps=max_steps, **kwargs)
     trainer.fit(TinyModel(), make_loader())
-    log_dir = Path(kwargs["logger"].log_dir) if kwargs["logger"] else tmp_path
+    log_dir = Path(trainer.logger.log_dir) if trainer.logger else tmp_path
     return json.loads((log_dir / REPORT_FILENAME).read_text())["reports"]
 
 
@@ -195,9 +191,7 @@ class _WideModel(TinyModel):
 def test_ddp_textbook_uses_the_real_bucket_count(tmp_path: Path, stage: str, comm_step: int, buckets: int) -> None:
     torch.manual_seed(0)
     callback = MemorySavingsCallback(print_table=False, comm_step=comm_step)
-    trainer = L.Trainer(strategy=DDPStrategy(start_method="fork"), accelerator="cpu", devices=2, max_steps=3,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, default_root_dir=tmp_path, callbacks=[callback])
+    trainer = cpu_trainer(DDPStrategy(start_method="fork"), tmp_path, 2, max_steps=3, callbacks=[callback])
     trainer.fit(_WideModel(), make_loader())
     for record in json.loads((tmp_path / REPORT_FILENAME).read_text())["reports"][stage]:
         measured = _measured(record["comm"])[("replicate", "all_reduce")]
@@ -218,9 +212,7 @@ def test_single_device_report_in_python(tmp_path: Path, count: bool) -> None:
     torch.manual_seed(0)
     callback = MemorySavingsCallback(count_communication=count, print_table=True)
     probe = _DispatchStackProbe()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
-                        callbacks=[callback, probe])
+    trainer = cpu_trainer("auto", tmp_path, 1, max_steps=3, callbacks=[callback, probe])
     trainer.fit(TinyModel(), make_loader())
     # a counting mode is installed for the first optimizer step only, and never when off
     assert probe.depths == ([1, 0, 0] if count else [0, 0, 0])
@@ -265,10 +257,9 @@ class _ValidatedTinyModel(TinyModel):
 def test_comm_step_after_validation(tmp_path: Path, comm_step: int, root_gathers: int) -> None:
     """FSDP1 keeps the root unit gathered after the sanity check's no-grad forward: step 1 skips its all-gather."""
     torch.manual_seed(0)
-    trainer = L.Trainer(
-        strategy=HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork"), accelerator="cpu",
-        devices=WORLD, max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, default_root_dir=tmp_path, num_sanity_val_steps=1, limit_val_batches=1,
+    trainer = cpu_trainer(
+        HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork"), tmp_path, WORLD, max_steps=3,
+        num_sanity_val_steps=1, limit_val_batches=1,
         callbacks=[MemorySavingsCallback(comm_step=comm_step, print_table=False)],
     )
     trainer.fit(_ValidatedTinyModel(), make_loader(), make_loader(samples=8))

@@ -3,7 +3,6 @@
 import inspect
 import warnings
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.strategies import FSDPStrategy, StrategyRegistry
@@ -13,11 +12,7 @@ from torch.distributed.fsdp import CPUOffload, MixedPrecision
 import lightning_smp
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, HybridShardPrecision
 from lightning_smp.launcher import HybridShardMultiProcessingLauncher
-
-
-def _trainer(strategy, devices=4, **kwargs):
-    kwargs.setdefault("logger", False)
-    return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, enable_progress_bar=False, **kwargs)
+from tests.helpers import cpu_trainer
 
 
 def test_names_are_registered_once_and_fsdp_is_untouched():
@@ -28,7 +23,7 @@ def test_names_are_registered_once_and_fsdp_is_untouched():
     assert StrategyRegistry["fsdp"]["strategy"] is FSDPStrategy
     assert not any(name.startswith("smp") for name in FSDPStrategy.get_registered_strategies())
     with pytest.raises(ValueError, match="requires a GPU accelerator"):
-        L.Trainer(strategy="fsdp", accelerator="cpu", devices=2)
+        cpu_trainer("fsdp", devices=2)
 
 
 @pytest.mark.parametrize(
@@ -37,7 +32,7 @@ def test_names_are_registered_once_and_fsdp_is_untouched():
      ("smp_hybrid_notebook", "HYBRID_SHARD", "fork")],
 )
 def test_names_work_on_cpu(name, requested, start_method):
-    trainer = _trainer(name, devices=4)
+    trainer = cpu_trainer(name, devices=4)
     strategy = trainer.strategy
     assert type(strategy) is HybridShardFSDPStrategy
     assert strategy.layout.requested_strategy == requested
@@ -110,34 +105,34 @@ def test_static_errors_at_construction(kwargs, fragment):
 )
 def test_world_size_errors_at_trainer_creation(devices, num_nodes, degree, fragment):
     with pytest.raises(HybridShardConfigError) as err:
-        _trainer(HybridShardFSDPStrategy(hybrid_shard_degree=degree), devices=devices, num_nodes=num_nodes)
+        cpu_trainer(HybridShardFSDPStrategy(hybrid_shard_degree=degree), devices=devices, num_nodes=num_nodes)
     assert fragment in str(err.value)
 
 
 def test_device_mesh_tuple_is_a_degree_and_is_checked_against_the_world():
-    assert _trainer(HybridShardFSDPStrategy(device_mesh=(2, 2))).strategy.layout.mesh_shape == (2, 2)
+    assert cpu_trainer(HybridShardFSDPStrategy(device_mesh=(2, 2))).strategy.layout.mesh_shape == (2, 2)
     with pytest.raises(HybridShardConfigError, match="hybrid_shard_degree=8 is larger than world_size=4"):
-        _trainer(HybridShardFSDPStrategy(device_mesh=(1, 8)))
+        cpu_trainer(HybridShardFSDPStrategy(device_mesh=(1, 8)))
     # the replica count must fit too, not only the shard degree
     with pytest.raises(HybridShardConfigError, match=r"device_mesh of shape \(1, 2\) does not fit world_size=4"
                                                      r" \(num_nodes=1 x devices=4\). Fix: use shape \(2, 2\)"):
-        _trainer(HybridShardFSDPStrategy(device_mesh=(1, 2)))
+        cpu_trainer(HybridShardFSDPStrategy(device_mesh=(1, 2)))
 
 
 def test_override_is_announced_once_naming_both():
     with pytest.warns(UserWarning, match="hybrid_shard_degree=2 overrides sharding_strategy=FULL_SHARD: FSDP runs"
                                           " HYBRID_SHARD"):
-        trainer = _trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2, sharding_strategy="FULL_SHARD"))
+        trainer = cpu_trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2, sharding_strategy="FULL_SHARD"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         trainer.strategy._configure_launcher()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no override, no warning
-        _trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2, sharding_strategy="_HYBRID_SHARD_ZERO2"))
+        cpu_trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2, sharding_strategy="_HYBRID_SHARD_ZERO2"))
 
 
 def test_device_mesh_before_setup_is_a_clear_error():
-    strategy = _trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2)).strategy
+    strategy = cpu_trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2)).strategy
     with pytest.raises(HybridShardConfigError, match="not available before setup"):
         _ = strategy.device_mesh
     with pytest.raises(HybridShardConfigError, match="resolved when the Trainer is created"):
@@ -146,7 +141,7 @@ def test_device_mesh_before_setup_is_a_clear_error():
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-mixed"])
 def test_precision_plugin_is_upgraded(precision):
-    strategy = _trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2), precision=precision).strategy
+    strategy = cpu_trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2), precision=precision).strategy
     assert isinstance(strategy.precision_plugin, HybridShardPrecision)
     assert strategy.precision_plugin.precision == precision
     assert (strategy.precision_plugin.scaler is not None) is (precision == "16-mixed")
@@ -154,8 +149,8 @@ def test_precision_plugin_is_upgraded(precision):
 
 
 def test_launchers(monkeypatch):
-    assert isinstance(_trainer(HybridShardFSDPStrategy()).strategy.launcher, _SubprocessScriptLauncher)
-    fork = _trainer(HybridShardFSDPStrategy(start_method="fork")).strategy.launcher
+    assert isinstance(cpu_trainer(HybridShardFSDPStrategy()).strategy.launcher, _SubprocessScriptLauncher)
+    fork = cpu_trainer(HybridShardFSDPStrategy(start_method="fork")).strategy.launcher
     assert isinstance(fork, HybridShardMultiProcessingLauncher)
     # processes started by torchrun: Lightning's FSDP creates no launcher there, so ranks never cap their threads
     monkeypatch.setenv("LOCAL_RANK", "0")
@@ -166,7 +161,7 @@ def test_launchers(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29555")
-    trainer = _trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2))
+    trainer = cpu_trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2))
     assert trainer.strategy.cluster_environment.creates_processes_externally
     assert isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher)
 
