@@ -31,7 +31,7 @@ from lightning_smp import CheckpointError, HybridShardFSDPStrategy
 from lightning_smp import checkpoint as ckpt
 from lightning_smp.checkpoint import convert, safety, saving
 from lightning_smp.names import STRATEGY_NAMES
-from tests.helpers import TinyModel, make_loader
+from tests.helpers import TinyModel, cpu_trainer, make_loader
 
 STRATEGIES = {name: args["sharding_strategy"] for name, _, args in STRATEGY_NAMES if name != "smp_hybrid_notebook"}
 # 64 samples, batch 4: 4 steps per epoch on 4 ranks, 8 on 2 ranks
@@ -102,10 +102,12 @@ def run(folder: Path, devices: int, degree: int, *, tag: str, kind: str = "shard
         torch.manual_seed(0)
         model = CkptModel()
     trainer_kwargs.setdefault("enable_checkpointing", any(isinstance(c, ModelCheckpoint) for c in callbacks))
-    trainer = L.Trainer(
-        strategy=strategy(degree, kind, name, **(strategy_kwargs or {})), accelerator="cpu", devices=devices, max_steps=max_steps, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=folder, limit_val_batches=2,
-        num_sanity_val_steps=0, callbacks=[Probe(folder, tag), *callbacks], **trainer_kwargs,
+    # checkpointing on, as a user has it: without a ModelCheckpoint of the test's, Lightning adds its default one
+    trainer_kwargs.setdefault("enable_checkpointing", True)
+    trainer = cpu_trainer(
+        strategy(degree, kind, name, **(strategy_kwargs or {})), folder, devices, max_steps=max_steps,
+        limit_val_batches=2, num_sanity_val_steps=0,
+        callbacks=[Probe(folder, tag), *callbacks], **trainer_kwargs,
     )
     loader = make_loader()
     if fn == "fit":
