@@ -26,6 +26,16 @@ from typing import Any
 
 from benchmarks.settings import ConfigSpec, Settings, build_configs, hybrid_degree
 from lightning_smp.accounting import render
+from lightning_smp.names import (
+    FULL_SHARD,
+    HYBRID_SHARD,
+    HYBRID_SHARD_ZERO2,
+    NO_SHARD,
+    OTHER_AXIS,
+    REPLICATE_AXIS,
+    SHARD_AXIS,
+    SHARD_GRAD_OP,
+)
 
 #: Targets the suite checks on every run (name -> bound, all "at most" except traffic which is "equal").
 TARGETS = {
@@ -77,11 +87,11 @@ def traffic(record: dict[str, Any]) -> dict[str, Any]:
     else:
         ratio = 1.0 if measured_total == 0 else None  # no formula (one device) or traffic the formula misses
     return {
-        "shard_bytes": axis_bytes(measured, "shard"),
-        "replicate_bytes": axis_bytes(measured, "replicate"),
-        "other_bytes": axis_bytes(measured, "other"),
-        "shard_textbook_bytes": axis_bytes(book, "shard"),
-        "replicate_textbook_bytes": axis_bytes(book, "replicate"),
+        "shard_bytes": axis_bytes(measured, SHARD_AXIS),
+        "replicate_bytes": axis_bytes(measured, REPLICATE_AXIS),
+        "other_bytes": axis_bytes(measured, OTHER_AXIS),
+        "shard_textbook_bytes": axis_bytes(book, SHARD_AXIS),
+        "replicate_textbook_bytes": axis_bytes(book, REPLICATE_AXIS),
         "traffic_ratio": ratio,
         "counts_match": counts_match,
         "collectives_by_group_size": dict(sorted(by_size.items(), key=lambda kv: (not kv[0].isdigit(), kv[0].zfill(6)))),
@@ -203,7 +213,7 @@ def timing_ratios(settings: Settings, configs: dict[str, dict]) -> list[dict[str
     for degree in degrees:
         # the target is set for hybrid sharding; degree 1 (NO_SHARD) and degree = world (FULL_SHARD) are shown too
         hybrid = 1 < degree < settings.world_size
-        label = "plain-torch HSDP" if hybrid else f"plain-torch {'NO_SHARD' if degree == 1 else 'FULL_SHARD'}"
+        label = "plain-torch HSDP" if hybrid else f"plain-torch {NO_SHARD if degree == 1 else FULL_SHARD}"
         target = TARGETS["wrapper overhead: smp_hybrid / plain-torch HSDP"] if hybrid else None
         ratios.append(_ratio(f"wrapper overhead d={degree}: smp_hybrid / {label}", configs,
                              f"smp_hybrid d={degree}", f"torch_hsdp d={degree}", target))
@@ -272,8 +282,8 @@ SUMMARY_HEADER = [
 ]
 
 #: Short names of FSDP's sharding strategies for the tables.
-SHORT_STRATEGY = {"_HYBRID_SHARD_ZERO2": "HYBRID_ZERO2", "HYBRID_SHARD": "HYBRID", "SHARD_GRAD_OP": "SHARD_GRAD_OP",
-                  "FULL_SHARD": "FULL_SHARD", "NO_SHARD": "NO_SHARD", "DDP": "(DDP)"}
+SHORT_STRATEGY = {HYBRID_SHARD_ZERO2: "HYBRID_ZERO2", HYBRID_SHARD: "HYBRID", SHARD_GRAD_OP: SHARD_GRAD_OP,
+                  FULL_SHARD: FULL_SHARD, NO_SHARD: NO_SHARD, "DDP": "(DDP)"}
 
 
 def has_cuda_peaks(summary: dict[str, Any]) -> bool:

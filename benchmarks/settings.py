@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from lightning_smp.degree import HYBRID_SHARD, HYBRID_SHARD_ZERO2, resolve_layout, valid_degrees
+from lightning_smp.degree import resolve_layout, valid_degrees
+from lightning_smp.names import FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2
 
 #: The kinds of configuration, in display order.
 Kind = Literal["ddp", "lightning_fsdp", "torch_hsdp", "smp_hybrid", "smp_hybrid_zero2"]
@@ -136,7 +137,7 @@ class ConfigSpec:
         if self.kind == "ddp":
             return "DDP"
         if self.kind == "lightning_fsdp":
-            return "FULL_SHARD"
+            return FULL_SHARD
         requested = HYBRID_SHARD_ZERO2 if self.kind == "smp_hybrid_zero2" else HYBRID_SHARD
         assert self.degree is not None
         return resolve_layout(world_size, self.degree, requested).sharding_strategy

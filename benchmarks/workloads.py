@@ -40,7 +40,16 @@ from lightning_smp.accounting.comm import CommCounter
 from lightning_smp.accounting.memory import comm_groups, gradient_bytes, measure_memory, peak_memory, textbook
 from lightning_smp.callbacks.memory import strategy_mesh
 from lightning_smp.demo import Block, MarkovTokens, TinyGPT
-from lightning_smp.names import MESH_AXES
+from lightning_smp.names import (
+    FULL_SHARD,
+    HYBRID_SHARD,
+    HYBRID_SHARD_ZERO2,
+    HYBRID_STRATEGIES,
+    MESH_AXES,
+    NO_SHARD,
+    REPLICATE_AXIS,
+    SHARD_AXIS,
+)
 
 
 class BenchGPT(TinyGPT):
@@ -220,9 +229,9 @@ def lightning_strategy(spec: ConfigSpec, device: torch.device) -> Any:
         return DDPStrategy()
     if spec.kind == "lightning_fsdp":
         cls = _cpu_fsdp_strategy_class() if device.type == "cpu" else FSDPStrategy
-        return cls(sharding_strategy="FULL_SHARD", auto_wrap_policy={Block})
+        return cls(sharding_strategy=FULL_SHARD, auto_wrap_policy={Block})
     if spec.kind in ("smp_hybrid", "smp_hybrid_zero2"):
-        flavour = "_HYBRID_SHARD_ZERO2" if spec.kind == "smp_hybrid_zero2" else "HYBRID_SHARD"
+        flavour = HYBRID_SHARD_ZERO2 if spec.kind == "smp_hybrid_zero2" else HYBRID_SHARD
         return HybridShardFSDPStrategy(hybrid_shard_degree=spec.degree, sharding_strategy=flavour,
                                        auto_wrap_policy={Block})
     raise ValueError(f"{spec.kind!r} is not a Lightning configuration")
@@ -289,10 +298,10 @@ def run_torch_hsdp(spec: ConfigSpec, settings: Settings, dataset: Dataset, devic
     assert degree is not None
     strategy = spec.sharding_strategy(world)
     mesh = init_device_mesh(device.type, (world // degree, degree), mesh_dim_names=MESH_AXES)
-    if strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+    if strategy in HYBRID_STRATEGIES:
         fsdp_mesh = mesh
     else:  # a 1-D mesh: FULL_SHARD over the shard axis, NO_SHARD over the replicate axis
-        fsdp_mesh = mesh["replicate" if strategy == "NO_SHARD" else "shard"]
+        fsdp_mesh = mesh[REPLICATE_AXIS if strategy == NO_SHARD else SHARD_AXIS]
     model = make_model(settings).to(device)  # same seed on every rank: replicas start equal without a broadcast
     fsdp = FSDP(
         model, device_mesh=fsdp_mesh, sharding_strategy=ShardingStrategy[strategy],
@@ -302,7 +311,7 @@ def run_torch_hsdp(spec: ConfigSpec, settings: Settings, dataset: Dataset, devic
     optimizer = make_optimizer(fsdp.parameters(), settings)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=dist.get_rank(), shuffle=False)
     loader = DataLoader(dataset, batch_size=settings.batch_size, sampler=sampler)
-    groups = {"replicate": mesh.get_group("replicate"), "shard": mesh.get_group("shard")}
+    groups = {axis: mesh.get_group(axis) for axis in MESH_AXES}
     autocast = settings.precision == "bf16-mixed"
     probe = StepProbe(settings)
     fsdp.train()

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_smp.callbacks.memory import strategy_mesh
+from lightning_smp.names import MESH_AXES, REPLICATE_AXIS, SHARD_AXIS
 
 # the one way the suite starts ranks; it lives in the package so that the benchmarks use it too
 from lightning_smp.testing import PROCESS_TIMEOUT, free_port, run_distributed  # noqa: F401
@@ -176,10 +177,10 @@ class RankRecorder(Callback):
         }
         mesh = strategy_mesh(strategy)
         if mesh is not None:
-            record["shard_group"] = dist.get_process_group_ranks(mesh.get_group("shard"))
-            record["replicate_group"] = dist.get_process_group_ranks(mesh.get_group("replicate"))
+            record["shard_group"] = dist.get_process_group_ranks(mesh.get_group(SHARD_AXIS))
+            record["replicate_group"] = dist.get_process_group_ranks(mesh.get_group(REPLICATE_AXIS))
             record["fsdp_strategy"] = strategy.sharding_strategy.name
-            record["backends"] = [dist.get_backend(mesh.get_group(axis)) for axis in ("replicate", "shard")]
+            record["backends"] = [dist.get_backend(mesh.get_group(axis)) for axis in MESH_AXES]
         if self.gather_report:
             full = strategy.full_state_dict()  # a collective; the full weights arrive on rank 0
             record["weights_sha256"] = state_digest(full) if full else None

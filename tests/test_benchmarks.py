@@ -28,6 +28,16 @@ from benchmarks.workloads import BenchGPT, plain_mixed_precision
 from lightning_smp import HybridShardConfigError
 from lightning_smp.accounting.shards import flat_param_numel, rank_bytes
 from lightning_smp.demo import Block
+from lightning_smp.names import (
+    FULL_SHARD,
+    HYBRID_SHARD,
+    HYBRID_SHARD_ZERO2,
+    NO_SHARD,
+    OTHER_AXIS,
+    REPLICATE_AXIS,
+    SHARD_AXIS,
+    SHARD_GRAD_OP,
+)
 
 WORLD4_NAMES = [
     "ddp", "lightning_fsdp",
@@ -44,12 +54,12 @@ def test_quick_mode_runs_every_peer_and_every_valid_degree():
     configs = build_configs(quick_settings())
     assert [c.name for c in configs] == WORLD4_NAMES
     strategies = {c.name: c.sharding_strategy(4) for c in configs}
-    assert strategies["smp_hybrid d=2"] == strategies["torch_hsdp d=2"] == "HYBRID_SHARD"
-    assert strategies["smp_hybrid_zero2 d=2"] == "_HYBRID_SHARD_ZERO2"
-    assert strategies["smp_hybrid d=1"] == strategies["torch_hsdp d=1"] == "NO_SHARD"
-    assert strategies["smp_hybrid d=4"] == strategies["torch_hsdp d=4"] == "FULL_SHARD"
-    assert strategies["smp_hybrid_zero2 d=4"] == "SHARD_GRAD_OP"
-    assert strategies["lightning_fsdp"] == "FULL_SHARD" and strategies["ddp"] == "DDP"
+    assert strategies["smp_hybrid d=2"] == strategies["torch_hsdp d=2"] == HYBRID_SHARD
+    assert strategies["smp_hybrid_zero2 d=2"] == HYBRID_SHARD_ZERO2
+    assert strategies["smp_hybrid d=1"] == strategies["torch_hsdp d=1"] == NO_SHARD
+    assert strategies["smp_hybrid d=4"] == strategies["torch_hsdp d=4"] == FULL_SHARD
+    assert strategies["smp_hybrid_zero2 d=4"] == SHARD_GRAD_OP
+    assert strategies["lightning_fsdp"] == FULL_SHARD and strategies["ddp"] == "DDP"
 
 
 @pytest.mark.parametrize(
@@ -114,28 +124,28 @@ def test_traffic_figures():
         "comm": _comm(shard={"all_gather": (9, 900), "reduce_scatter": (5, 500)}, replicate={"all_reduce": (5, 250)},
                       other={"all_reduce": (0, 0)}),
         "comm_textbook": _comm(shard={"all_gather": (9, 900), "reduce_scatter": (5, 500)}, replicate={"all_reduce": (5, 250)}),
-        "group_sizes": {"shard": 2, "replicate": 4},
+        "group_sizes": {SHARD_AXIS: 2, REPLICATE_AXIS: 4},
     }
     figures = traffic(record)
     assert (figures["shard_bytes"], figures["replicate_bytes"], figures["other_bytes"]) == (1400, 250, 0)
     assert figures["traffic_ratio"] == 1.0 and figures["counts_match"]
     assert figures["collectives_by_group_size"] == {"2": 14, "4": 5}
     # an extra collective the formula does not know: ratio and counts both say so
-    record["comm"]["other"]["all_reduce"] = {"count": 1, "bytes": 165}
+    record["comm"][OTHER_AXIS]["all_reduce"] = {"count": 1, "bytes": 165}
     figures = traffic(record)
     assert figures["traffic_ratio"] == pytest.approx(1815 / 1650) and not figures["counts_match"]
-    assert figures["collectives_by_group_size"] == {"2": 14, "4": 5, "other": 1}
+    assert figures["collectives_by_group_size"] == {"2": 14, "4": 5, OTHER_AXIS: 1}
 
 
 def _record(config: str, rank: int, round_index: int, times: list[float], total: int = 100) -> dict:
     return {
         "config": config, "rank": rank, "round": round_index, "step_times": times,
-        "step_cpu_times": [t / 2 for t in times], "sharding_strategy": "HYBRID_SHARD",
+        "step_cpu_times": [t / 2 for t in times], "sharding_strategy": HYBRID_SHARD,
         "memory": {"total_bytes": total, "params_bytes": 40, "grads_bytes": 20, "optimizer_bytes": 40,
                    "unsharded_total_bytes": 200, "padding_bytes": 0.0, "floor_bytes": 100.0,
                    "measured_over_floor": total / 100, "shard_degree": 2},
         "comm": _comm(shard={"all_gather": (1, 8)}), "comm_textbook": _comm(shard={"all_gather": (1, 8)}),
-        "group_sizes": {"shard": 2}, "peak_rss_bytes": 1000 + round_index, "start_rss_bytes": 900, "threads": 1,
+        "group_sizes": {SHARD_AXIS: 2}, "peak_rss_bytes": 1000 + round_index, "start_rss_bytes": 900, "threads": 1,
     }
 
 

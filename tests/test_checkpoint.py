@@ -30,7 +30,7 @@ from torch.multiprocessing import ProcessRaisedException
 from lightning_smp import CheckpointError, HybridShardFSDPStrategy
 from lightning_smp import checkpoint as ckpt
 from lightning_smp.checkpoint import convert, safety, saving
-from lightning_smp.names import STRATEGY_NAMES
+from lightning_smp.names import FULL, SHARDED, STATE_DICT_TYPES, STRATEGY_NAMES
 from tests.helpers import TinyModel, cpu_trainer, make_loader
 
 STRATEGIES = {name: args["sharding_strategy"] for name, _, args in STRATEGY_NAMES if name != "smp_hybrid_notebook"}
@@ -87,12 +87,12 @@ class Probe(Callback):
             torch.save(record, self.folder / f"{self.tag}_{when}.pt")
 
 
-def strategy(degree: int, kind: str = "sharded", name: str = "smp_hybrid", **kwargs: Any) -> HybridShardFSDPStrategy:
+def strategy(degree: int, kind: str = SHARDED, name: str = "smp_hybrid", **kwargs: Any) -> HybridShardFSDPStrategy:
     return HybridShardFSDPStrategy(hybrid_shard_degree=degree, sharding_strategy=STRATEGIES[name],
                                    state_dict_type=kind, start_method="fork", **kwargs)
 
 
-def run(folder: Path, devices: int, degree: int, *, tag: str, kind: str = "sharded", name: str = "smp_hybrid",
+def run(folder: Path, devices: int, degree: int, *, tag: str, kind: str = SHARDED, name: str = "smp_hybrid",
         max_steps: int = N, fn: str = "fit", ckpt_path: Optional[Path] = None, callbacks: tuple = (),
         model: Optional[L.LightningModule] = None, strategy_kwargs: Optional[dict] = None,
         **trainer_kwargs: Any) -> L.Trainer:
@@ -152,7 +152,7 @@ def assert_same_state(actual: dict, expected: dict, optimizers: bool = True) -> 
 def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Degree 2 on 4 ranks, K steps, once per format; ModelCheckpoint with top-k, every-n-steps and last."""
     out = {}
-    for kind in ("sharded", "full"):
+    for kind in STATE_DICT_TYPES:
         folder = tmp_path_factory.mktemp(f"writer_{kind}")
         callback = ModelCheckpoint(dirpath=folder / "ckpts", monitor="train_loss", save_top_k=2,
                                    every_n_train_steps=1, save_last=True)
@@ -174,14 +174,14 @@ def test_model_checkpoint_top_k_and_last_in_both_formats(written: dict[str, Path
         reference = probe(folder, "writer", "end")
         assert reference["global_step"] == K
     # both writers trained identically: the formats differ only on disk
-    assert_same_state(probe(written["sharded"], "writer", "end"), probe(written["full"], "writer", "end"))
+    assert_same_state(probe(written[SHARDED], "writer", "end"), probe(written[FULL], "writer", "end"))
 
 
 @pytest.mark.timeout(60)
 def test_sharded_checkpoint_tensors_are_written_once_by_replica_group_zero(written: dict[str, Path]) -> None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    folder = written["sharded"] / "ckpts" / "last.ckpt"
+    folder = written[SHARDED] / "ckpts" / "last.ckpt"
     sizes = {p.name: p.stat().st_size for p in folder.glob("__*.distcp")}
     # degree 2 on 4 ranks: replica group 0 is ranks 0 and 1; ranks 2 and 3 (replica 1) write no bytes
     assert sizes.get("__2_0.distcp", 0) == 0 and sizes.get("__3_0.distcp", 0) == 0, sizes
@@ -227,7 +227,7 @@ class CollectiveCounter(Callback):
 
 @pytest.mark.timeout(120)
 def test_full_checkpoint_is_assembled_once(tmp_path: Path) -> None:
-    run(tmp_path, 4, 2, tag="once", kind="full", max_steps=2, callbacks=(CollectiveCounter(tmp_path),))
+    run(tmp_path, 4, 2, tag="once", kind=FULL, max_steps=2, callbacks=(CollectiveCounter(tmp_path),))
     gathers = {r: [c for c in torch.load(tmp_path / f"calls_rank{r}.pt") if "gather" in c] for r in range(4)}
     # replica group 0 (ranks 0, 1) gathers the shards; replica group 1 (ranks 2, 3) does no gathering at all
     assert gathers[0] and gathers[1], gathers
@@ -251,7 +251,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("kind", ["sharded", "full"])
+@pytest.mark.parametrize("kind", STATE_DICT_TYPES)
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_resume_is_exact(tmp_path: Path, uninterrupted: dict[str, dict], name: str, kind: str) -> None:
     ckpts = tmp_path / "ckpts"
@@ -275,7 +275,7 @@ def test_resume_is_exact(tmp_path: Path, uninterrupted: dict[str, dict], name: s
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["sharded", "full"])
+@pytest.mark.parametrize("kind", STATE_DICT_TYPES)
 def test_optimizer_without_state_saves_and_resumes(tmp_path: Path, kind: str) -> None:
     # plain SGD keeps no per-parameter state (Lightning's FSDP loader raises IndexError on it)
     callback = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=0, every_n_train_steps=2, save_last=True)
@@ -304,7 +304,7 @@ class GateOnlyModel(CkptModel):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["sharded", "full"])
+@pytest.mark.parametrize("kind", STATE_DICT_TYPES)
 def test_optimizer_over_part_of_the_model_saves_and_resumes(tmp_path: Path, kind: str) -> None:
     # ranks 1 and 3 hold no Adam state; saving must not leave them out of the collective (it used to hang)
     callback = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=0, every_n_train_steps=K, save_last=True)
@@ -330,11 +330,11 @@ def test_optimizer_over_part_of_the_model_saves_and_resumes(tmp_path: Path, kind
                          ids=["4r_d2", "4r_d4", "4r_d1", "2r_d2", "2r_d1"])
 def test_sharded_checkpoint_resumes_at_any_degree_and_world_size(tmp_path: Path, written: dict[str, Path],
                                                                  devices: int, degree: int) -> None:
-    source = written["sharded"] / "ckpts" / "last.ckpt"
+    source = written[SHARDED] / "ckpts" / "last.ckpt"
     run(tmp_path, devices, degree, tag="resharded", max_steps=K + 2, ckpt_path=source)
     start = probe(tmp_path, "resharded", "start")
     assert start["global_step"] == K
-    assert_same_state(start, probe(written["sharded"], "writer", "end"))
+    assert_same_state(start, probe(written[SHARDED], "writer", "end"))
     end = probe(tmp_path, "resharded", "end")
     assert end["global_step"] == K + 2 and all(torch.isfinite(torch.tensor(end["losses"])))
 
@@ -343,15 +343,15 @@ def test_sharded_checkpoint_resumes_at_any_degree_and_world_size(tmp_path: Path,
 @pytest.mark.parametrize(("devices", "degree"), [(4, 4), (4, 1), (2, 2)], ids=["4r_d4", "4r_d1", "2r_d2"])
 def test_full_checkpoint_resumes_at_any_degree(tmp_path: Path, written: dict[str, Path], devices: int,
                                                degree: int) -> None:
-    source = written["full"] / "ckpts" / "last.ckpt"
-    run(tmp_path, devices, degree, tag="from_full", kind="sharded", max_steps=K + 1, ckpt_path=source)
-    assert_same_state(probe(tmp_path, "from_full", "start"), probe(written["full"], "writer", "end"))
+    source = written[FULL] / "ckpts" / "last.ckpt"
+    run(tmp_path, devices, degree, tag="from_full", kind=SHARDED, max_steps=K + 1, ckpt_path=source)
+    assert_same_state(probe(tmp_path, "from_full", "start"), probe(written[FULL], "writer", "end"))
 
 
 @pytest.mark.timeout(60)
 def test_full_checkpoint_loads_on_a_single_device_for_inference(written: dict[str, Path]) -> None:
-    reference = probe(written["full"], "writer", "end")
-    checkpoint = torch.load(written["full"] / "ckpts" / "last.ckpt", weights_only=True)
+    reference = probe(written[FULL], "writer", "end")
+    checkpoint = torch.load(written[FULL] / "ckpts" / "last.ckpt", weights_only=True)
     model = CkptModel()
     model.load_state_dict(checkpoint["state_dict"])
     assert_same_tensors(model.state_dict(), reference["model"])
@@ -365,7 +365,7 @@ def test_full_checkpoint_loads_on_a_single_device_for_inference(written: dict[st
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("kind", ["sharded", "full"])
+@pytest.mark.parametrize("kind", STATE_DICT_TYPES)
 def test_validate_and_predict_load_the_checkpoint(tmp_path: Path, written: dict[str, Path], kind: str) -> None:
     source = written[kind] / "ckpts" / "last.ckpt"
     reference = probe(written[kind], "writer", "end")["model"]
@@ -379,7 +379,7 @@ def test_validate_and_predict_load_the_checkpoint(tmp_path: Path, written: dict[
 
 @pytest.mark.timeout(120)
 def test_load_from_checkpoint_reads_either_kind(written: dict[str, Path]) -> None:
-    full_path, sharded_path = (written[kind] / "ckpts" / "last.ckpt" for kind in ("full", "sharded"))
+    full_path, sharded_path = (written[kind] / "ckpts" / "last.ckpt" for kind in (FULL, SHARDED))
     full = torch.load(full_path, weights_only=True)
     assembled = ckpt.read_full(sharded_path)
     assert_same_tensors(assembled["state_dict"], full["state_dict"])
@@ -390,12 +390,12 @@ def test_load_from_checkpoint_reads_either_kind(written: dict[str, Path]) -> Non
         assert type(model) is CkptModel
         assert_same_tensors(model.state_dict(), full["state_dict"])
     with pytest.raises(CheckpointError, match="is not a checkpoint"):
-        ckpt.load_from_checkpoint(CkptModel, written["full"] / "missing.ckpt")
+        ckpt.load_from_checkpoint(CkptModel, written[FULL] / "missing.ckpt")
 
 
 def test_consolidate_sharded_to_full(tmp_path: Path, written: dict[str, Path]) -> None:
-    source = written["sharded"] / "ckpts" / "last.ckpt"
-    full = torch.load(written["full"] / "ckpts" / "last.ckpt", weights_only=True)
+    source = written[SHARDED] / "ckpts" / "last.ckpt"
+    full = torch.load(written[FULL] / "ckpts" / "last.ckpt", weights_only=True)
 
     ours = tmp_path / "ours.ckpt"
     done = subprocess.run([sys.executable, "-m", "lightning_smp.checkpoint", "consolidate", str(source), str(ours)],
@@ -406,7 +406,7 @@ def test_consolidate_sharded_to_full(tmp_path: Path, written: dict[str, Path]) -
     assert_same_optimizer(converted["optimizer_states"][0], full["optimizer_states"][0])
     assert converted["global_step"] == full["global_step"] == K
     assert converted["loops"] == full["loops"]
-    assert converted[ckpt.RUN_KEY]["state_dict_type"] == "full"
+    assert converted[ckpt.RUN_KEY]["state_dict_type"] == FULL
     # the same command refuses to overwrite
     assert convert.main(["consolidate", str(source), str(ours)]) == 2
 
@@ -433,7 +433,7 @@ def _kill_scenario(folder: Path, kind: str, ready: Path) -> None:
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
     saves = {"n": 0}
-    if kind == "full":
+    if kind == FULL:
         real_write = saving.write_file
 
         def write_file(obj: Any, path: Path) -> None:
@@ -471,7 +471,7 @@ def _kill_scenario(folder: Path, kind: str, ready: Path) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("kind", ["sharded", "full"])
+@pytest.mark.parametrize("kind", STATE_DICT_TYPES)
 def test_save_killed_midway_leaves_previous_checkpoint_loadable(tmp_path: Path, kind: str) -> None:
     import multiprocessing as mp
 
@@ -540,7 +540,7 @@ class FailingSaveAtEnd(Callback):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["sharded", "full"])
+@pytest.mark.parametrize("kind", STATE_DICT_TYPES)
 def test_failed_write_fails_every_rank_and_keeps_the_previous_checkpoint(tmp_path: Path, kind: str) -> None:
     callback = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=0, every_n_train_steps=2, save_last=True)
     target = tmp_path / "ckpts" / "last.ckpt"
@@ -555,7 +555,7 @@ def test_failed_write_fails_every_rank_and_keeps_the_previous_checkpoint(tmp_pat
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["sharded", "full"])
+@pytest.mark.parametrize("kind", STATE_DICT_TYPES)
 def test_name_collision_never_overwrites_another_run(tmp_path: Path, kind: str) -> None:
     target = tmp_path / "model.ckpt"
     run(tmp_path / "a", 4, 2, tag="a", kind=kind, max_steps=2, callbacks=(SaveAtEnd(target),))
@@ -592,7 +592,7 @@ class ExtraLayer(CkptModel):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["sharded", "full"])
+@pytest.mark.parametrize("kind", STATE_DICT_TYPES)
 def test_mismatched_model_names_first_mismatching_key(tmp_path: Path, written: dict[str, Path], kind: str) -> None:
     source = written[kind] / "ckpts" / "last.ckpt"
     with pytest.raises(CheckpointError, match=r"first mismatching key 'net\.2\.weight': the checkpoint has shape \(4, 33\),"
@@ -621,7 +621,7 @@ def test_loading_never_unpickles_code(tmp_path: Path, written: dict[str, Path]) 
     marker = tmp_path / "code_ran"
     # a full checkpoint with an object in it
     evil_full = tmp_path / "evil.ckpt"
-    checkpoint = torch.load(written["full"] / "ckpts" / "last.ckpt", weights_only=True)
+    checkpoint = torch.load(written[FULL] / "ckpts" / "last.ckpt", weights_only=True)
     checkpoint["hyper_parameters"] = {"payload": Evil(marker)}
     torch.save(checkpoint, evil_full)
     # torch's UnpicklingError inside a rank, as the fork launcher reports it
@@ -629,7 +629,7 @@ def test_loading_never_unpickles_code(tmp_path: Path, written: dict[str, Path]) 
         run(tmp_path / "r1", 2, 2, tag="e1", fn="validate", ckpt_path=evil_full)
     # a sharded checkpoint whose DCP .metadata is a pickle with an object in it
     evil_sharded = tmp_path / "evil_sharded.ckpt"
-    shutil.copytree(written["sharded"] / "ckpts" / "last.ckpt", evil_sharded)
+    shutil.copytree(written[SHARDED] / "ckpts" / "last.ckpt", evil_sharded)
     (evil_sharded / ".metadata").write_bytes(__import__("pickle").dumps(Evil(marker)))
     with pytest.raises(ProcessRaisedException, match="refusing to unpickle pathlib.*Path.touch|refusing to unpickle"):
         run(tmp_path / "r2", 2, 2, tag="e2", fn="validate", ckpt_path=evil_sharded)
@@ -657,7 +657,7 @@ class HParamsModel(CkptModel):
 def test_saving_refuses_objects_that_only_unpickling_could_restore(tmp_path: Path) -> None:
     target = tmp_path / "h.ckpt"
     torch.manual_seed(0)
-    run(tmp_path, 2, 2, tag="h", kind="full", max_steps=1, model=HParamsModel(loss=torch.nn.MSELoss()),
+    run(tmp_path, 2, 2, tag="h", kind=FULL, max_steps=1, model=HParamsModel(loss=torch.nn.MSELoss()),
         callbacks=(SaveAtEnd(target),))
     outcome = torch.load(tmp_path / "outcome_rank0.pt")
     assert "checkpoint['hyper_parameters']['loss'] is a torch.nn.modules.loss.MSELoss" in outcome
@@ -666,7 +666,7 @@ def test_saving_refuses_objects_that_only_unpickling_could_restore(tmp_path: Pat
     # plain hyperparameters (a dict subclass included) are saved and load back with weights_only=True
     plain = tmp_path / "plain.ckpt"
     torch.manual_seed(0)
-    run(tmp_path / "p", 2, 2, tag="h2", kind="full", max_steps=1, model=HParamsModel(loss="mse"),
+    run(tmp_path / "p", 2, 2, tag="h2", kind=FULL, max_steps=1, model=HParamsModel(loss="mse"),
         callbacks=(SaveAtEnd(plain),))
     assert torch.load(plain, weights_only=True)["hyper_parameters"] == {"loss": "mse"}
 
@@ -682,7 +682,7 @@ class CfgModel(CkptModel):
 @pytest.mark.timeout(120)
 def test_omegaconf_hyperparameters_are_saved_as_plain_values(tmp_path: Path) -> None:
     cfg = OmegaConf.create({"lr": 0.1, "layers": [4, 8], "name": "${model}", "model": "tiny"})
-    for kind in ("full", "sharded"):
+    for kind in (FULL, SHARDED):
         target = tmp_path / f"{kind}.ckpt"
         torch.manual_seed(0)
         run(tmp_path / kind, 2, 2, tag=kind, kind=kind, max_steps=1, model=CfgModel(cfg), callbacks=(SaveAtEnd(target),))

@@ -16,6 +16,7 @@ import lightning_smp
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy
 from lightning_smp.cli import HybridShardCLI, main
 from lightning_smp.config import ENV_CLI, ENV_CONFIG, SMPConfig
+from lightning_smp.names import HYBRID_SHARD, SHARD_GRAD_OP
 from tests.helpers import PROCESS_TIMEOUT
 
 # the tests pass args while pytest's own argv is set; that is intended here
@@ -26,9 +27,9 @@ CONFIGS = REPO / "examples" / "configs"
 
 #: what each example must resolve to on 4 CPU ranks: (mesh shape, FSDP sharding strategy)
 EXPECTED = {
-    "hybrid_cpu.yaml": ((2, 2), "HYBRID_SHARD"),
-    "hybrid_class_path.yaml": ((2, 2), "HYBRID_SHARD"),
-    "hybrid_zero2_notebook.yaml": ((1, 4), "SHARD_GRAD_OP"),
+    "hybrid_cpu.yaml": ((2, 2), HYBRID_SHARD),
+    "hybrid_class_path.yaml": ((2, 2), HYBRID_SHARD),
+    "hybrid_zero2_notebook.yaml": ((1, 4), SHARD_GRAD_OP),
 }
 
 
@@ -167,7 +168,7 @@ def test_cli_fit_with_fork_ranks_uses_the_smp_section(tmp_path):
 
     ranks = [torch.load(records / f"rank{r}.pt", weights_only=False) for r in range(4)]
     assert [r["shard_group"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    assert [r["fsdp_strategy"] for r in ranks] == ["HYBRID_SHARD"] * 4
+    assert [r["fsdp_strategy"] for r in ranks] == [HYBRID_SHARD] * 4
     assert [len(r["losses"]) for r in ranks] == [2] * 4
     assert ENV_CLI not in os.environ
 

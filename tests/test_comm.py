@@ -7,8 +7,18 @@ import torch
 import torch.distributed as dist
 
 from lightning_smp.accounting.comm import CommCounter, FSDPUnitSpec, fsdp_step_textbook, ring_bytes
-from lightning_smp.degree import FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, NO_SHARD, SHARD_GRAD_OP, resolve_layout
+from lightning_smp.degree import resolve_layout
 from lightning_smp.mesh import build_device_mesh
+from lightning_smp.names import (
+    FULL_SHARD,
+    HYBRID_SHARD,
+    HYBRID_SHARD_ZERO2,
+    NO_SHARD,
+    OTHER_AXIS,
+    REPLICATE_AXIS,
+    SHARD_AXIS,
+    SHARD_GRAD_OP,
+)
 from tests.helpers import fit_and_record, run_distributed
 
 
@@ -36,17 +46,17 @@ def _nonzero(figure: dict) -> dict:
     ("strategy", "expected"),
     [
         # root unit (20 elements): 1 all-gather; non-root (100): 2; one reduce-scatter each; 1/2 all-reduce each
-        pytest.param(HYBRID_SHARD, {("shard", "all_gather"): (3, 4 * 20 + 2 * 4 * 100),
-                                    ("shard", "reduce_scatter"): (2, 4 * 120),
-                                    ("replicate", "all_reduce"): (2, 4 * 60)}, id="hybrid"),
-        pytest.param(HYBRID_SHARD_ZERO2, {("shard", "all_gather"): (2, 4 * 120),
-                                          ("shard", "reduce_scatter"): (2, 4 * 120),
-                                          ("replicate", "all_reduce"): (2, 4 * 60)}, id="hybrid_zero2"),
-        pytest.param(FULL_SHARD, {("shard", "all_gather"): (3, 4 * 20 + 2 * 4 * 100),
-                                  ("shard", "reduce_scatter"): (2, 4 * 120)}, id="full_shard"),
-        pytest.param(SHARD_GRAD_OP, {("shard", "all_gather"): (2, 4 * 120),
-                                     ("shard", "reduce_scatter"): (2, 4 * 120)}, id="shard_grad_op"),
-        pytest.param(NO_SHARD, {("replicate", "all_reduce"): (2, 4 * 120)}, id="no_shard"),
+        pytest.param(HYBRID_SHARD, {(SHARD_AXIS, "all_gather"): (3, 4 * 20 + 2 * 4 * 100),
+                                    (SHARD_AXIS, "reduce_scatter"): (2, 4 * 120),
+                                    (REPLICATE_AXIS, "all_reduce"): (2, 4 * 60)}, id="hybrid"),
+        pytest.param(HYBRID_SHARD_ZERO2, {(SHARD_AXIS, "all_gather"): (2, 4 * 120),
+                                          (SHARD_AXIS, "reduce_scatter"): (2, 4 * 120),
+                                          (REPLICATE_AXIS, "all_reduce"): (2, 4 * 60)}, id="hybrid_zero2"),
+        pytest.param(FULL_SHARD, {(SHARD_AXIS, "all_gather"): (3, 4 * 20 + 2 * 4 * 100),
+                                  (SHARD_AXIS, "reduce_scatter"): (2, 4 * 120)}, id="full_shard"),
+        pytest.param(SHARD_GRAD_OP, {(SHARD_AXIS, "all_gather"): (2, 4 * 120),
+                                     (SHARD_AXIS, "reduce_scatter"): (2, 4 * 120)}, id="shard_grad_op"),
+        pytest.param(NO_SHARD, {(REPLICATE_AXIS, "all_reduce"): (2, 4 * 120)}, id="no_shard"),
     ],
 )
 def test_fsdp_textbook_per_unit(strategy: str, expected: dict) -> None:
@@ -64,7 +74,7 @@ def test_fsdp_textbook_per_unit(strategy: str, expected: dict) -> None:
 def _count_on_mesh(rank: int, world_size: int) -> tuple:
     layout = resolve_layout(world_size, 2)
     mesh = build_device_mesh(layout, "cpu")
-    shard, replicate = mesh.get_group("shard"), mesh.get_group("replicate")
+    shard, replicate = mesh.get_group(SHARD_AXIS), mesh.get_group(REPLICATE_AXIS)
     counter = CommCounter(mesh)
     before = torch._C._len_torch_dispatch_stack()
     with counter:
@@ -90,11 +100,11 @@ def test_counter_attributes_collectives_to_mesh_axes() -> None:
         assert stack == (0, 1, 0)  # nothing installed outside the counter
         got = {(a, op): (e["count"], e["bytes"]) for a, ops in counts.items() for op, e in ops.items() if e["count"]}
         assert got == {
-            ("shard", "all_gather"): (1, 48),
-            ("shard", "reduce_scatter"): (1, 24),
-            ("replicate", "all_reduce"): (1, 24),
-            ("other", "all_reduce"): (1, 80),
-            ("other", "broadcast"): (1, 20),
+            (SHARD_AXIS, "all_gather"): (1, 48),
+            (SHARD_AXIS, "reduce_scatter"): (1, 24),
+            (REPLICATE_AXIS, "all_reduce"): (1, 24),
+            (OTHER_AXIS, "all_reduce"): (1, 80),
+            (OTHER_AXIS, "broadcast"): (1, 20),
         }
         # results are those of the uncounted collectives: replicas r and r+2 summed, twice
         assert x == [2.0 * (rank % 2 + rank % 2 + 2)] * 6

@@ -15,6 +15,7 @@ from lightning_smp.config import KNOWN_KEYS, SMPConfig, SMPSection
 from lightning_smp.engines import ENGINES, Engine, FSDP1Engine, engine_of
 from lightning_smp.errors import CheckpointError, HybridShardConfigError, LightningSMPError, UnsupportedOptionError
 from lightning_smp.launcher import rank_error
+from lightning_smp.names import FULL
 
 
 @pytest.mark.parametrize(
@@ -58,7 +59,7 @@ def test_storage_options_is_a_type_error_as_in_lightning(tmp_path):
     from lightning_smp.checkpoint import CheckpointRun, save
 
     with pytest.raises(TypeError, match=r"storage_options=\{'x': 1\} is not supported") as err:
-        save({}, tmp_path / "x.ckpt", kind="full", collectives=Collectives(), run=CheckpointRun(),
+        save({}, tmp_path / "x.ckpt", kind=FULL, collectives=Collectives(), run=CheckpointRun(),
              storage_options={"x": 1})
     assert isinstance(err.value, UnsupportedOptionError)
     assert not (tmp_path / "x.ckpt").exists()

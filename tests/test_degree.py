@@ -6,36 +6,45 @@ from torch.distributed.fsdp import ShardingStrategy
 from lightning_smp import HybridShardConfigError, resolve_layout, valid_degrees
 from lightning_smp.accounting.shards import flat_param_numel, local_shard_numel
 from lightning_smp.degree import check_degree, check_sharding_strategy
+from lightning_smp.names import (
+    FULL_SHARD,
+    HYBRID_SHARD,
+    HYBRID_SHARD_ZERO2,
+    NO_SHARD,
+    REPLICATE_AXIS,
+    SHARD_AXIS,
+    SHARD_GRAD_OP,
+)
 
 
 @pytest.mark.parametrize(
     ("world", "degree", "requested", "per_node", "expected"),
     [
         # degree 0: native FSDP behaviour
-        pytest.param(4, 0, "HYBRID_SHARD", 4, (1, 4, "FULL_SHARD"), id="0_hybrid_one_node_is_full_shard"),
-        pytest.param(8, 0, "HYBRID_SHARD", 4, (2, 4, "HYBRID_SHARD"), id="0_hybrid_two_nodes"),
-        pytest.param(8, 0, "_HYBRID_SHARD_ZERO2", 4, (2, 4, "_HYBRID_SHARD_ZERO2"), id="0_zero2_two_nodes"),
-        pytest.param(4, 0, "_HYBRID_SHARD_ZERO2", 4, (1, 4, "SHARD_GRAD_OP"), id="0_zero2_one_node"),
-        pytest.param(8, 0, "FULL_SHARD", 4, (1, 8, "FULL_SHARD"), id="0_full_shard_everyone"),
-        pytest.param(8, 0, "SHARD_GRAD_OP", 4, (1, 8, "SHARD_GRAD_OP"), id="0_shard_grad_op_everyone"),
-        pytest.param(8, 0, "NO_SHARD", 4, (8, 1, "NO_SHARD"), id="0_no_shard"),
-        pytest.param(4, 0, "HYBRID_SHARD", 1, (4, 1, "NO_SHARD"), id="0_hybrid_one_device_per_node"),
+        pytest.param(4, 0, HYBRID_SHARD, 4, (1, 4, FULL_SHARD), id="0_hybrid_one_node_is_full_shard"),
+        pytest.param(8, 0, HYBRID_SHARD, 4, (2, 4, HYBRID_SHARD), id="0_hybrid_two_nodes"),
+        pytest.param(8, 0, HYBRID_SHARD_ZERO2, 4, (2, 4, HYBRID_SHARD_ZERO2), id="0_zero2_two_nodes"),
+        pytest.param(4, 0, HYBRID_SHARD_ZERO2, 4, (1, 4, SHARD_GRAD_OP), id="0_zero2_one_node"),
+        pytest.param(8, 0, FULL_SHARD, 4, (1, 8, FULL_SHARD), id="0_full_shard_everyone"),
+        pytest.param(8, 0, SHARD_GRAD_OP, 4, (1, 8, SHARD_GRAD_OP), id="0_shard_grad_op_everyone"),
+        pytest.param(8, 0, NO_SHARD, 4, (8, 1, NO_SHARD), id="0_no_shard"),
+        pytest.param(4, 0, HYBRID_SHARD, 1, (4, 1, NO_SHARD), id="0_hybrid_one_device_per_node"),
         # degree 1: no sharding, whole-world replication
-        pytest.param(4, 1, "HYBRID_SHARD", 4, (4, 1, "NO_SHARD"), id="1_hybrid"),
-        pytest.param(4, 1, "_HYBRID_SHARD_ZERO2", 4, (4, 1, "NO_SHARD"), id="1_zero2"),
-        pytest.param(4, 1, "FULL_SHARD", 4, (4, 1, "NO_SHARD"), id="1_full_shard"),
+        pytest.param(4, 1, HYBRID_SHARD, 4, (4, 1, NO_SHARD), id="1_hybrid"),
+        pytest.param(4, 1, HYBRID_SHARD_ZERO2, 4, (4, 1, NO_SHARD), id="1_zero2"),
+        pytest.param(4, 1, FULL_SHARD, 4, (4, 1, NO_SHARD), id="1_full_shard"),
         # degree >= 2: shard groups of that size
-        pytest.param(4, 2, "HYBRID_SHARD", 4, (2, 2, "HYBRID_SHARD"), id="2_of_4"),
-        pytest.param(8, 2, "_HYBRID_SHARD_ZERO2", 8, (4, 2, "_HYBRID_SHARD_ZERO2"), id="2_of_8_zero2"),
-        pytest.param(8, 4, "FULL_SHARD", 8, (2, 4, "HYBRID_SHARD"), id="full_shard_overridden"),
-        pytest.param(8, 4, "SHARD_GRAD_OP", 8, (2, 4, "HYBRID_SHARD"), id="shard_grad_op_overridden"),
-        pytest.param(8, 4, "NO_SHARD", 8, (2, 4, "HYBRID_SHARD"), id="no_shard_overridden"),
-        pytest.param(16, 8, "HYBRID_SHARD", 4, (2, 8, "HYBRID_SHARD"), id="8_spans_two_nodes_of_4"),
+        pytest.param(4, 2, HYBRID_SHARD, 4, (2, 2, HYBRID_SHARD), id="2_of_4"),
+        pytest.param(8, 2, HYBRID_SHARD_ZERO2, 8, (4, 2, HYBRID_SHARD_ZERO2), id="2_of_8_zero2"),
+        pytest.param(8, 4, FULL_SHARD, 8, (2, 4, HYBRID_SHARD), id="full_shard_overridden"),
+        pytest.param(8, 4, SHARD_GRAD_OP, 8, (2, 4, HYBRID_SHARD), id="shard_grad_op_overridden"),
+        pytest.param(8, 4, NO_SHARD, 8, (2, 4, HYBRID_SHARD), id="no_shard_overridden"),
+        pytest.param(16, 8, HYBRID_SHARD, 4, (2, 8, HYBRID_SHARD), id="8_spans_two_nodes_of_4"),
         # degree == world size: one replica, no size-1 all-reduce
-        pytest.param(4, 4, "HYBRID_SHARD", 4, (1, 4, "FULL_SHARD"), id="4_of_4"),
-        pytest.param(4, 4, "_HYBRID_SHARD_ZERO2", 4, (1, 4, "SHARD_GRAD_OP"), id="4_of_4_zero2"),
-        pytest.param(2, 2, "FULL_SHARD", 1, (1, 2, "FULL_SHARD"), id="2_of_2_full"),
-        pytest.param(1, 1, "HYBRID_SHARD", 1, (1, 1, "NO_SHARD"), id="single_rank"),
+        pytest.param(4, 4, HYBRID_SHARD, 4, (1, 4, FULL_SHARD), id="4_of_4"),
+        pytest.param(4, 4, HYBRID_SHARD_ZERO2, 4, (1, 4, SHARD_GRAD_OP), id="4_of_4_zero2"),
+        pytest.param(2, 2, FULL_SHARD, 1, (1, 2, FULL_SHARD), id="2_of_2_full"),
+        pytest.param(1, 1, HYBRID_SHARD, 1, (1, 1, NO_SHARD), id="single_rank"),
     ],
 )
 def test_resolve_layout(world, degree, requested, per_node, expected):
@@ -48,8 +57,8 @@ def test_resolve_layout(world, degree, requested, per_node, expected):
 
 @pytest.mark.parametrize(
     ("degree", "requested", "overridden"),
-    [(2, "FULL_SHARD", True), (2, "SHARD_GRAD_OP", True), (2, "NO_SHARD", True), (2, "HYBRID_SHARD", False),
-     (2, "_HYBRID_SHARD_ZERO2", False), (0, "FULL_SHARD", False), (1, "FULL_SHARD", False)],
+    [(2, FULL_SHARD, True), (2, SHARD_GRAD_OP, True), (2, NO_SHARD, True), (2, HYBRID_SHARD, False),
+     (2, HYBRID_SHARD_ZERO2, False), (0, FULL_SHARD, False), (1, FULL_SHARD, False)],
 )
 def test_override_flag(degree, requested, overridden):
     assert resolve_layout(4, degree, requested).overridden is overridden
@@ -60,8 +69,8 @@ def test_groups_are_consecutive_shards_and_strided_replicas():
     assert [layout.shard_group(r) for r in (0, 1, 5)] == [[0, 1], [0, 1], [4, 5]]
     assert [layout.replicate_group(r) for r in (0, 1, 5)] == [[0, 2, 4, 6], [1, 3, 5, 7], [1, 3, 5, 7]]
     assert layout.fsdp_axis == "both"
-    assert resolve_layout(8, 1).fsdp_axis == "replicate"
-    assert resolve_layout(8, 8).fsdp_axis == "shard"
+    assert resolve_layout(8, 1).fsdp_axis == REPLICATE_AXIS
+    assert resolve_layout(8, 8).fsdp_axis == SHARD_AXIS
 
 
 def test_valid_degrees():
@@ -105,8 +114,8 @@ def test_world_size_errors(world, degree, message):
 
 
 def test_sharding_strategy_names():
-    assert check_sharding_strategy("hybrid_shard") == "HYBRID_SHARD"
-    assert check_sharding_strategy(ShardingStrategy._HYBRID_SHARD_ZERO2) == "_HYBRID_SHARD_ZERO2"
+    assert check_sharding_strategy("hybrid_shard") == HYBRID_SHARD
+    assert check_sharding_strategy(ShardingStrategy._HYBRID_SHARD_ZERO2) == HYBRID_SHARD_ZERO2
     with pytest.raises(HybridShardConfigError, match="sharding_strategy='HALF_SHARD' is not a sharding strategy"):
         check_sharding_strategy("HALF_SHARD")
 

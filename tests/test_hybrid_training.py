@@ -14,6 +14,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, resolve_layout
 from lightning_smp.accounting.shards import local_shard_numel
+from lightning_smp.names import FULL, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, NO_SHARD, SHARD_AXIS
 from tests.helpers import (
     BACKENDS,
     LIGHTNING_DEFAULTS,
@@ -55,15 +56,15 @@ def ddp_reference(devices: int, model_cls: type = TinyModel, accelerator: str = 
 
 
 CONFIGS = [
-    pytest.param(2, 1, "HYBRID_SHARD", (2, 1, "NO_SHARD"), id="2ranks_degree1"),
-    pytest.param(2, 2, "HYBRID_SHARD", (1, 2, "FULL_SHARD"), id="2ranks_degree2"),
-    pytest.param(4, 1, "HYBRID_SHARD", (4, 1, "NO_SHARD"), id="4ranks_degree1"),
-    pytest.param(4, 2, "HYBRID_SHARD", (2, 2, "HYBRID_SHARD"), id="4ranks_degree2"),
-    pytest.param(4, 2, "_HYBRID_SHARD_ZERO2", (2, 2, "_HYBRID_SHARD_ZERO2"), id="4ranks_degree2_zero2"),
-    pytest.param(4, 2, "FULL_SHARD", (2, 2, "HYBRID_SHARD"), id="4ranks_degree2_overrides_full_shard"),
-    pytest.param(4, 4, "HYBRID_SHARD", (1, 4, "FULL_SHARD"), id="4ranks_degree4"),
-    pytest.param(4, 0, "HYBRID_SHARD", (1, 4, "FULL_SHARD"), id="4ranks_degree0_native"),
-    pytest.param(8, 2, "HYBRID_SHARD", (4, 2, "HYBRID_SHARD"), id="8ranks_degree2"),
+    pytest.param(2, 1, HYBRID_SHARD, (2, 1, NO_SHARD), id="2ranks_degree1"),
+    pytest.param(2, 2, HYBRID_SHARD, (1, 2, FULL_SHARD), id="2ranks_degree2"),
+    pytest.param(4, 1, HYBRID_SHARD, (4, 1, NO_SHARD), id="4ranks_degree1"),
+    pytest.param(4, 2, HYBRID_SHARD, (2, 2, HYBRID_SHARD), id="4ranks_degree2"),
+    pytest.param(4, 2, HYBRID_SHARD_ZERO2, (2, 2, HYBRID_SHARD_ZERO2), id="4ranks_degree2_zero2"),
+    pytest.param(4, 2, FULL_SHARD, (2, 2, HYBRID_SHARD), id="4ranks_degree2_overrides_full_shard"),
+    pytest.param(4, 4, HYBRID_SHARD, (1, 4, FULL_SHARD), id="4ranks_degree4"),
+    pytest.param(4, 0, HYBRID_SHARD, (1, 4, FULL_SHARD), id="4ranks_degree0_native"),
+    pytest.param(8, 2, HYBRID_SHARD, (4, 2, HYBRID_SHARD), id="8ranks_degree2"),
 ]
 
 
@@ -82,7 +83,7 @@ def test_hybrid_training_matches_ddp(tmp_path, backend, devices, degree, request
     replicate, shard, fsdp_strategy = expected
     assert (layout.replicate, layout.shard, layout.sharding_strategy) == expected
 
-    group_size = devices if fsdp_strategy == "NO_SHARD" else shard
+    group_size = devices if fsdp_strategy == NO_SHARD else shard
     for rank, record in enumerate(records):
         assert record["rank"] == rank
         assert record["fsdp_strategy"] == fsdp_strategy
@@ -115,7 +116,7 @@ def test_one_gpu_trains_with_bf16_mixed(tmp_path, backend):
     torch.manual_seed(0)
     trainer, _, records = fit_and_record(strategy, tmp_path, 1, model=TinyModel(), accelerator=accelerator_for(backend),
                                          precision="bf16-mixed", max_steps=3)
-    assert records[0]["fsdp_strategy"] == "NO_SHARD"
+    assert records[0]["fsdp_strategy"] == NO_SHARD
     assert all(torch.isfinite(torch.tensor(records[0]["losses"])))
     assert trainer.strategy.root_device.type == "cuda"
 
@@ -172,7 +173,7 @@ def _fit_then_validate(rank: int, world_size: int) -> tuple[bool, int, float, fl
     trainer.fit(model, make_loader(), make_loader())
     mesh = strategy.device_mesh
     val_loss = trainer.validate(model, make_loader(), verbose=False)[0]["val_loss"]
-    shard_group = torch.distributed.get_process_group_ranks(strategy.device_mesh.get_group("shard"))
+    shard_group = torch.distributed.get_process_group_ranks(strategy.device_mesh.get_group(SHARD_AXIS))
     # the same loss from the full weights: each rank's first validation batch (DistributedSampler), averaged
     reference = ValidatedModel()
     full = strategy.full_state_dict()  # a collective; the weights arrive on rank 0
@@ -198,7 +199,7 @@ def _user_mesh_fit_and_save(rank: int, world_size: int, folder: str) -> list[int
 
     # the user's own mesh: no axis names, and shard groups that are not consecutive ranks
     mesh = DeviceMesh("cpu", [[0, 2], [1, 3]])
-    strategy = HybridShardFSDPStrategy(device_mesh=mesh, state_dict_type="full")
+    strategy = HybridShardFSDPStrategy(device_mesh=mesh, state_dict_type=FULL)
     trainer = cpu_trainer(strategy, folder, world_size, max_steps=2)
     with torch.device("meta"):
         model = RankSeededModel()  # materialised per rank: the replicas are synced through the user's mesh

@@ -21,6 +21,7 @@ from lightning_smp.launcher import (
     _set_callback_reports,
     check_fork_safety,
 )
+from lightning_smp.names import SHARDED
 from tests.helpers import PROCESS_TIMEOUT, RankRecorder, TinyModel, cpu_trainer, make_loader, state_digest
 
 
@@ -126,7 +127,7 @@ def test_checkpoint_saved_in_notebook_process_resumes_exactly(tmp_path: Path, pr
 @pytest.mark.timeout(PROCESS_TIMEOUT)
 def test_notebook_process_writes_one_full_file_under_sharded_state_dict_type(tmp_path: Path) -> None:
     def sharded() -> HybridShardFSDPStrategy:
-        return _fork_hybrid(state_dict_type="sharded")
+        return _fork_hybrid(state_dict_type=SHARDED)
 
     torch.manual_seed(0)
     model = TinyModel()

@@ -20,6 +20,15 @@ from lightning_smp.accounting.memory import MEMORY_FIELDS, PEAK_FIELDS, measure_
 from lightning_smp.accounting.shards import flat_param_numel, floor_bytes, padding_per_rank, rank_bytes, unsharded_bytes
 from lightning_smp.callbacks import MemorySavingsCallback
 from lightning_smp.callbacks.memory import REPORT_FILENAME
+from lightning_smp.names import (
+    FULL_SHARD,
+    HYBRID_SHARD,
+    HYBRID_SHARD_ZERO2,
+    NO_SHARD,
+    OTHER_AXIS,
+    REPLICATE_AXIS,
+    SHARD_AXIS,
+)
 from tests.helpers import TinyModel, cpu_trainer, make_loader, run_distributed
 
 #: TinyModel's parameters (697 in all) as one FSDP unit (root only) or one unit per Linear layer.
@@ -63,10 +72,10 @@ def _measured(figure: dict | None) -> dict:
 @pytest.mark.parametrize(
     ("degree", "sharding", "wrap", "fsdp_runs"),
     [
-        pytest.param(1, "HYBRID_SHARD", False, "NO_SHARD", id="degree1"),
-        pytest.param(2, "HYBRID_SHARD", True, "HYBRID_SHARD", id="degree2_per_layer"),
-        pytest.param(4, "HYBRID_SHARD", False, "FULL_SHARD", id="degree4"),
-        pytest.param(2, "_HYBRID_SHARD_ZERO2", True, "_HYBRID_SHARD_ZERO2", id="degree2_zero2"),
+        pytest.param(1, HYBRID_SHARD, False, NO_SHARD, id="degree1"),
+        pytest.param(2, HYBRID_SHARD, True, HYBRID_SHARD, id="degree2_per_layer"),
+        pytest.param(4, HYBRID_SHARD, False, FULL_SHARD, id="degree4"),
+        pytest.param(2, HYBRID_SHARD_ZERO2, True, HYBRID_SHARD_ZERO2, id="degree2_zero2"),
     ],
 )
 def test_exact_bytes_and_collectives_per_rank(tmp_path: Path, degree: int, sharding: str, wrap: bool,
@@ -93,12 +102,12 @@ def test_exact_bytes_and_collectives_per_rank(tmp_path: Path, degree: int, shard
         # nothing but FSDP communicates during the step
         assert measured == _measured(textbook)
         assert _measured(record["comm_textbook"]) == _measured(textbook)
-    if degree == 2 and sharding == "HYBRID_SHARD":
+    if degree == 2 and sharding == HYBRID_SHARD:
         # hand-checked figure: 697 parameters over 2 shards; rank 0 holds [0, 350) of the root unit...
         r0 = reports["first_step"][0]
         assert (r0["params_bytes"], r0["unsharded_params_bytes"]) == (4 * (281 + 68), 4 * 697)
         # ...and 2 all-gathers of each Linear unit (not the root) inside the shard group, in one step
-        assert _measured(r0["comm"])[("shard", "all_gather")] == (4, 2 * 4 * (562 + 136))
+        assert _measured(r0["comm"])[(SHARD_AXIS, "all_gather")] == (4, 2 * 4 * (562 + 136))
 
 
 @pytest.mark.timeout(120)
@@ -107,19 +116,19 @@ def test_gradient_accumulation_counts_every_micro_batch(tmp_path: Path) -> None:
     reports = _fit(tmp_path, strategy, max_steps=2, accumulate_grad_batches=3)
     specs = [FSDPUnitSpec(flat_param_numel(u, 2)) for u in PER_LAYER]
     # Lightning puts the first two micro-batches under FSDP's no_sync: they gather but do not reduce
-    textbook = _measured(fsdp_step_textbook(specs, "HYBRID_SHARD", 2, 2, backward_passes=3, synced_passes=1))
+    textbook = _measured(fsdp_step_textbook(specs, HYBRID_SHARD, 2, 2, backward_passes=3, synced_passes=1))
     assert textbook == {
-        ("shard", "all_gather"): (3 * 2 * 2, 3 * 2 * 4 * (562 + 136)),
-        ("shard", "reduce_scatter"): (2, 4 * (562 + 136)),
-        ("replicate", "all_reduce"): (2, 4 * (281 + 68)),
+        (SHARD_AXIS, "all_gather"): (3 * 2 * 2, 3 * 2 * 4 * (562 + 136)),
+        (SHARD_AXIS, "reduce_scatter"): (2, 4 * (562 + 136)),
+        (REPLICATE_AXIS, "all_reduce"): (2, 4 * (281 + 68)),
     }
     for record in reports["first_step"]:
         assert record["backward_passes"] == 3 and record["step"] == 1
         measured = _measured(record["comm"])
-        assert {k: v for k, v in measured.items() if k[0] != "other"} == textbook
+        assert {k: v for k, v in measured.items() if k[0] != OTHER_AXIS} == textbook
         assert _measured(record["comm_textbook"]) == textbook
         # Lightning's own per-batch SIGTERM broadcast (int64, world group) of micro-batches 2 and 3
-        assert {k: v for k, v in measured.items() if k[0] == "other"} == {("other", "broadcast"): (2, 16)}
+        assert {k: v for k, v in measured.items() if k[0] == OTHER_AXIS} == {(OTHER_AXIS, "broadcast"): (2, 16)}
 
 
 @pytest.mark.timeout(120)
@@ -137,7 +146,7 @@ def test_json_and_logger_metrics_have_documented_keys(tmp_path: Path) -> None:
             if field in ("peak_allocated_bytes", "peak_reserved_bytes"):
                 continue  # accelerators only (None on the CPU)
             assert f"memory/rank{rank}/{field}" in columns
-        for axis, op in (("shard", "all_gather"), ("shard", "reduce_scatter"), ("replicate", "all_reduce")):
+        for axis, op in ((SHARD_AXIS, "all_gather"), (SHARD_AXIS, "reduce_scatter"), (REPLICATE_AXIS, "all_reduce")):
             for key in ("count", "bytes", "textbook_count", "textbook_bytes", "textbook_ring_bytes"):
                 assert f"comm/rank{rank}/{axis}/{op}_{key}" in columns
     logged = {row["step"]: row for row in rows if row.get("memory/rank1/params_bytes")}
@@ -145,7 +154,7 @@ def test_json_and_logger_metrics_have_documented_keys(tmp_path: Path) -> None:
     assert sorted(logged, key=int) == ["1", "6"]
     first = data["reports"]["first_step"][1]
     assert float(logged["1"]["memory/rank1/params_bytes"]) == first["params_bytes"]
-    assert float(logged["1"]["comm/rank1/shard/all_gather_bytes"]) == first["comm"]["shard"]["all_gather"]["bytes"]
+    assert float(logged["1"][f"comm/rank1/{SHARD_AXIS}/all_gather_bytes"]) == first["comm"][SHARD_AXIS]["all_gather"]["bytes"]
 
 
 def _without_peaks(reports: dict) -> dict:
@@ -174,8 +183,8 @@ def test_under_lightning_ddp(tmp_path: Path) -> None:
             full["params_bytes"], full["grads_bytes"], full["optimizer_bytes"])
         assert record["saved_bytes"] == 0 and record["measured_over_floor"] == 1.0
         # one bucket: all 697 gradients all-reduced once across the two replicas
-        assert _measured(record["comm"])[("replicate", "all_reduce")] == (1, 4 * 697)
-        assert _measured(record["comm_textbook"]) == {("replicate", "all_reduce"): (1, 4 * 697)}
+        assert _measured(record["comm"])[(REPLICATE_AXIS, "all_reduce")] == (1, 4 * 697)
+        assert _measured(record["comm_textbook"]) == {(REPLICATE_AXIS, "all_reduce"): (1, 4 * 697)}
 
 
 class _WideModel(TinyModel):
@@ -194,9 +203,9 @@ def test_ddp_textbook_uses_the_real_bucket_count(tmp_path: Path, stage: str, com
     trainer = cpu_trainer(DDPStrategy(start_method="fork"), tmp_path, 2, max_steps=3, callbacks=[callback])
     trainer.fit(_WideModel(), make_loader())
     for record in json.loads((tmp_path / REPORT_FILENAME).read_text())["reports"][stage]:
-        measured = _measured(record["comm"])[("replicate", "all_reduce")]
+        measured = _measured(record["comm"])[(REPLICATE_AXIS, "all_reduce")]
         assert measured[0] == buckets
-        assert _measured(record["comm_textbook"]) == {("replicate", "all_reduce"): measured}
+        assert _measured(record["comm_textbook"]) == {(REPLICATE_AXIS, "all_reduce"): measured}
 
 
 class _DispatchStackProbe(Callback):
@@ -241,7 +250,7 @@ def _raw_fsdp_full_shard(rank: int, world_size: int) -> dict:
 def test_measures_plain_fsdp_without_lightning() -> None:
     """The path Lightning's own FSDPStrategy takes: FSDP units on the default group, no mesh."""
     for rank, record in enumerate(run_distributed(_raw_fsdp_full_shard, 2)):
-        assert record["layout"] == ("FULL_SHARD", 2, 1)
+        assert record["layout"] == (FULL_SHARD, 2, 1)
         expected = _expected_memory(ROOT_UNIT, 2, 2, rank)
         assert {k: record[k] for k in expected} == expected
 
@@ -268,9 +277,9 @@ def test_comm_step_after_validation(tmp_path: Path, comm_step: int, root_gathers
     for first, end in zip(reports["first_step"], reports["fit_end"]):
         assert (first["comm"] is None) == (comm_step > 1)
         measured = _measured(end["comm"])
-        assert measured.get(("shard", "all_gather"), (0, 0)) == (root_gathers, root_gathers * 4 * padded)
-        assert measured[("shard", "reduce_scatter")] == (1, 4 * padded)
-        assert _measured(end["comm_textbook"])[("shard", "all_gather")] == (1, 4 * padded)
+        assert measured.get((SHARD_AXIS, "all_gather"), (0, 0)) == (root_gathers, root_gathers * 4 * padded)
+        assert measured[(SHARD_AXIS, "reduce_scatter")] == (1, 4 * padded)
+        assert _measured(end["comm_textbook"])[(SHARD_AXIS, "all_gather")] == (1, 4 * padded)
 
 
 def test_comm_step_must_be_positive() -> None:

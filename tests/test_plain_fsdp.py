@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import lightning_smp
+from lightning_smp.names import FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, NO_SHARD, SHARD_GRAD_OP
 from tests.helpers import PROCESS_TIMEOUT, fit_and_record, free_port, run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,20 +68,20 @@ NUMEL = 8 * 13 + 13 + 13 * 3 + 3  # 159 parameters, one flat parameter
     ("config", "fsdp_kwargs", "strategy", "groups", "local_numel"),
     [
         # SMP's override: FULL_SHARD asked, degree 2 on 4 ranks runs HYBRID_SHARD in shard groups of 2
-        pytest.param({"hybrid_shard_degree": 2}, {"sharding_strategy": "FULL_SHARD"}, "HYBRID_SHARD",
+        pytest.param({"hybrid_shard_degree": 2}, {"sharding_strategy": FULL_SHARD}, HYBRID_SHARD,
                      [[0, 1], [0, 1], [2, 3], [2, 3]], 80, id="degree2_overrides_full_shard"),
-        pytest.param({"hybrid_shard_degree": 2}, {"sharding_strategy": "_HYBRID_SHARD_ZERO2"},
-                     "_HYBRID_SHARD_ZERO2", [[0, 1], [0, 1], [2, 3], [2, 3]], 80, id="degree2_zero2_kept"),
+        pytest.param({"hybrid_shard_degree": 2}, {"sharding_strategy": HYBRID_SHARD_ZERO2},
+                     HYBRID_SHARD_ZERO2, [[0, 1], [0, 1], [2, 3], [2, 3]], 80, id="degree2_zero2_kept"),
         # degree 1: NO_SHARD over the whole world, not over size-1 groups that would never synchronise
-        pytest.param({"hybrid_shard_degree": 1}, {}, "NO_SHARD", [[0, 1, 2, 3]] * 4, NUMEL, id="degree1_no_shard"),
-        pytest.param({"hybrid_shard_degree": 4}, {}, "FULL_SHARD", [[0, 1, 2, 3]] * 4, 40, id="degree_world"),
+        pytest.param({"hybrid_shard_degree": 1}, {}, NO_SHARD, [[0, 1, 2, 3]] * 4, NUMEL, id="degree1_no_shard"),
+        pytest.param({"hybrid_shard_degree": 4}, {}, FULL_SHARD, [[0, 1, 2, 3]] * 4, 40, id="degree_world"),
         # degree 0 is SMP's "native PyTorch": the call is left exactly as written
-        pytest.param({"hybrid_shard_degree": 0}, {"sharding_strategy": "SHARD_GRAD_OP"}, "SHARD_GRAD_OP",
+        pytest.param({"hybrid_shard_degree": 0}, {"sharding_strategy": SHARD_GRAD_OP}, SHARD_GRAD_OP,
                      [[0, 1, 2, 3]] * 4, 40, id="degree0_native"),
         # a user's own mesh or process group wins over the configured degree
-        pytest.param({"hybrid_shard_degree": 2}, {"own_world_mesh": True}, "FULL_SHARD", [[0, 1, 2, 3]] * 4, 40,
+        pytest.param({"hybrid_shard_degree": 2}, {"own_world_mesh": True}, FULL_SHARD, [[0, 1, 2, 3]] * 4, 40,
                      id="own_device_mesh_wins"),
-        pytest.param({"hybrid_shard_degree": 2}, {"own_world_group": True}, "FULL_SHARD", [[0, 1, 2, 3]] * 4, 40,
+        pytest.param({"hybrid_shard_degree": 2}, {"own_world_group": True}, FULL_SHARD, [[0, 1, 2, 3]] * 4, 40,
                      id="own_process_group_wins"),
     ],
 )
@@ -93,16 +94,16 @@ def test_plain_fsdp_call_follows_the_configured_degree(config, fsdp_kwargs, stra
     assert [r["strategy"] for r in results] == [strategy] * 4
     assert [r["shard_group"] for r in results] == groups
     assert [r["local_numel"] for r in results] == [local_numel] * 4
-    if strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+    if strategy in (HYBRID_SHARD, HYBRID_SHARD_ZERO2):
         assert [r["replicate_group"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     # every rank ends with the same full model although each was seeded and fed differently
     for r in results[1:]:
         for key, value in results[0]["full_after"].items():
             assert r["full_after"][key] == value, key
     patched = config["hybrid_shard_degree"] > 0 and not {"own_world_mesh", "own_world_group"} & set(fsdp_kwargs)
-    if patched and strategy != "FULL_SHARD":
+    if patched and strategy != FULL_SHARD:
         # replicas started from rank 0's weights: a rank's shard equals its replica peer's before the first step
-        stride = 1 if strategy == "NO_SHARD" else len(groups[0])
+        stride = 1 if strategy == NO_SHARD else len(groups[0])
         for rank, r in enumerate(results):
             assert r["shard_before"] == results[(rank + stride) % 4]["shard_before"], rank
     assert all(r["patched"] for r in results)
@@ -116,7 +117,7 @@ def test_lightning_strategy_uses_init_config_and_is_left_alone_by_the_patch(tmp_
     _, _, records = fit_and_record(strategy, tmp_path, devices=4, max_steps=2)
     assert [r["shard_group"] for r in records] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["replicate_group"] for r in records] == [[0, 2], [1, 3], [0, 2], [1, 3]]
-    assert [r["fsdp_strategy"] for r in records] == ["HYBRID_SHARD"] * 4
+    assert [r["fsdp_strategy"] for r in records] == [HYBRID_SHARD] * 4
 
 
 def _meta_init(rank: int, world_size: int) -> list:
@@ -161,7 +162,7 @@ def test_plain_fsdp_example_under_torchrun_matches_ddp(tmp_path):
     assert [f["shard_group"] for f in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [len(f["shard_group"]) for f in ranks] == [2] * 4
     assert [f["replicate_group"] for f in ranks] == [[0, 2], [1, 3], [0, 2], [1, 3]]
-    assert {f["sharding_strategy"] for f in ranks} == {"HYBRID_SHARD"}
+    assert {f["sharding_strategy"] for f in ranks} == {HYBRID_SHARD}
     # the two shard groups hold the same shard sizes; both replicas end with the same model
     assert ranks[0]["local_flat_numel"] == ranks[2]["local_flat_numel"]
     assert len({f["weights_hash"] for f in ranks}) == 1

@@ -8,6 +8,7 @@ from torch import nn
 from lightning_smp import replicas
 from lightning_smp.degree import resolve_layout
 from lightning_smp.mesh import build_device_mesh
+from lightning_smp.names import HYBRID_SHARD
 from tests.helpers import run_distributed
 
 
@@ -50,7 +51,7 @@ def test_broadcast_module_state_gives_every_rank_rank_0s_tensors():
 
 def _across_replicas(rank: int, world_size: int) -> dict:
     replicas.BROADCAST_BUCKET_BYTES = 100
-    mesh = build_device_mesh(resolve_layout(world_size, 2, "HYBRID_SHARD"), "cpu")  # shard groups [0, 1], [2, 3]
+    mesh = build_device_mesh(resolve_layout(world_size, 2, HYBRID_SHARD), "cpu")  # shard groups [0, 1], [2, 3]
     module = Mixed(seed=rank)
     replicas.broadcast_across_replicas(module, mesh, torch.device("cpu"))
     return _state(module)

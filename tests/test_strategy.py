@@ -12,6 +12,7 @@ from torch.distributed.fsdp import CPUOffload, MixedPrecision
 import lightning_smp
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, HybridShardPrecision
 from lightning_smp.launcher import HybridShardMultiProcessingLauncher
+from lightning_smp.names import FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, SHARDED
 from tests.helpers import cpu_trainer
 
 
@@ -28,8 +29,8 @@ def test_names_are_registered_once_and_fsdp_is_untouched():
 
 @pytest.mark.parametrize(
     ("name", "requested", "start_method"),
-    [("smp_hybrid", "HYBRID_SHARD", "popen"), ("smp_hybrid_zero2", "_HYBRID_SHARD_ZERO2", "popen"),
-     ("smp_hybrid_notebook", "HYBRID_SHARD", "fork")],
+    [("smp_hybrid", HYBRID_SHARD, "popen"), ("smp_hybrid_zero2", HYBRID_SHARD_ZERO2, "popen"),
+     ("smp_hybrid_notebook", HYBRID_SHARD, "fork")],
 )
 def test_names_work_on_cpu(name, requested, start_method):
     trainer = cpu_trainer(name, devices=4)
@@ -48,8 +49,8 @@ def test_constructor_lists_every_fsdp_parameter():
         assert ours[name].kind == param.kind, name
         if name not in ("sharding_strategy", "state_dict_type"):  # our defaults differ, documented
             assert ours[name].default == param.default, name
-    assert ours["sharding_strategy"].default == "HYBRID_SHARD"
-    assert ours["state_dict_type"].default == "sharded"
+    assert ours["sharding_strategy"].default == HYBRID_SHARD
+    assert ours["state_dict_type"].default == SHARDED
     assert ours["hybrid_shard_degree"].default is None
     for name in theirs:
         if name not in ("self", "kwargs"):
@@ -61,7 +62,7 @@ def test_fsdp_settings_pass_through_untouched():
     mp = MixedPrecision(param_dtype=torch.bfloat16)
     strategy = HybridShardFSDPStrategy(
         hybrid_shard_degree=2, auto_wrap_policy=policy, activation_checkpointing_policy={torch.nn.Linear},
-        cpu_offload=True, mixed_precision=mp, state_dict_type="sharded", limit_all_gathers=False,
+        cpu_offload=True, mixed_precision=mp, state_dict_type=SHARDED, limit_all_gathers=False,
         use_orig_params=False, process_group_backend="cpu:gloo", timeout=torch.distributed.constants.default_pg_timeout,
     )
     assert strategy.cpu_offload == CPUOffload(offload_params=True)
@@ -70,7 +71,7 @@ def test_fsdp_settings_pass_through_untouched():
     assert strategy.kwargs["use_orig_params"] is False
     assert strategy.kwargs["auto_wrap_policy"].__class__.__name__ == "ModuleWrapPolicy"
     assert strategy._activation_checkpointing_kwargs
-    assert strategy._state_dict_type == "sharded"
+    assert strategy._state_dict_type == SHARDED
     assert strategy.process_group_backend == "cpu:gloo"
 
 
@@ -120,15 +121,15 @@ def test_device_mesh_tuple_is_a_degree_and_is_checked_against_the_world():
 
 
 def test_override_is_announced_once_naming_both():
-    with pytest.warns(UserWarning, match="hybrid_shard_degree=2 overrides sharding_strategy=FULL_SHARD: FSDP runs"
-                                          " HYBRID_SHARD"):
-        trainer = cpu_trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2, sharding_strategy="FULL_SHARD"))
+    with pytest.warns(UserWarning, match=f"hybrid_shard_degree=2 overrides sharding_strategy={FULL_SHARD}: FSDP runs"
+                                          f" {HYBRID_SHARD}"):
+        trainer = cpu_trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2, sharding_strategy=FULL_SHARD))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         trainer.strategy._configure_launcher()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no override, no warning
-        cpu_trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2, sharding_strategy="_HYBRID_SHARD_ZERO2"))
+        cpu_trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2, sharding_strategy=HYBRID_SHARD_ZERO2))
 
 
 def test_device_mesh_before_setup_is_a_clear_error():
