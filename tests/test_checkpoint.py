@@ -575,7 +575,8 @@ def test_name_collision_never_overwrites_another_run(tmp_path: Path, kind: str) 
     stranger = tmp_path / "notes.ckpt"
     stranger.write_text("my notes")
     run(tmp_path / "c", 2, 2, tag="c", kind=kind, max_steps=1, callbacks=(SaveAtEnd(stranger),))
-    assert "not a checkpoint of this run" in torch.load(tmp_path / "outcome_rank0.pt")
+    assert "already holds something that is not a checkpoint of this run; refusing to overwrite it." in torch.load(
+        tmp_path / "outcome_rank0.pt")
     assert stranger.read_text() == "my notes"
 
 

@@ -113,11 +113,12 @@ def test_cli_smp_section_is_typed_by_jsonargparse(override, expected, capsys, tm
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        pytest.param("--smp.tensor_parallel_degree=2", "LightningCLI `smp:` section: tensor_parallel_degree=2 is not"
-                     " supported", id="tensor_parallel"),
-        pytest.param("--smp.hybrid_shard_degree=-1", "LightningCLI `smp:` section: hybrid_shard_degree=-1 is"
-                     " negative.", id="negative"),
-        pytest.param("--smp.hybrid_shard_degree=3", "hybrid_shard_degree=3 does not divide world_size=4", id="divisor"),
+        # the messages are lightning_smp.config's and .degree's (asserted in their tests): here the source and key
+        pytest.param("--smp.tensor_parallel_degree=2", "LightningCLI `smp:` section: tensor_parallel_degree=2 ",
+                     id="tensor_parallel"),
+        pytest.param("--smp.hybrid_shard_degree=-1", "LightningCLI `smp:` section: hybrid_shard_degree=-1 ",
+                     id="negative"),
+        pytest.param("--smp.hybrid_shard_degree=3", "hybrid_shard_degree=3 ", id="divisor"),
     ],
 )
 def test_cli_errors_name_the_source_and_key(override, expected, tmp_path):

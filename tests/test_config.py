@@ -147,12 +147,12 @@ def test_cli_and_init_sources_reach_child_processes():
 
 
 @pytest.mark.parametrize(
-    ("value", "shown"),
-    [pytest.param("two", "'two' (str)", id="string"), pytest.param(2.5, "2.5 (float)", id="float"),
-     pytest.param(True, "True (bool)", id="bool"), pytest.param(-2, "-2 is negative", id="negative")],
+    "value",
+    [pytest.param("two", id="string"), pytest.param(2.5, id="float"), pytest.param(True, id="bool"),
+     pytest.param(-2, id="negative")],
 )
 @pytest.mark.parametrize("source", ["init_dict", "init_yaml", "env_inline", "env_file", "sagemaker", "cli"])
-def test_wrong_types_name_source_and_key(source, value, shown, tmp_path):
+def test_wrong_types_name_source_and_key(source, value, tmp_path):
     where = {
         "init_dict": "lightning_smp.init(config)",
         "init_yaml": f"config file '{tmp_path / 'smp.yaml'}'",
@@ -179,9 +179,9 @@ def test_wrong_types_name_source_and_key(source, value, shown, tmp_path):
             configured_degree()
         else:
             set_cli_config({"hybrid_shard_degree": value})
-    message = str(err.value)
-    assert message.startswith(f"{where}: hybrid_shard_degree=")
-    assert shown in message
+    # the source and the key with the value as it arrived (its type included: 'two' is not two); the wording of
+    # the degree check is asserted where it is written (tests/test_degree.py)
+    assert str(err.value).startswith(f"{where}: hybrid_shard_degree={value!r}")
     assert ENV_CLI not in os.environ and ENV_INIT not in os.environ  # nothing half-applied
 
 
@@ -302,17 +302,16 @@ def test_environment_warnings_are_not_repeated_every_resolution():
 
 def test_overridden_source_is_still_checked():
     os.environ[ENV_CONFIG] = '{"hybrid_shard_degre": 2}'
-    with pytest.raises(HybridShardConfigError, match="Did you mean 'hybrid_shard_degree'"):
+    with pytest.raises(HybridShardConfigError, match=rf"^{LABELS['env_inline']}: .*'hybrid_shard_degre'"):
         _ = HybridShardFSDPStrategy(hybrid_shard_degree=2).hybrid_shard_degree
 
 
 def test_errors_surface_at_trainer_creation_before_any_process():
     os.environ[ENV_CONFIG] = '{"hybrid_shard_degree": 3}'
-    with pytest.raises(HybridShardConfigError, match=r"hybrid_shard_degree=3 does not divide world_size=4"):
+    with pytest.raises(HybridShardConfigError, match=r"^hybrid_shard_degree=3\b.*\bworld_size=4\b"):
         cpu_trainer(HybridShardFSDPStrategy(start_method="fork"), devices=4)
     os.environ[ENV_CONFIG] = '{"tensor_parallel_degree": 2}'
-    with pytest.raises(HybridShardConfigError, match=r"^environment variable LIGHTNING_SMP_CONFIG: "
-                                                     r"tensor_parallel_degree=2 is not supported"):
+    with pytest.raises(HybridShardConfigError, match=rf"^{LABELS['env_inline']}: tensor_parallel_degree=2\b"):
         cpu_trainer("smp_hybrid_notebook", devices=4)
     os.environ[ENV_CONFIG] = '{"hybrid_shard_degree": 2}'
     trainer = cpu_trainer("smp_hybrid_notebook", devices=4)

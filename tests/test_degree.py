@@ -1,11 +1,16 @@
-"""SMP's degree semantics as a table: no processes."""
+"""SMP's degree semantics as a table: no processes.
+
+The messages of lightning_smp.degree (and of the static ``device_mesh`` check, which turns a mesh tuple into a
+degree) are asserted here in full; the tests of the layers above assert the error type and the parameter only.
+"""
 
 import pytest
 from torch.distributed.fsdp import ShardingStrategy
 
 from lightning_smp import HybridShardConfigError, resolve_layout, valid_degrees
 from lightning_smp.accounting.shards import flat_param_numel, local_shard_numel
-from lightning_smp.degree import check_degree, check_sharding_strategy
+from lightning_smp.degree import check_degree, check_sharding_strategy, reconcile_degree, resolve_strategy_layout
+from lightning_smp.mesh import check_device_mesh
 from lightning_smp.names import (
     FULL_SHARD,
     HYBRID_SHARD,
@@ -14,7 +19,14 @@ from lightning_smp.names import (
     REPLICATE_AXIS,
     SHARD_AXIS,
     SHARD_GRAD_OP,
+    SHARDING_STRATEGIES,
 )
+
+#: The advice closing each static degree error.
+NOT_AN_INTEGER_FIX = (" Fix: pass a whole number, 0 for native FSDP behaviour, 1 for no sharding, or the number of"
+                      " ranks in a shard group (>= 2).")
+NEGATIVE_FIX = (" Fix: pass 0 for native FSDP behaviour, 1 for no sharding, or the number of ranks in a shard group"
+                " (>= 2).")
 
 
 @pytest.mark.parametrize(
@@ -82,17 +94,17 @@ def test_valid_degrees():
 @pytest.mark.parametrize(
     ("value", "fragment"),
     [
-        pytest.param(-1, "hybrid_shard_degree=-1 is negative", id="negative"),
-        pytest.param(True, "hybrid_shard_degree=True (bool) is not an integer", id="bool"),
-        pytest.param(2.5, "hybrid_shard_degree=2.5 (float) is not an integer", id="float"),
-        pytest.param("2", "hybrid_shard_degree='2' (str) is not an integer", id="string"),
-        pytest.param(None, "hybrid_shard_degree=None (NoneType) is not an integer", id="none"),
+        pytest.param(-1, "hybrid_shard_degree=-1 is negative." + NEGATIVE_FIX, id="negative"),
+        pytest.param(True, "hybrid_shard_degree=True (bool) is not an integer." + NOT_AN_INTEGER_FIX, id="bool"),
+        pytest.param(2.5, "hybrid_shard_degree=2.5 (float) is not an integer." + NOT_AN_INTEGER_FIX, id="float"),
+        pytest.param("2", "hybrid_shard_degree='2' (str) is not an integer." + NOT_AN_INTEGER_FIX, id="string"),
+        pytest.param(None, "hybrid_shard_degree=None (NoneType) is not an integer." + NOT_AN_INTEGER_FIX, id="none"),
     ],
 )
 def test_static_degree_errors(value, fragment):
     with pytest.raises(HybridShardConfigError, match="Fix:") as err:
         check_degree(value)
-    assert fragment in str(err.value)
+    assert str(err.value) == fragment
     assert isinstance(err.value, ValueError)
 
 
@@ -100,24 +112,58 @@ def test_static_degree_errors(value, fragment):
     ("world", "degree", "message"),
     [
         pytest.param(8, 3, "hybrid_shard_degree=3 does not divide world_size=8 (num_nodes x devices). "
-                     "Valid degrees for this world size: 0, 1, 2, 4, 8.", id="3_of_8"),
+                     "Valid degrees for this world size: 0, 1, 2, 4, 8. Fix: pick one of them or change"
+                     " devices/num_nodes.", id="3_of_8"),
         pytest.param(4, 8, "hybrid_shard_degree=8 is larger than world_size=4 (num_nodes x devices). "
-                     "Valid degrees for this world size: 0, 1, 2, 4.", id="8_of_4"),
+                     "Valid degrees for this world size: 0, 1, 2, 4. Fix: lower hybrid_shard_degree or add"
+                     " devices/nodes.", id="8_of_4"),
         pytest.param(6, 4, "hybrid_shard_degree=4 does not divide world_size=6 (num_nodes x devices). "
-                     "Valid degrees for this world size: 0, 1, 2, 3, 6.", id="4_of_6"),
+                     "Valid degrees for this world size: 0, 1, 2, 3, 6. Fix: pick one of them or change"
+                     " devices/num_nodes.", id="4_of_6"),
     ],
 )
 def test_world_size_errors(world, degree, message):
     with pytest.raises(HybridShardConfigError) as err:
         resolve_layout(world, degree)
-    assert message in str(err.value)
+    assert str(err.value) == message
 
 
 def test_sharding_strategy_names():
     assert check_sharding_strategy("hybrid_shard") == HYBRID_SHARD
     assert check_sharding_strategy(ShardingStrategy._HYBRID_SHARD_ZERO2) == HYBRID_SHARD_ZERO2
-    with pytest.raises(HybridShardConfigError, match="sharding_strategy='HALF_SHARD' is not a sharding strategy"):
+    with pytest.raises(HybridShardConfigError) as err:
         check_sharding_strategy("HALF_SHARD")
+    assert str(err.value) == (f"sharding_strategy='HALF_SHARD' is not a sharding strategy. Valid values:"
+                              f" {', '.join(SHARDING_STRATEGIES)}.")
+
+
+def test_a_degree_must_agree_with_the_mesh_or_group_it_comes_with():
+    assert reconcile_degree("device_mesh", None, 2) == 2  # nothing implied: the degree as given
+    assert reconcile_degree("device_mesh", 4, None) == 4
+    assert reconcile_degree("device_mesh", 4, 0) == 4
+    assert reconcile_degree("process_group", 4, 4) == 4
+    for source in ("device_mesh", "process_group"):
+        with pytest.raises(HybridShardConfigError) as err:
+            reconcile_degree(source, 4, 2)
+        assert str(err.value) == (f"hybrid_shard_degree=2 contradicts {source}, whose shard group has 4 rank(s)."
+                                  " Fix: pass only one of them, or make them agree (hybrid_shard_degree=4).")
+
+
+def test_a_given_mesh_shape_must_fit_the_world():
+    assert resolve_strategy_layout(1, 4, 2, HYBRID_SHARD, mesh_shape=(2, 2)).mesh_shape == (2, 2)
+    with pytest.raises(HybridShardConfigError) as err:
+        resolve_strategy_layout(1, 4, 2, HYBRID_SHARD, mesh_shape=(1, 2))
+    assert str(err.value) == ("device_mesh of shape (1, 2) does not fit world_size=4 (num_nodes=1 x devices=4)."
+                              " Fix: use shape (2, 2) or pass hybrid_shard_degree instead.")
+
+
+@pytest.mark.parametrize("mesh", [(2, 0), (2,), (2, True), [1, 2, 3]])
+def test_a_device_mesh_tuple_is_two_positive_integers(mesh):
+    assert check_device_mesh((2, 4)) == (None, 4)  # the shard degree it implies
+    with pytest.raises(HybridShardConfigError) as err:
+        check_device_mesh(mesh)
+    assert str(err.value) == (f"device_mesh={mesh!r} must be a tuple (replicas, shard_degree) of two positive"
+                              " integers. Fix: e.g. device_mesh=(2, 4), or pass hybrid_shard_degree=4 instead.")
 
 
 @pytest.mark.parametrize(

@@ -156,8 +156,9 @@ def _process_group_contradicting_degree(rank: int, world_size: int) -> str:
 @pytest.mark.timeout(120)
 def test_process_group_contradicting_degree_is_refused():
     messages = run_distributed(_process_group_contradicting_degree, 4, timeout=60)
-    assert set(messages) == {"hybrid_shard_degree=2 contradicts process_group, whose shard group has 4 rank(s)."
-                             " Fix: pass only one of them, or make them agree (hybrid_shard_degree=4)."}
+    # one error, the same on every rank; its message is lightning_smp.degree's (asserted in tests/test_degree.py)
+    assert len(set(messages)) == 1
+    assert messages[0].startswith("hybrid_shard_degree=2 ") and "process_group" in messages[0]
 
 
 class ValidatedModel(TinyModel):
@@ -310,5 +311,5 @@ def _bad_degree_in_every_rank(rank: int, world_size: int) -> str:
 def test_bad_degree_fails_identically_on_every_rank_without_hanging():
     messages = run_distributed(_bad_degree_in_every_rank, 2, timeout=60)
     assert messages[0] == messages[1]
-    assert "hybrid_shard_degree=3 is larger than world_size=2" in messages[0]
-    assert "Valid degrees for this world size: 0, 1, 2." in messages[0]
+    # the message is lightning_smp.degree's (asserted in tests/test_degree.py)
+    assert messages[0].startswith("hybrid_shard_degree=3 ") and "world_size=2 " in messages[0]

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import CPUOffload, MixedPrecision
 import lightning_smp
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, HybridShardPrecision
 from lightning_smp.launcher import HybridShardMultiProcessingLauncher
-from lightning_smp.names import FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, SHARDED
+from lightning_smp.names import FULL, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, SHARDED
 from tests.helpers import cpu_trainer
 
 
@@ -76,47 +76,46 @@ def test_fsdp_settings_pass_through_untouched():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "fragment"),
+    ("kwargs", "fragments"),
     [
-        pytest.param({"hybrid_shard_degree": -2}, "hybrid_shard_degree=-2 is negative", id="negative"),
-        pytest.param({"hybrid_shard_degree": True}, "hybrid_shard_degree=True (bool) is not an integer", id="bool"),
-        pytest.param({"hybrid_shard_degree": 1.5}, "hybrid_shard_degree=1.5 (float) is not an integer", id="float"),
-        pytest.param({"hybrid_shard_degree": 2, "device_mesh": (1, 4)},
-                     "hybrid_shard_degree=2 contradicts device_mesh, whose shard group has 4 rank(s)", id="mesh"),
-        pytest.param({"device_mesh": (2, 0)}, "must be a tuple (replicas, shard_degree) of two positive", id="mesh0"),
-        pytest.param({"sharding_strategy": "HALF"}, "sharding_strategy='HALF' is not a sharding strategy", id="ss"),
-        pytest.param({"start_method": "thread"}, "start_method='thread' is not supported", id="start"),
-        pytest.param({"state_dict_type": "both"}, "state_dict_type='both' is not supported", id="sdt"),
+        # checked by lightning_smp.degree, .mesh and .launcher, whose tests assert the whole message: here the
+        # strategy must raise the library's error naming the parameter and the value it was given
+        pytest.param({"hybrid_shard_degree": -2}, ["hybrid_shard_degree=-2"], id="negative"),
+        pytest.param({"hybrid_shard_degree": True}, ["hybrid_shard_degree=True"], id="bool"),
+        pytest.param({"hybrid_shard_degree": 1.5}, ["hybrid_shard_degree=1.5"], id="float"),
+        pytest.param({"hybrid_shard_degree": 2, "device_mesh": (1, 4)}, ["hybrid_shard_degree=2", "device_mesh"],
+                     id="mesh"),
+        pytest.param({"device_mesh": (2, 0)}, ["device_mesh=(2, 0)"], id="mesh0"),
+        pytest.param({"sharding_strategy": "HALF"}, ["sharding_strategy='HALF'"], id="ss"),
+        pytest.param({"start_method": "thread"}, ["start_method='thread'"], id="start"),
+        # written here, by the strategy itself: the whole message
+        pytest.param({"state_dict_type": "both"},
+                     [f"state_dict_type='both' is not supported. Valid values: {SHARDED!r}, {FULL!r}."], id="sdt"),
     ],
 )
-def test_static_errors_at_construction(kwargs, fragment):
+def test_static_errors_at_construction(kwargs, fragments):
     with pytest.raises(HybridShardConfigError) as err:
         HybridShardFSDPStrategy(**kwargs)
-    assert fragment in str(err.value)
+    assert [f for f in fragments if f not in str(err.value)] == []
 
 
-@pytest.mark.parametrize(
-    ("devices", "num_nodes", "degree", "fragment"),
-    [
-        (4, 1, 3, "hybrid_shard_degree=3 does not divide world_size=4 (num_nodes x devices). Valid degrees for"
-                  " this world size: 0, 1, 2, 4."),
-        (2, 1, 4, "hybrid_shard_degree=4 is larger than world_size=2"),
-        (3, 2, 4, "hybrid_shard_degree=4 does not divide world_size=6"),
-    ],
-)
-def test_world_size_errors_at_trainer_creation(devices, num_nodes, degree, fragment):
+@pytest.mark.parametrize(("devices", "num_nodes", "degree"), [(4, 1, 3), (2, 1, 4), (3, 2, 4)])
+def test_world_size_errors_at_trainer_creation(devices, num_nodes, degree):
+    # the message is lightning_smp.degree's (asserted in tests/test_degree.py); the strategy passes the degree and
+    # the world size num_nodes x devices
     with pytest.raises(HybridShardConfigError) as err:
         cpu_trainer(HybridShardFSDPStrategy(hybrid_shard_degree=degree), devices=devices, num_nodes=num_nodes)
-    assert fragment in str(err.value)
+    assert f"hybrid_shard_degree={degree} " in str(err.value)
+    assert f"world_size={devices * num_nodes} " in str(err.value)
 
 
 def test_device_mesh_tuple_is_a_degree_and_is_checked_against_the_world():
     assert cpu_trainer(HybridShardFSDPStrategy(device_mesh=(2, 2))).strategy.layout.mesh_shape == (2, 2)
-    with pytest.raises(HybridShardConfigError, match="hybrid_shard_degree=8 is larger than world_size=4"):
+    # the messages are lightning_smp.degree's (asserted in tests/test_degree.py)
+    with pytest.raises(HybridShardConfigError, match=r"^hybrid_shard_degree=8 "):
         cpu_trainer(HybridShardFSDPStrategy(device_mesh=(1, 8)))
     # the replica count must fit too, not only the shard degree
-    with pytest.raises(HybridShardConfigError, match=r"device_mesh of shape \(1, 2\) does not fit world_size=4"
-                                                     r" \(num_nodes=1 x devices=4\). Fix: use shape \(2, 2\)"):
+    with pytest.raises(HybridShardConfigError, match=r"^device_mesh .*\(1, 2\)"):
         cpu_trainer(HybridShardFSDPStrategy(device_mesh=(1, 2)))
 
 
