@@ -14,8 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks.figures import summarise
 from benchmarks.launch import init_launched_process, launcher_world_size, run_all, run_forked, run_in_process
-from benchmarks.report import print_tables, summarise, write_results
+from benchmarks.report import write_results
 from benchmarks.settings import (
     Settings,
     build_configs,
@@ -24,6 +25,7 @@ from benchmarks.settings import (
     settings_from_args,
     settings_from_dict,
 )
+from benchmarks.tables import print_tables
 from benchmarks.workloads import make_dataset
 
 #: Where results go by default: ``benchmarks/results/`` next to this file.

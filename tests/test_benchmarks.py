@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks.cli import report_only, run
-from benchmarks.report import GLOO_NOTE, slowest_rank_steps, summarise, traffic
+from benchmarks.figures import slowest_rank_steps, summarise, traffic
 from benchmarks.settings import (
     LARGE_MODEL,
     QUICK_MODEL,
@@ -24,6 +24,7 @@ from benchmarks.settings import (
     settings_from_args,
     settings_from_dict,
 )
+from benchmarks.tables import GLOO_NOTE
 from benchmarks.workloads import BenchGPT, plain_mixed_precision
 from lightning_smp import HybridShardConfigError
 from lightning_smp.accounting.shards import flat_param_numel, rank_bytes
