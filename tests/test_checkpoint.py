@@ -2,6 +2,9 @@
 
 Every fit here is a real 2- or 4-rank run (fork launcher, gloo). States are compared as full (unsharded) model
 and optimizer state dicts gathered inside the ranks, bitwise.
+
+One module above 300 lines on purpose: its tests share the checkpoints that the module-scoped ``written`` and
+``uninterrupted`` fixtures produce with real fits once, which split files would each have to produce again.
 """
 
 from __future__ import annotations

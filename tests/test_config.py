@@ -1,4 +1,7 @@
-"""SMP configuration sources, their precedence, and every error they can raise (lightning_smp.config)."""
+"""SMP configuration sources, their precedence, and every error they can raise (lightning_smp.config).
+
+Above 300 lines because it is the one test module of lightning_smp.config, whose messages are asserted only here.
+"""
 
 from __future__ import annotations
 

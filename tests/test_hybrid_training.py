@@ -1,5 +1,9 @@
 """Real multi-process training: what each rank holds, and equality with DDP, on CPU (gloo) and, where GPUs
-exist, on CUDA (NCCL)."""
+exist, on CUDA (NCCL).
+
+Slightly above 300 lines on purpose: the DDP references (``ddp_reference``, cached per process) are shared by the
+tests of this module, which split modules would each train again.
+"""
 
 from __future__ import annotations
 
