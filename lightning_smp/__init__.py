@@ -1,7 +1,7 @@
 """SageMaker SMP v2 hybrid sharded data parallelism for PyTorch Lightning, without SageMaker.
 
 ``import lightning_smp`` registers the Trainer strategy names ``"smp_hybrid"``, ``"smp_hybrid_zero2"`` and
-``"smp_hybrid_notebook"``.
+``"smp_hybrid_notebook"`` and ``"smp_hybrid_fsdp2"``.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -10,7 +10,13 @@ from lightning_smp.__about__ import __version__
 from lightning_smp.callbacks import MemorySavingsCallback
 from lightning_smp.config import SMPConfig, resolve_config
 from lightning_smp.degree import Layout, resolve_layout, valid_degrees
-from lightning_smp.errors import CheckpointError, HybridShardConfigError, LightningSMPError, UnsupportedOptionError
+from lightning_smp.errors import (
+    CheckpointError,
+    GradientSyncError,
+    HybridShardConfigError,
+    LightningSMPError,
+    UnsupportedOptionError,
+)
 from lightning_smp.mesh import build_device_mesh
 from lightning_smp.names import MESH_AXES, REPLICATE_AXIS, SHARD_AXIS
 from lightning_smp.plain import init, is_initialized, shutdown
@@ -24,6 +30,7 @@ __all__ = [
     "REPLICATE_AXIS",
     "SHARD_AXIS",
     "CheckpointError",
+    "GradientSyncError",
     "HybridShardConfigError",
     "HybridShardFSDPStrategy",
     "HybridShardPrecision",

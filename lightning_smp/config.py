@@ -37,6 +37,7 @@ from typing import Any, cast, get_type_hints
 
 from lightning_smp.degree import check_degree
 from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.names import FSDP_VERSIONS
 
 #: A JSON/YAML file path or an inline JSON string with the SMP config (user-facing).
 ENV_CONFIG = "LIGHTNING_SMP_CONFIG"
@@ -64,6 +65,8 @@ class SMPConfig:
     Attributes:
         hybrid_shard_degree: 0 (native FSDP), 1 (no sharding, DDP-like) or the number of consecutive ranks
             that shard the model together; see :mod:`lightning_smp.degree`.
+        fsdp_version: this library's key (SMP has none): 1 shards with ``FullyShardedDataParallel``, 2 with
+            ``fully_shard`` (see :mod:`lightning_smp.engines`).
         tensor_parallel_degree, context_parallel_degree, expert_parallel_degree: SMP's other parallelisms; only 1.
         sm_activation_offloading: SMP's activation offloading; only ``false``.
         activation_loading_horizon, fsdp_cache_flush_warnings, allow_empty_shards, random_seed: accepted and
@@ -71,6 +74,7 @@ class SMPConfig:
     """
 
     hybrid_shard_degree: int = 0
+    fsdp_version: int = 1
     tensor_parallel_degree: int | None = None
     context_parallel_degree: int | None = None
     expert_parallel_degree: int | None = None
@@ -105,8 +109,28 @@ def _check_hybrid_shard_degree(value: Any, where: str) -> None:
         raise HybridShardConfigError(f"{where}: {err}") from None
 
 
+def check_fsdp_version(value: Any, parameter: str = "fsdp_version") -> int:
+    """``value`` as an ``int`` if it names an engine: 1 (``FullyShardedDataParallel``) or 2 (``fully_shard``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value not in FSDP_VERSIONS:
+        raise HybridShardConfigError(
+            f"{parameter}={value!r} is not an FSDP version. Valid values: {', '.join(map(str, FSDP_VERSIONS))}"
+            " (1: FullyShardedDataParallel, 2: fully_shard). Fix: pass 1 or 2."
+        )
+    return int(value)
+
+
+def _check_fsdp_version(value: Any, where: str) -> None:
+    try:
+        check_fsdp_version(value)
+    except HybridShardConfigError as err:
+        raise HybridShardConfigError(f"{where}: {err}") from None
+
+
 #: The implemented keys and their checks (raise ``HybridShardConfigError`` naming ``where``).
-IMPLEMENTED_KEYS: dict[str, Callable[[Any, str], None]] = {"hybrid_shard_degree": _check_hybrid_shard_degree}
+IMPLEMENTED_KEYS: dict[str, Callable[[Any, str], None]] = {
+    "hybrid_shard_degree": _check_hybrid_shard_degree,
+    "fsdp_version": _check_fsdp_version,
+}
 
 
 @dataclass(frozen=True)
@@ -362,6 +386,7 @@ __all__ = [
     "SMPConfig",
     "SMPSection",
     "check_config",
+    "check_fsdp_version",
     "config_layers",
     "config_source",
     "configured_degree",

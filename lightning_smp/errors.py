@@ -33,4 +33,9 @@ class CheckpointError(LightningSMPError, ValueError, RuntimeError):
     """
 
 
-__all__ = ["CheckpointError", "HybridShardConfigError", "LightningSMPError", "UnsupportedOptionError"]
+class GradientSyncError(LightningSMPError, RuntimeError):
+    """An optimizer step about to run on gradients that were never reduced across replicas (gradient reduction left
+    turned off by the last backward): the step would silently do nothing, or let the replicas drift apart."""
+
+
+__all__ = ["CheckpointError", "GradientSyncError", "HybridShardConfigError", "LightningSMPError", "UnsupportedOptionError"]

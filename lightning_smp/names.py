@@ -40,6 +40,22 @@ STATE_DICT_TYPES: Final[tuple[StateDictType, ...]] = get_args(StateDictType)
 SHARDED: Final[StateDictType] = "sharded"
 FULL: Final[StateDictType] = "full"
 
+#: The FSDP implementations a model can be sharded with: 1 is ``FullyShardedDataParallel`` (flat parameters), 2 is
+#: ``fully_shard`` (per-parameter ``DTensor`` shards).
+FSDPVersion = Literal[1, 2]
+FSDP_VERSIONS: Final[tuple[FSDPVersion, ...]] = get_args(FSDPVersion)
+
+#: What the micro-batches of gradient accumulation before the last one communicate:
+#: ``no_sync`` nothing (every rank holds the full, unsharded gradient until the last micro-batch reduces it),
+#: ``every_micro_batch`` a full reduction each (gradients stay sharded; ``k`` times the traffic),
+#: ``defer_all_reduce`` the reduce-scatter inside the shard group each, the cross-replica all-reduce only on the last
+#: (gradients stay sharded and cross replicas once per optimizer step; FSDP2 only).
+GradientAccumulation = Literal["no_sync", "every_micro_batch", "defer_all_reduce"]
+GRADIENT_ACCUMULATIONS: Final[tuple[GradientAccumulation, ...]] = get_args(GradientAccumulation)
+NO_SYNC: Final[GradientAccumulation] = "no_sync"
+EVERY_MICRO_BATCH: Final[GradientAccumulation] = "every_micro_batch"
+DEFER_ALL_REDUCE: Final[GradientAccumulation] = "defer_all_reduce"
+
 #: Names registered in Lightning's strategy registry on ``import lightning_smp``: (name, description, init args).
 STRATEGY_NAMES: Final[tuple[tuple[str, str, dict[str, Any]], ...]] = (
     ("smp_hybrid", "SMP-style hybrid sharded data parallelism (FSDP HYBRID_SHARD)", {"sharding_strategy": HYBRID_SHARD}),
@@ -53,10 +69,22 @@ STRATEGY_NAMES: Final[tuple[tuple[str, str, dict[str, Any]], ...]] = (
         "SMP-style hybrid sharding launched by fork, for Jupyter notebooks",
         {"sharding_strategy": HYBRID_SHARD, "start_method": "fork"},
     ),
+    (
+        "smp_hybrid_fsdp2",
+        "SMP-style hybrid sharded data parallelism on FSDP2 (fully_shard), accumulation with sharded gradients",
+        {"sharding_strategy": HYBRID_SHARD, "fsdp_version": 2},
+    ),
 )
 
 __all__ = [
+    "DEFER_ALL_REDUCE",
+    "EVERY_MICRO_BATCH",
+    "FSDP_VERSIONS",
     "FULL",
+    "GRADIENT_ACCUMULATIONS",
+    "NO_SYNC",
+    "FSDPVersion",
+    "GradientAccumulation",
     "FULL_SHARD",
     "HYBRID_SHARD",
     "HYBRID_SHARD_ZERO2",

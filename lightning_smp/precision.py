@@ -22,6 +22,8 @@ class HybridShardPrecision(FSDPPrecision):
       across replicas), exactly as DDP's ``clip_grad_norm_`` on the full gradients. Lightning's plugin refuses
       norm clipping.
 
+    - before every optimizer step, the engine checks that the last backward reduced the gradients
+      (:class:`~lightning_smp.errors.GradientSyncError` otherwise, instead of a step that silently does nothing).
     - ``16-mixed`` gets a loss scaler for that device type (Lightning's is CUDA's, disabled without CUDA).
 
     The strategy calls :meth:`set_device_type` when the Trainer is created and sets :attr:`fsdp_module` in ``setup``.
@@ -57,6 +59,18 @@ class HybridShardPrecision(FSDPPrecision):
             dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
             return torch.autocast(self.device_type, dtype=dtype)
         return super().forward_context()
+
+    @override
+    def _after_closure(self, model: Any, optimizer: Optimizer) -> None:
+        # before the optimizer sees the gradients: a last backward that ran with reduction still off would leave
+        # them None or unreduced, and the step would silently do nothing (or let the replicas drift apart)
+        from lightning_smp.engines import engine_of
+
+        module = self.fsdp_module
+        engine = engine_of(module) if module is not None else None
+        if module is not None and engine is not None:
+            engine.check_gradients_synced(module)
+        super()._after_closure(model, optimizer)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:

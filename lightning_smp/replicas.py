@@ -1,9 +1,10 @@
-"""Making every replica start from the same weights (FSDP1 does not broadcast them across replicas)."""
+"""Making every replica start from the same weights (FSDP1 does not broadcast them across replicas, FSDP2 has no
+``sync_module_states`` at all)."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -54,6 +55,16 @@ def _broadcast_tensors(
             flush()
 
 
+def _local_tensors(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Each tensor's local shard (a ``DTensor``'s local tensor, written in place), or the tensor itself.
+
+    Consumed under ``no_grad`` in :func:`_broadcast_tensors`, where ``to_local()`` returns the shard itself."""
+    from torch.distributed.tensor import DTensor
+
+    for tensor in tensors:
+        yield tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def broadcast_module_state(module: Module, device: torch.device, src: int = 0) -> None:
     """Copy global rank ``src``'s parameters and buffers into ``module`` on every rank (before wrapping).
 
@@ -90,5 +101,5 @@ def broadcast_across_replicas(model: Module, mesh: "DeviceMesh", device: torch.d
     replicate_group = axis_group(mesh, REPLICATE_AXIS)
     if replicate_group.size() > 1:
         src = group_ranks(mesh, REPLICATE_AXIS)[0]
-        _broadcast_tensors(itertools.chain(model.parameters()), src, replicate_group, device)
+        _broadcast_tensors(_local_tensors(model.parameters()), src, replicate_group, device)
     _broadcast_tensors(itertools.chain(model.buffers()), 0, None, device)

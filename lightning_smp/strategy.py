@@ -34,7 +34,9 @@ from typing_extensions import override
 from lightning_smp import checkpoint as checkpoint_lib
 from lightning_smp.checkpoint import CheckpointRun, ShardedModel
 from lightning_smp.collectives import Collectives
-from lightning_smp.config import SMPConfig, resolve_config
+from lightning_smp.accounting.memory import no_sync_extra_bytes
+from lightning_smp.accounting.render import fmt_bytes
+from lightning_smp.config import SMPConfig, check_fsdp_version, resolve_config
 from lightning_smp.degree import (
     Layout,
     check_degree,
@@ -42,14 +44,17 @@ from lightning_smp.degree import (
     reconcile_degree,
     resolve_strategy_layout,
 )
-from lightning_smp.engines import Engine, FSDP1Engine, ShardingPlan
+from lightning_smp.engines import Engine, ShardingPlan, engine_for
 from lightning_smp.errors import CheckpointError, HybridShardConfigError, UnsupportedOptionError
 from lightning_smp.launcher import HybridShardMultiProcessingLauncher, MainProcessResults, check_start_method_name
-from lightning_smp.mesh import build_device_mesh, check_device_mesh, fsdp_mesh, process_group_degree
+from lightning_smp.mesh import build_device_mesh, check_device_mesh, process_group_degree
 from lightning_smp.names import (
     FULL,
+    GRADIENT_ACCUMULATIONS,
+    NO_SYNC,
     STATE_DICT_TYPES,
     STRATEGY_NAMES,
+    GradientAccumulation,
     ShardingStrategyName,
     StartMethod,
     StateDictType,
@@ -117,9 +122,19 @@ class HybridShardFSDPStrategy(FSDPStrategy):
             ``fit`` gets the trained weights, loop counters, metrics and callback reports back, and its
             ``trainer.save_checkpoint`` writes one full checkpoint file; such a Trainer fits once (use a new one).
             See :mod:`lightning_smp.launcher`.
-        \**kwargs: passed to :class:`torch.distributed.fsdp.FullyShardedDataParallel` (e.g. ``process_group``,
-            ``limit_all_gathers``, ``use_orig_params``, defaulting to ``True``). A ``process_group`` you pass is used
-            as is (no mesh is built); its size must match ``hybrid_shard_degree`` when both are given.
+        fsdp_version: ``None`` (default: from the configuration sources, else 1), ``1``
+            (``FullyShardedDataParallel``, drop-in for ``FSDPStrategy``) or ``2`` (``fully_shard``: per-parameter
+            DTensor shards, and gradient accumulation that keeps gradients sharded). See ``docs/engines.md``.
+        gradient_accumulation: what the micro-batches before the last of an optimizer step communicate:
+            ``"no_sync"`` (FSDP1's default, Lightning's behaviour: nothing, but every rank holds the full unsharded
+            gradient), ``"every_micro_batch"`` (full reduction each: sharded gradients, ``k`` times the traffic) or
+            ``"defer_all_reduce"`` (FSDP2's default: reduce-scatter inside the shard group each, the cross-replica
+            all-reduce once on the last; sharded gradients and one crossing of the replicas per step).
+        \**kwargs: passed to the engine: ``FullyShardedDataParallel`` for FSDP1 (e.g. ``process_group``,
+            ``limit_all_gathers``, ``use_orig_params``, defaulting to ``True``), ``fully_shard`` for FSDP2
+            (``shard_placement_fn``, ``ignored_params``; FSDP1-only arguments are refused naming their
+            equivalent). A ``process_group`` you pass is used as is (no mesh is built); its size must match
+            ``hybrid_shard_degree`` when both are given.
 
     Example::
 
@@ -152,10 +167,23 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         device_mesh: tuple[int, int] | DeviceMesh | None = None,
         hybrid_shard_degree: int | None = None,
         start_method: StartMethod | None = None,
+        fsdp_version: int | None = None,
+        gradient_accumulation: GradientAccumulation | None = None,
         **kwargs: Any,
     ) -> None:
         # static checks, before anything is built: the same on every rank
         self._requested_strategy = check_sharding_strategy(sharding_strategy)
+        self._fsdp_version_arg = None if fsdp_version is None else check_fsdp_version(fsdp_version)
+        if gradient_accumulation is not None and gradient_accumulation not in GRADIENT_ACCUMULATIONS:
+            raise HybridShardConfigError(
+                f"gradient_accumulation={gradient_accumulation!r} is not supported. Valid values: "
+                + ", ".join(repr(g) for g in GRADIENT_ACCUMULATIONS) + "."
+            )
+        self._accumulation_arg: GradientAccumulation | None = gradient_accumulation
+        # the user's own engine arguments, before FSDPStrategy adds its defaults (use_orig_params=True)
+        self._engine_options = {**kwargs, **({"auto_wrap_policy": auto_wrap_policy} if auto_wrap_policy else {})}
+        if self._fsdp_version_arg is not None:
+            self._check_engine(engine_for(self._fsdp_version_arg), mixed_precision, cpu_offload)
         degree = None if hybrid_shard_degree is None else check_degree(hybrid_shard_degree)
         self._user_mesh, mesh_degree = check_device_mesh(device_mesh)
         self._mesh_shape_arg = tuple(device_mesh) if isinstance(device_mesh, (tuple, list)) else None
@@ -192,9 +220,12 @@ class HybridShardFSDPStrategy(FSDPStrategy):
             device_mesh=None,
             **kwargs,
         )
+        self._cpu_offload_arg = cpu_offload
+        if type(cpu_offload).__name__ in ("CPUOffloadPolicy", "OffloadPolicy"):
+            self.cpu_offload = cpu_offload  # FSDP2's own config, kept as given (FSDPStrategy would make it a CPUOffload)
         self._state_dict_type: StateDictType = state_dict_type
-        #: the engine that shards the model (FSDP1)
-        self.engine: Engine = FSDP1Engine()
+        #: the engine that shards the model (``fsdp_version``; settled when the Trainer configures the strategy)
+        self.engine: Engine = engine_for(self._fsdp_version_arg or 1)
         #: who writes this run's checkpoints (see :class:`lightning_smp.checkpoint.CheckpointRun`)
         self.checkpoint_run = CheckpointRun()
         self._config: SMPConfig | None = None
@@ -218,7 +249,32 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         return (self._config or self._resolve_config()).hybrid_shard_degree
 
     def _resolve_config(self) -> SMPConfig:
-        return resolve_config(None if self._degree_arg is None else {"hybrid_shard_degree": self._degree_arg})
+        explicit: dict[str, Any] = {}
+        if self._degree_arg is not None:
+            explicit["hybrid_shard_degree"] = self._degree_arg
+        if self._fsdp_version_arg is not None:
+            explicit["fsdp_version"] = self._fsdp_version_arg
+        return resolve_config(explicit or None)
+
+    def _check_engine(self, engine: Engine, mixed_precision: Any, cpu_offload: Any) -> None:
+        """Static checks of the arguments against the engine that will run them."""
+        engine.check_options(self._engine_options, mixed_precision, cpu_offload)
+        if self._accumulation_arg is not None and self._accumulation_arg not in engine.accumulations:
+            raise HybridShardConfigError(
+                f"gradient_accumulation={self._accumulation_arg!r} needs fsdp_version=2; fsdp_version="
+                f"{engine.version} implements " + ", ".join(repr(g) for g in engine.accumulations)
+                + ". Fix: pass fsdp_version=2, or one of those."
+            )
+
+    @property
+    def fsdp_version(self) -> int:
+        """The engine in effect: 1 (``FullyShardedDataParallel``) or 2 (``fully_shard``)."""
+        return self.engine.version
+
+    @property
+    def gradient_accumulation(self) -> GradientAccumulation:
+        """What micro-batches before the last of an optimizer step communicate (the engine's default unless given)."""
+        return self._accumulation_arg or self.engine.accumulations[0]
 
     @property
     def start_method(self) -> StartMethod:
@@ -259,7 +315,10 @@ class HybridShardFSDPStrategy(FSDPStrategy):
     def _configure_launcher(self) -> None:
         # At Trainer(...), before any process is started: resolve the configuration once and check the world-size
         # facts, so that a bad degree fails here and not in the ranks.
-        self._config = self._resolve_config()
+        self._config = config = self._resolve_config()
+        if config.fsdp_version != self.engine.version:
+            self.engine = engine_for(config.fsdp_version)
+            self._check_engine(self.engine, self.mixed_precision, self._cpu_offload_arg)
         self._layout = layout = self._resolve_layout()
         self.precision_plugin.set_device_type(self.root_device.type)
         if layout.overridden and not self._warned_override:
@@ -304,9 +363,10 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         layout = self.layout
         mesh = self._device_mesh
         if mesh is not None and self._user_mesh is None:
-            mesh = fsdp_mesh(mesh, layout)
+            mesh = self.engine.mesh_for(mesh, layout)
         return ShardingPlan(layout=layout, device=self.root_device, mesh=mesh, mixed_precision=self.mixed_precision_config,
-                            cpu_offload=self.cpu_offload, options=dict(self.kwargs))
+                            cpu_offload=self.cpu_offload, options=dict(self.kwargs),
+                            precision=str(self.precision_plugin.precision))
 
     # ------------------------------------------------------------------ model wrapping
 
@@ -324,15 +384,46 @@ class HybridShardFSDPStrategy(FSDPStrategy):
                 raise CheckpointError(f"ModelCheckpoint could not save this run: {problem}")
         super().setup(trainer)
         self.precision_plugin.fsdp_module = self.model
+        if trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches > 1:
+            self._warn_no_sync(trainer.accumulate_grad_batches)
+
+    def _warn_no_sync(self, micro_batches: int) -> None:
+        """Once per fit: what accumulating under ``no_sync`` costs each rank, when nobody chose it explicitly."""
+        if self.gradient_accumulation != NO_SYNC or self._accumulation_arg == NO_SYNC or self.model is None:
+            return
+        extra = no_sync_extra_bytes(self.model)
+        if extra > 0:
+            rank_zero_warn(
+                f"accumulate_grad_batches={micro_batches} runs FSDP{self.fsdp_version}'s no_sync: between micro-batches"
+                f" every rank holds the full unsharded gradient, {fmt_bytes(extra)} ({extra} bytes) more per rank than"
+                " the sharded one. Fix: fsdp_version=2 (gradients stay sharded and cross the replicas once per"
+                " optimizer step), or gradient_accumulation='every_micro_batch' (sharded, but"
+                f" {micro_batches}x the gradient traffic). gradient_accumulation='no_sync' keeps this and silences"
+                " the warning."
+            )
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """The micro-batches of gradient accumulation before the last: :attr:`gradient_accumulation` decides what they
+        communicate; on leaving, full synchronisation is back for the last one."""
+        if self.model is None:
+            yield
+            return
+        with self.engine.accumulation_context(self.model, self.gradient_accumulation):
+            yield
 
     @override
     def _setup_model(self, model: Module) -> Module:
         previous = self._wrapped_root
-        if previous is not None and getattr(previous, "module", None) is model:
+        if previous is not None and (previous is model or getattr(previous, "module", None) is model):
             # validate/test (or another fit) after fit in the same processes: wrapping again would find the
-            # parameters already flattened into shards and leave 1-D views for the forward; keep the wrapper
+            # parameters already sharded (FSDP1: flattened, leaving 1-D views for the forward); keep the wrapper
             return previous
         engine = self.engine
+        checkpoint_first = engine.checkpoint_activations_first and not engine.is_sharded(model)
+        if checkpoint_first:
+            _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
         # parameters the engine already manages were synced when they were sharded; their local views differ in
         # size between ranks and must not be broadcast
         synced = engine.holds_shards(model)
@@ -342,17 +433,19 @@ class HybridShardFSDPStrategy(FSDPStrategy):
             if "auto_wrap_policy" in self.kwargs:
                 rank_zero_warn("A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be ignored.")
                 del self.kwargs["auto_wrap_policy"]
+            model = engine.complete(model, self._plan())
         else:
             if not synced:
                 # DDP semantics: every replica starts from rank 0's weights, however the ranks were seeded.
                 synced = broadcast_before_wrapping(model, self.root_device)
             model = engine.wrap(model, self._plan())
-            self._wrapped_root = model
+        self._wrapped_root = model
         if not synced and self._device_mesh is not None:
             broadcast_across_replicas(model, self._device_mesh, self.root_device)
 
         _move_torchmetrics_to_device(model, self.root_device)
-        _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+        if not checkpoint_first:
+            _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
         return model
 
     @contextmanager

@@ -37,7 +37,8 @@ def test_names_spell_the_values_torch_and_lightning_use():
 
     assert set(names.SHARDING_STRATEGIES) == {s.name for s in ShardingStrategy}
     assert (names.REPLICATE_AXIS, names.SHARD_AXIS) == names.MESH_AXES == lightning_smp.MESH_AXES
-    assert [n for n, _, _ in names.STRATEGY_NAMES] == ["smp_hybrid", "smp_hybrid_zero2", "smp_hybrid_notebook"]
+    assert [n for n, _, _ in names.STRATEGY_NAMES] == ["smp_hybrid", "smp_hybrid_zero2", "smp_hybrid_notebook",
+                                                      "smp_hybrid_fsdp2"]
 
 
 @pytest.mark.parametrize(

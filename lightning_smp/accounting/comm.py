@@ -42,10 +42,13 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_smp.names import (
+    DEFER_ALL_REDUCE,
+    EVERY_MICRO_BATCH,
     FULL_SHARD,
     HYBRID_SHARD,
     HYBRID_SHARD_ZERO2,
     NO_SHARD,
+    NO_SYNC,
     OTHER_AXIS,
     REPLICATE_AXIS,
     SHARD_AXIS,
@@ -233,24 +236,32 @@ def fsdp_step_textbook(
     synced_passes: int | None = None,
     shard_axis: str = SHARD_AXIS,
     replicate_axis: str = REPLICATE_AXIS,
+    reduce_scatter_passes: int | None = None,
+    root_gathered: bool = False,
 ) -> CommFigure:
-    """What FSDP1 issues per rank in one optimizer step: ``{axis: {op: {"count", "bytes", "ring_bytes"}}}``.
+    """What FSDP issues per rank in one optimizer step: ``{axis: {op: {"count", "bytes", "ring_bytes"}}}``.
 
     An optimizer step runs ``backward_passes`` forward+backward passes (micro-batches of gradient accumulation), of
-    which ``synced_passes`` (default: all) reduce gradients; the others run under FSDP's ``no_sync``. Lightning's
-    loop puts every micro-batch but the last under ``no_sync``, FSDP included, so there ``synced_passes=1``. Per unit:
+    which ``synced_passes`` (default: all) run the cross-replica all-reduce and ``reduce_scatter_passes`` (default:
+    ``synced_passes``) the reduce-scatter inside the shard group. Lightning's loop runs every micro-batch but the last
+    under ``no_sync`` (neither), so there both are 1; FSDP2's deferred all-reduce (``set_requires_all_reduce``)
+    reduce-scatters on every pass and all-reduces on the last (``reduce_scatter_passes=backward_passes``,
+    ``synced_passes=1``). Per unit, FSDP1 and FSDP2 alike:
 
     - ``FULL_SHARD`` / ``HYBRID_SHARD``: one all-gather in forward and one more in backward for a non-root unit
       (the root keeps its parameters gathered until backward), per pass; one reduce-scatter of the full gradient
-      per synced pass; all inside the shard group;
+      per reducing pass; all inside the shard group;
     - ``SHARD_GRAD_OP`` / ``_HYBRID_SHARD_ZERO2``: one all-gather per pass (parameters stay gathered until
-      backward) and one reduce-scatter per synced pass, inside the shard group;
+      backward) and one reduce-scatter per reducing pass, inside the shard group;
     - the hybrid strategies add one all-reduce of the ``1/shard`` gradient shard across replicas per synced pass;
     - ``NO_SHARD``: one all-reduce of the full gradient across replicas (the whole world) per synced pass.
 
-    Units without parameters issue nothing and are left out of ``units``.
+    ``root_gathered``: the root unit's parameters are still gathered when the step begins, because the last thing
+    before it was a forward without backward (Lightning's validation sanity check, or a validation run); the step
+    then skips the root's first all-gather. Units without parameters issue nothing and are left out of ``units``.
     """
     synced = backward_passes if synced_passes is None else synced_passes
+    scattered = synced if reduce_scatter_passes is None else reduce_scatter_passes
     figure = _new_figure([shard_axis, replicate_axis])
     for unit in units:
         gather = unit.padded_numel * unit.gather_bytes
@@ -264,11 +275,24 @@ def fsdp_step_textbook(
             gathers = 1
         else:
             raise ValueError(f"unknown sharding_strategy {sharding_strategy!r}")
-        _add(figure, shard_axis, "all_gather", gathers * backward_passes, gather, shard)
-        _add(figure, shard_axis, "reduce_scatter", synced, grad, shard)
+        skipped = 1 if root_gathered and unit.is_root else 0
+        _add(figure, shard_axis, "all_gather", gathers * backward_passes - skipped, gather, shard)
+        _add(figure, shard_axis, "reduce_scatter", scattered, grad, shard)
         if sharding_strategy in (HYBRID_SHARD, HYBRID_SHARD_ZERO2):
             _add(figure, replicate_axis, "all_reduce", synced, grad // shard, replicate)
     return figure
+
+
+def accumulation_passes(accumulation: str, backward_passes: int) -> tuple[int, int]:
+    """``(reduce_scatter_passes, synced_passes)`` of one optimizer step of ``backward_passes`` micro-batches under a
+    gradient-accumulation mode (:data:`lightning_smp.names.GRADIENT_ACCUMULATIONS`)."""
+    if accumulation == NO_SYNC:
+        return 1, 1
+    if accumulation == EVERY_MICRO_BATCH:
+        return backward_passes, backward_passes
+    if accumulation == DEFER_ALL_REDUCE:
+        return backward_passes, 1
+    raise ValueError(f"unknown gradient accumulation {accumulation!r}")
 
 
 def ddp_step_textbook(
@@ -308,6 +332,7 @@ __all__ = [
     "CommFigure",
     "CommCounter",
     "FSDPUnitSpec",
+    "accumulation_passes",
     "ddp_bucket_count",
     "ddp_step_textbook",
     "fsdp_step_textbook",

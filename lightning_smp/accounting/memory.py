@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from lightning_smp.accounting.comm import CommFigure, ddp_bucket_count, ddp_step_textbook
 from lightning_smp.engines import StorageUnit, engine_of
-from lightning_smp.names import REPLICATE_AXIS
+from lightning_smp.names import NO_SYNC, REPLICATE_AXIS, GradientAccumulation
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -35,7 +35,13 @@ PEAK_FIELDS = ("peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes")
 
 
 def _nbytes(tensor: torch.Tensor | None) -> int:
-    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+    """Bytes this rank holds of ``tensor``: a ``DTensor``'s local shard, not its global size."""
+    if tensor is None:
+        return 0
+    from torch.distributed.tensor import DTensor
+
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
 
 
 def storage_units(model: Module) -> list[StorageUnit]:
@@ -56,8 +62,19 @@ def shard_layout(model: Module) -> tuple[str | None, int, int]:
 
 
 def gradient_bytes(model: Module) -> int:
-    """Bytes of the gradients this rank holds now (an engine's sharded gradients, padding included)."""
-    return sum(_nbytes(unit.tensor.grad) for unit in storage_units(model))
+    """Bytes of gradient memory this rank holds now: an engine's sharded gradients (padding included) and, during
+    gradient accumulation, its unsharded (``no_sync``) or partially reduced (deferred all-reduce) buffers."""
+    engine = engine_of(model)
+    if engine is not None:
+        return engine.gradient_bytes(model)
+    return sum(_nbytes(p.grad) for p in model.parameters())
+
+
+def no_sync_extra_bytes(model: Module) -> int:
+    """Bytes more than the sharded gradient that each rank holds while accumulating under ``no_sync``: the
+    unsharded (padded) gradient of every trainable parameter instead of this rank's shard of it."""
+    return sum((u.padded_numel - u.local_numel) * u.tensor.element_size()
+               for u in storage_units(model) if u.tensor.requires_grad)
 
 
 def _unwrap(optimizer: Any) -> Optimizer:
@@ -172,15 +189,17 @@ def comm_groups(model: Module, mesh: DeviceMesh | None = None) -> dict[str, Any]
     return {}
 
 
-def textbook(model: Module, backward_passes: int) -> CommFigure | None:
+def textbook(model: Module, backward_passes: int, accumulation: GradientAccumulation = NO_SYNC,
+             root_gathered: bool = False) -> CommFigure | None:
     """The textbook communication of one optimizer step of ``model`` (sharded or DDP) under Lightning's loop, with
-    ``backward_passes`` micro-batches; ``None`` on one device."""
+    ``backward_passes`` micro-batches accumulated as ``accumulation`` says (Lightning's own FSDP and DDP strategies:
+    ``no_sync``); ``root_gathered``: a forward without backward (validation) came right before the step. ``None`` on
+    one device."""
     from torch.nn.parallel import DistributedDataParallel
 
     engine = engine_of(model)
     if engine is not None:
-        # Lightning runs all micro-batches but the last under ``no_sync`` (FSDP1 too: it has ``no_sync``)
-        return engine.step_textbook(model, backward_passes, synced_passes=1)
+        return engine.step_textbook(model, backward_passes, accumulation, root_gathered=root_gathered)
     if isinstance(model, DistributedDataParallel):
         grad_bytes = sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
         return ddp_step_textbook(grad_bytes, model.process_group.size(), ddp_bucket_count(model) or 1)
@@ -193,6 +212,7 @@ __all__ = [
     "comm_groups",
     "gradient_bytes",
     "measure_memory",
+    "no_sync_extra_bytes",
     "optimizer_state_bytes",
     "peak_memory",
     "shard_layout",

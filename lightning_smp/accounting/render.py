@@ -87,22 +87,39 @@ def memory_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+#: Marks a measured count that differs from the textbook count on an axis the textbook covers.
+MISMATCH_MARK = "≠"
+
+
+def comm_mismatches(record: dict) -> list[tuple[str, str]]:
+    """``(axis, op)`` pairs whose measured count differs from the textbook count, on the axes the textbook covers
+    (the ``"other"`` axis holds Lightning's own reductions, which no textbook predicts)."""
+    measured, book = record.get("comm") or {}, record.get("comm_textbook") or {}
+    if not measured or not book:
+        return []
+    return [(axis, op) for axis, ops in book.items() for op in OPS
+            if measured.get(axis, {}).get(op, {"count": 0})["count"] != ops.get(op, {"count": 0})["count"]]
+
+
 def comm_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
     """Header and rows (rank, axis, operation) of the communication table; none when nothing was counted or
     expected. Where a textbook figure exists, an operation it does not list counts 0 (e.g. Lightning's own
-    world-group reductions on the ``"other"`` axis); "-" means no figure at all (one device) or nothing counted."""
+    world-group reductions on the ``"other"`` axis); "-" means no figure at all (one device) or nothing counted.
+    A measured count that differs from the textbook's is marked :data:`MISMATCH_MARK`."""
     header = ["rank", "axis", "op", "count", "bytes", "textbook count", "textbook bytes", "ring bytes/rank"]
     rows = []
     for r in records:
         measured, book = r.get("comm") or {}, r.get("comm_textbook") or {}
+        mismatched = set(comm_mismatches(r))
         for axis in dict.fromkeys([*measured, *book]):
             for op in OPS:
                 m = measured.get(axis, {}).get(op, {"count": 0, "bytes": 0})
                 t = book.get(axis, {}).get(op) or ({"count": 0, "bytes": 0, "ring_bytes": 0} if book else None)
                 if not m["count"] and not (t and t["count"]):
                     continue
+                count = f"{m['count']} {MISMATCH_MARK}" if (axis, op) in mismatched else str(m["count"])
                 rows.append([
-                    str(r["rank"]), axis, op, str(m["count"]) if measured else "-",
+                    str(r["rank"]), axis, op, count if measured else "-",
                     fmt_bytes(m["bytes"]) if measured else "-", str(t["count"]) if t else "-",
                     fmt_bytes(t["bytes"]) if t else "-", fmt_bytes(t["ring_bytes"]) if t else "-",
                 ])
@@ -116,7 +133,9 @@ def report_tables(records: Sequence[dict]) -> list[TableSpec]:
              f" {r0['shard_degree']} shard(s)")
     return [
         (f"Memory per rank at {r0['stage']} (step {r0['step']}): {where}", *memory_rows(records)),
-        (f"Collectives per rank in one optimizer step ({r0.get('backward_passes', 1)} micro-batch(es))",
+        (f"Collectives per rank in one optimizer step ({r0.get('backward_passes', 1)} micro-batch(es)"
+         f"{', ' + r0['gradient_accumulation'] if r0.get('gradient_accumulation') else ''})"
+         + (f"; {MISMATCH_MARK}: measured differs from the textbook" if any(map(comm_mismatches, records)) else ""),
          *comm_rows(records)),
     ]
 
@@ -133,6 +152,8 @@ def print_report(records: Sequence[dict]) -> None:
 
 __all__ = [
     "build_table",
+    "MISMATCH_MARK",
+    "comm_mismatches",
     "comm_rows",
     "fmt_bytes",
     "format_report",

@@ -12,7 +12,10 @@ Record fields (one plain ``dict`` per rank; all sizes in bytes):
 ``shard_degree``, ``replicas``  ranks one copy of the model is split over, and copies of it
 ``params_bytes``               local parameters: FSDP's local flat-parameter shards (padding included) and any
                                parameter FSDP does not manage
-``grads_bytes``                local gradients at the last optimizer step (``on_before_optimizer_step``)
+``grads_bytes``                the most gradient memory the rank held during the last optimizer step, measured after
+                               every backward and before the step: the sharded gradients (padding included) and,
+                               under gradient accumulation, FSDP1 ``no_sync``'s unsharded gradients or FSDP2's
+                               partial-reduce buffer (what accumulation really costs, not only what is left)
 ``optimizer_bytes``            every optimizer state tensor, each counted once (Adam's ``step`` included)
 ``total_bytes``                the sum of the three
 ``unsharded_*_bytes``          the same for a DDP replica of the same model and optimizer: full parameters and
@@ -32,6 +35,9 @@ Record fields (one plain ``dict`` per rank; all sizes in bytes):
 ``comm_textbook``              the textbook figure for the same step: ``{axis: {op: {"count", "bytes",
                                "ring_bytes"}}}`` (:func:`~lightning_smp.accounting.fsdp_step_textbook`)
 ``backward_passes``            micro-batches in the counted step
+``gradient_accumulation``      what its micro-batches before the last communicated (``"no_sync"``, ...)
+``comm_mismatch``              ``[[axis, op], ...]`` whose measured count differs from the textbook's (marked ``≠``
+                               in the table); empty when they agree
 =============================  =====================================================================================
 
 Axes are ``"shard"`` (inside a shard group), ``"replicate"`` (across replicas) and ``"other"`` (any other group,
@@ -72,9 +78,10 @@ from lightning_smp.accounting.memory import (
     peak_memory,
     textbook,
 )
-from lightning_smp.accounting.render import print_report
+from lightning_smp.accounting.render import comm_mismatches, print_report
 from lightning_smp.collectives import Collectives
 from lightning_smp.errors import HybridShardConfigError, LightningSMPError
+from lightning_smp.names import NO_SYNC
 
 #: Name of the JSON file written into the run's log directory.
 REPORT_FILENAME = "memory_report.json"
@@ -115,10 +122,10 @@ class MemorySavingsCallback(Callback):
         count_communication: count the collectives of one optimizer step (all its micro-batches) per mesh
             axis with :class:`~lightning_smp.accounting.CommCounter`. Only that step pays for counting; the others run
             with nothing installed. Counting never changes results.
-        comm_step: which optimizer step to count (1 = the first). FSDP1 keeps the root unit's parameters gathered
+        comm_step: which optimizer step to count (1 = the first). FSDP keeps the root unit's parameters gathered
             after a forward without backward (the validation sanity check, a validation run), so the step right
-            after one skips the root's all-gather; ``comm_step=2`` counts a steady step of a run with validation.
-            A report made before the counted step shows ``comm: None``.
+            after one skips the root's all-gather; its textbook figure says so too. ``comm_step=2`` counts a steady
+            step of a run with validation. A report made before the counted step shows ``comm: None``.
         print_table: print the tables on rank 0.
         print_stages: the reports whose tables are printed (of ``"first_step"`` and ``"fit_end"``); every report
             is still logged, written and kept. ``("fit_end",)`` prints one memory and one communication table
@@ -154,7 +161,10 @@ class MemorySavingsCallback(Callback):
         self._comm: dict | None = None
         self._backward_passes = 0
         self._grads_bytes: int | None = None
+        self._step_grads = 0
         self._last_step = 0
+        self._evaluated = False
+        self._root_gathered = False
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -164,7 +174,13 @@ class MemorySavingsCallback(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.report, self.reports, self._comm, self._grads_bytes = [], {}, None, None
-        self._backward_passes, self._last_step = 0, trainer.global_step
+        self._backward_passes, self._last_step, self._step_grads = 0, trainer.global_step, 0
+        self._evaluated = self._root_gathered = False
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # a forward without backward (the sanity check too): FSDP's root keeps its parameters gathered into the step
+        self._evaluated = True
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -174,12 +190,19 @@ class MemorySavingsCallback(Callback):
             model = trainer.strategy.model or pl_module
             self._counter = CommCounter(groups=comm_groups(model, strategy_mesh(trainer.strategy)))
             self._counter.__enter__()
+            self._root_gathered = self._evaluated
         self._backward_passes += 1
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # between micro-batches: what accumulation holds (no_sync's unsharded gradients, FSDP2's partial buffers)
+        self._step_grads = max(self._step_grads, gradient_bytes(trainer.strategy.model or pl_module))
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
         # gradients are complete here and may be set to None before the next report
-        self._grads_bytes = gradient_bytes(trainer.strategy.model or pl_module)
+        held = gradient_bytes(trainer.strategy.model or pl_module)
+        self._grads_bytes, self._step_grads = max(self._step_grads, held), 0
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -187,6 +210,7 @@ class MemorySavingsCallback(Callback):
         if trainer.global_step == self._last_step:
             return  # a micro-batch of gradient accumulation: no optimizer step yet
         self._last_step = trainer.global_step
+        self._evaluated = False
         if self._counter is not None:
             self._stop_counting()
         if "first_step" not in self.reports:
@@ -224,8 +248,11 @@ class MemorySavingsCallback(Callback):
         record.update(peak_memory(strategy.root_device))
         record["comm"] = self._comm
         passes = self._backward_passes or trainer.accumulate_grad_batches
-        record["comm_textbook"] = textbook(model, passes)
+        accumulation = getattr(strategy, "gradient_accumulation", NO_SYNC)  # Lightning's strategies: no_sync
+        record["comm_textbook"] = textbook(model, passes, accumulation, root_gathered=self._root_gathered)
         record["backward_passes"] = passes
+        record["gradient_accumulation"] = accumulation
+        record["comm_mismatch"] = [list(pair) for pair in comm_mismatches(record)]
         records = sorted(Collectives.current(strategy.root_device).all_gather(record), key=lambda r: r["rank"])
         # a collective (broadcast of the directory) on every rank
         log_dir = trainer.log_dir if trainer.loggers else trainer.default_root_dir

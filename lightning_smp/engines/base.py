@@ -9,7 +9,7 @@ implementation's internals.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -19,6 +19,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_smp.degree import Layout
+from lightning_smp.names import GradientAccumulation
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -36,8 +37,10 @@ class ShardingPlan:
         device: the root device (its type decides the mesh and FSDP's ``device_id``).
         mesh: the mesh FSDP is given (2-D for hybrid sharding, else the 1-D axis it works on); ``None`` when the
             user passed a ``process_group`` instead.
-        mixed_precision: the engine's mixed-precision config, or ``None``.
-        cpu_offload: the engine's CPU offload config, or ``None``.
+        mixed_precision: the user's mixed-precision config for the engine, else Lightning's FSDP1 config for the
+            Trainer's precision (an engine that needs another kind builds it from ``precision``), or ``None``.
+        cpu_offload: Lightning's ``CPUOffload`` (or the engine's own offload config the user passed), or ``None``.
+        precision: the Trainer's precision (``"32-true"``, ``"bf16-mixed"``, ...).
         options: every other argument the user passed for the FSDP implementation (``auto_wrap_policy``,
             ``process_group``, ``use_orig_params``, ...), passed through unchanged.
     """
@@ -48,6 +51,7 @@ class ShardingPlan:
     mixed_precision: Any = None
     cpu_offload: Any = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    precision: str = "32-true"
 
 
 @dataclass(frozen=True)
@@ -86,13 +90,37 @@ class ShardingFacts:
 
 @runtime_checkable
 class Engine(Protocol):
-    """One FSDP implementation, as the rest of the package needs it. Implementations: :class:`FSDP1Engine`."""
+    """One FSDP implementation, as the rest of the package needs it.
+
+    Implementations: :class:`~lightning_smp.engines.fsdp1.FSDP1Engine` (``FullyShardedDataParallel``) and
+    :class:`~lightning_smp.engines.fsdp2.FSDP2Engine` (``fully_shard``). Each also has its own patch of the
+    plain-PyTorch API for :func:`lightning_smp.init` (the APIs differ too much to share one signature).
+    """
 
     #: a short name for logs and records (``"fsdp1"``)
     name: str
+    #: the ``fsdp_version`` that selects it
+    version: int
+    #: the gradient-accumulation modes it implements, the default first
+    accumulations: tuple[GradientAccumulation, ...]
+    #: whether activation checkpointing is applied before sharding (else after, on the wrapped model)
+    checkpoint_activations_first: bool
+
+    def check_options(self, options: Mapping[str, Any], mixed_precision: Any, cpu_offload: Any) -> None:
+        """Refuse, with :class:`~lightning_smp.errors.UnsupportedOptionError`, arguments this engine does not take,
+        naming its equivalent. Static: called before any process starts."""
+        ...
+
+    def mesh_for(self, mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
+        """The part of the 2-D ``(replicate, shard)`` mesh this engine is given for ``layout``."""
+        ...
 
     def wrap(self, module: Module, plan: ShardingPlan) -> Module:
         """Shard ``module`` as ``plan`` says and return the module to train (the root wrapper)."""
+        ...
+
+    def complete(self, module: Module, plan: ShardingPlan) -> Module:
+        """A model the user sharded (in part) in ``configure_model``, made ready to train as ``plan`` says."""
         ...
 
     def wrap_context(self, plan: ShardingPlan) -> AbstractContextManager[None]:
@@ -127,6 +155,22 @@ class Engine(Protocol):
         return the total norm; ``None``, clipping nothing, when ``model`` has no single root to clip over."""
         ...
 
+    def accumulation_context(self, model: Module, accumulation: GradientAccumulation) -> AbstractContextManager[None]:
+        """The context every micro-batch but the last of an optimizer step runs in; leaving it restores full
+        synchronisation, so that the last micro-batch always reduces (and the optimizer never sees missing
+        gradients)."""
+        ...
+
+    def check_gradients_synced(self, model: Module) -> None:
+        """Raise :class:`~lightning_smp.errors.GradientSyncError` when the last backward before an optimizer step ran
+        with gradient reduction still turned off (the gradients would be missing or unreduced, silently)."""
+        ...
+
+    def gradient_bytes(self, model: Module) -> int:
+        """Bytes of gradient memory this rank holds now: reduced gradients, padding included, and any unsharded or
+        partially reduced gradient buffers of gradient accumulation; each storage counted once."""
+        ...
+
     def storage(self, model: Module) -> list[StorageUnit]:
         """What this rank stores of every parameter of ``model``, managed by the engine or not."""
         ...
@@ -139,15 +183,11 @@ class Engine(Protocol):
         """How ``model`` is sharded; ``None`` when the engine does not manage it."""
         ...
 
-    def step_textbook(self, model: Module, backward_passes: int, synced_passes: int) -> CommFigure | None:
-        """The textbook communication of one optimizer step of ``model`` with ``backward_passes`` micro-batches,
-        ``synced_passes`` of them reducing gradients."""
-        ...
-
-    def patch_wrapper(self, rewrite: Callable[[dict[str, Any]], Callable[[Module], None] | None]) -> Callable[[], None]:
-        """Make every later wrapper call of the plain-PyTorch API pass its bound arguments through ``rewrite`` (which
-        may change them in place and return a hook to run on the wrapped module); return a function that undoes it.
-        Used by :func:`lightning_smp.init`."""
+    def step_textbook(self, model: Module, backward_passes: int, accumulation: GradientAccumulation,
+                      root_gathered: bool = False) -> CommFigure | None:
+        """The textbook communication of one optimizer step of ``model`` with ``backward_passes`` micro-batches
+        accumulated as ``accumulation`` says (see :func:`~lightning_smp.accounting.comm.fsdp_step_textbook` for
+        ``root_gathered``)."""
         ...
 
 

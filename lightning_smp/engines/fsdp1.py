@@ -10,19 +10,22 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
-from collections.abc import Callable, Generator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Generator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_smp.degree import Layout
 from lightning_smp.engines.base import ShardingFacts, ShardingPlan, StorageUnit
-from lightning_smp.names import NO_SHARD, REPLICATE_AXIS, SHARD_AXIS
+from lightning_smp.errors import GradientSyncError, UnsupportedOptionError
+from lightning_smp.names import EVERY_MICRO_BATCH, NO_SHARD, NO_SYNC, REPLICATE_AXIS, SHARD_AXIS, GradientAccumulation
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_smp.accounting.comm import CommFigure, FSDPUnitSpec
 
@@ -60,10 +63,42 @@ def full_state_dict_context(model: Module, device: torch.device, rank0_only: boo
         yield
 
 
+#: ``fully_shard`` (FSDP2) arguments and configs, refused under FSDP1 with the way to get them
+_FSDP2_ONLY = {
+    "mp_policy": "mixed_precision=MixedPrecision(...) (or fsdp_version=2)",
+    "offload_policy": "cpu_offload=True (or fsdp_version=2)",
+    "reshard_after_forward": "sharding_strategy (HYBRID_SHARD reshards after forward, _HYBRID_SHARD_ZERO2 does not)",
+    "shard_placement_fn": "fsdp_version=2",
+    "ignored_params": "ignored_states (or fsdp_version=2)",
+}
+
+
 class FSDP1Engine:
     """:class:`~lightning_smp.engines.Engine` for ``FullyShardedDataParallel`` (FSDP1)."""
 
     name = "fsdp1"
+    version = 1
+    # no_sync first: Lightning's behaviour, kept as the default for drop-in compatibility with FSDPStrategy
+    accumulations: tuple[GradientAccumulation, ...] = (NO_SYNC, EVERY_MICRO_BATCH)
+    checkpoint_activations_first = False  # Lightning's FSDPStrategy wraps first, then checkpoints
+
+    def check_options(self, options: Mapping[str, Any], mixed_precision: Any, cpu_offload: Any) -> None:
+        for key, fix in _FSDP2_ONLY.items():
+            if key in options:
+                raise UnsupportedOptionError(
+                    f"{key}={options[key]!r} is an FSDP2 (fully_shard) argument; FSDP1 does not take it. Fix: {fix}."
+                )
+        for argument, value in (("mixed_precision", mixed_precision), ("cpu_offload", cpu_offload)):
+            if type(value).__name__ in ("MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy"):
+                raise UnsupportedOptionError(
+                    f"{argument}={type(value).__name__}(...) is an FSDP2 config. Fix: pass fsdp_version=2, or"
+                    f" {'MixedPrecision' if argument == 'mixed_precision' else 'CPUOffload'}(...) for FSDP1."
+                )
+
+    def mesh_for(self, mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
+        from lightning_smp.mesh import fsdp_mesh
+
+        return fsdp_mesh(mesh, layout)
 
     # ------------------------------------------------------------------ wrapping
 
@@ -85,6 +120,9 @@ class FSDP1Engine:
 
     def wrap(self, module: Module, plan: ShardingPlan) -> Module:
         return _fsdp()(module=module, **self.wrapper_kwargs(plan))
+
+    def complete(self, module: Module, plan: ShardingPlan) -> Module:
+        return module  # Lightning's FSDPStrategy: a model wrapped by the user is used as it is
 
     def wrap_context(self, plan: ShardingPlan) -> Any:
         from torch.distributed.fsdp.wrap import enable_wrap
@@ -132,6 +170,33 @@ class FSDP1Engine:
         if not isinstance(model, _fsdp()):
             return None
         return model.clip_grad_norm_(max_norm)
+
+    # ------------------------------------------------------------------ gradient accumulation
+
+    def accumulation_context(self, model: Module, accumulation: GradientAccumulation) -> AbstractContextManager[None]:
+        # FSDP1's no_sync on the root: no reduce-scatter and no all-reduce; every unit keeps its unsharded gradient
+        if accumulation == NO_SYNC and isinstance(model, _fsdp()):
+            return cast(AbstractContextManager[None], model.no_sync())
+        return nullcontext()
+
+    def check_gradients_synced(self, model: Module) -> None:
+        off = [unit for unit in _fsdp().fsdp_modules(model) if not unit._sync_gradients]
+        if off:
+            raise GradientSyncError(
+                f"{len(off)} FSDP unit(s) still have gradient synchronisation turned off (FullyShardedDataParallel"
+                ".no_sync() is still active) as the optimizer is about to step: their gradients were never reduced"
+                " and the replicas would drift apart. Fix: leave no_sync() before the last backward of a step."
+            )
+
+    def gradient_bytes(self, model: Module) -> int:
+        # under no_sync ``flat_param.grad`` is the unsharded gradient; the sharded one waits in ``_saved_grad_shard``
+        held: dict[int, int] = {}
+        for unit in self.storage(model):
+            for grad in (unit.tensor.grad, getattr(unit.tensor, "_saved_grad_shard", None)):
+                if grad is not None:
+                    storage = grad.untyped_storage()
+                    held[storage.data_ptr()] = max(held.get(storage.data_ptr(), 0), grad.numel() * grad.element_size())
+        return sum(held.values())
 
     # ------------------------------------------------------------------ accounting
 
@@ -198,8 +263,9 @@ class FSDP1Engine:
             ))
         return specs
 
-    def step_textbook(self, model: Module, backward_passes: int, synced_passes: int) -> CommFigure | None:
-        from lightning_smp.accounting.comm import fsdp_step_textbook
+    def step_textbook(self, model: Module, backward_passes: int, accumulation: GradientAccumulation,
+                      root_gathered: bool = False) -> CommFigure | None:
+        from lightning_smp.accounting.comm import accumulation_passes, fsdp_step_textbook
 
         facts = self.sharding(model)
         if facts is None:
@@ -207,8 +273,10 @@ class FSDP1Engine:
         replicas = facts.replicas
         if facts.sharding_strategy == NO_SHARD:
             replicas = _handles(model)[0].world_size
+        scattered, synced = accumulation_passes(accumulation, backward_passes)
         return fsdp_step_textbook(self.comm_units(model), facts.sharding_strategy, facts.shard_degree, replicas,
-                                  backward_passes, synced_passes=synced_passes)
+                                  backward_passes, synced_passes=synced, reduce_scatter_passes=scattered,
+                                  root_gathered=root_gathered)
 
     # ------------------------------------------------------------------ plain PyTorch
 
