@@ -120,12 +120,14 @@ def make_loader(samples: int = 64, batch_size: int = 4, seed: int = 0) -> DataLo
 
 
 def local_flat_params(model: torch.nn.Module) -> list[torch.Tensor]:
-    """This rank's FlatParameter shards (one per FSDP unit), or the plain parameters of an unwrapped model."""
+    """This rank's FlatParameter shards (one per FSDP1 unit), its local DTensor shards (FSDP2, one per parameter),
+    or the plain parameters of an unwrapped model."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.tensor import DTensor
 
     units = FSDP.fsdp_modules(model)
     if not units:
-        return [p.detach().clone() for p in model.parameters()]
+        return [(p.to_local() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
     return [u._handle.flat_param.detach().clone() for u in units if u._handle is not None]
 
 
@@ -192,14 +194,15 @@ class RankRecorder(Callback):
 
 
 def fit_and_record(strategy: Any, folder: Path, devices: int, model: L.LightningModule | None = None,
-                   max_steps: int = 6, accelerator: str = "cpu",
+                   max_steps: int = 6, accelerator: str = "cpu", train_loader: DataLoader | None = None,
                    **trainer_kwargs: Any) -> tuple[L.Trainer, L.LightningModule, list[dict]]:
-    """Fit ``model`` (seeded ``TinyModel`` by default) with ``strategy`` on ``devices`` ranks; return per-rank records."""
+    """Fit ``model`` (seeded ``TinyModel`` by default) on ``train_loader`` (:func:`make_loader` by default) with
+    ``strategy`` on ``devices`` ranks; return per-rank records."""
     if model is None:
         torch.manual_seed(0)
         model = TinyModel()
     trainer_kwargs["callbacks"] = [RankRecorder(Path(folder) / "records"), *trainer_kwargs.get("callbacks", [])]
     trainer = cpu_trainer(strategy, folder, devices, accelerator=accelerator, max_steps=max_steps, **trainer_kwargs)
-    trainer.fit(model, make_loader())
+    trainer.fit(model, train_loader if train_loader is not None else make_loader())
     records = [torch.load(Path(folder) / "records" / f"rank{r}.pt", weights_only=False) for r in range(devices)]
     return trainer, model, records
