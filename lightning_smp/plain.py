@@ -9,8 +9,14 @@ An SMP v2 script calls ``torch.sagemaker.init(config)`` once and then wraps its 
     lightning_smp.init({"hybrid_shard_degree": 2})  # or a JSON/YAML path, or nothing: read the environment
     model = FSDP(model, sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy=...)  # unchanged
 
-What is patched, exactly: ``torch.distributed.fsdp.FullyShardedDataParallel.__init__`` (FSDP1; FSDP2's
-``fully_shard`` is untouched), and only for calls that pass neither ``device_mesh`` nor ``process_group``
+FSDP2 scripts work the same way: after :func:`init`, ``fully_shard(module)`` called without ``mesh=`` shards over the
+configured mesh (the 2-D ``(replicate, shard)`` mesh for ``2 <= d < world``, the 1-D shard mesh when one group is the
+world, ``(world, 1)`` for degree 1); ``mesh=`` given by the caller always wins, and everything else
+(``reshard_after_forward``, ``mp_policy``, ...) stays the caller's. FSDP2 has no ``sync_module_states``: seed every
+rank the same, or call :func:`lightning_smp.replicas.broadcast_across_replicas` after sharding.
+
+What is patched for FSDP1, exactly: ``torch.distributed.fsdp.FullyShardedDataParallel.__init__``, and only for
+calls that pass neither ``device_mesh`` nor ``process_group``
 (a user's own mesh or group always wins, and so do the nested units FSDP's auto-wrapping creates, which
 inherit the root's mesh) and that run with an initialised process group and a configured degree other than 0
 (0 is SMP's "native PyTorch" setting). Such a call gets:
@@ -24,7 +30,7 @@ inherit the root's mesh) and that run with an initialised process group and a co
 - replicas that start equal: global rank 0's parameters and buffers are broadcast before wrapping (what DDP
   does), or, for meta-device models, each shard is broadcast across replicas after wrapping.
 
-:func:`shutdown` restores the original ``__init__`` and forgets the configuration; calling :func:`init` twice
+:func:`shutdown` restores the original ``__init__`` and ``fully_shard``'s default mesh and forgets the configuration; calling :func:`init` twice
 only replaces the configuration. The configuration is also what ``HybridShardFSDPStrategy`` reads when it is
 given no degree (see :mod:`lightning_smp.config` for the precedence of sources).
 """
@@ -43,9 +49,9 @@ from torch.nn import Module
 
 from lightning_smp.config import configured_degree, load_config, set_init_config
 from lightning_smp.degree import Layout, resolve_layout
-from lightning_smp.engines import FSDP1Engine
+from lightning_smp.engines import FSDP1Engine, FSDP2Engine
 from lightning_smp.mesh import build_device_mesh, fsdp_mesh
-from lightning_smp.names import FULL_SHARD
+from lightning_smp.names import FULL_SHARD, HYBRID_SHARD
 from lightning_smp.replicas import broadcast_across_replicas, broadcast_before_wrapping
 
 if TYPE_CHECKING:
@@ -53,7 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: undoes the patch of the wrapper's constructor; ``None`` while nothing is patched
+#: undoes the patches (FSDP1's constructor, FSDP2's default mesh); ``None`` while nothing is patched
 _RESTORE: Callable[[], None] | None = None
 # one mesh per (mesh shape, device type): building a mesh creates process groups, a collective on every rank.
 # FSDP calls that differ only in sharding strategy (FULL_SHARD vs SHARD_GRAD_OP units) share one mesh.
@@ -70,7 +76,8 @@ def init(config: Mapping[str, Any] | str | os.PathLike | None = None) -> None:
             A given config takes precedence over the environment; ``HybridShardFSDPStrategy(hybrid_shard_degree=...)``
             and a LightningCLI ``smp:`` section take precedence over it.
 
-    Patches ``FullyShardedDataParallel.__init__`` as the module docstring describes; :func:`shutdown` undoes it.
+    Patches ``FullyShardedDataParallel.__init__`` and ``fully_shard``'s default mesh as the module docstring
+    describes; :func:`shutdown` undoes both.
     Call it in every process (at the top of a ``torchrun`` script); it does not start a process group.
 
     Raises:
@@ -84,7 +91,8 @@ def init(config: Mapping[str, Any] | str | os.PathLike | None = None) -> None:
 
 
 def shutdown() -> None:
-    """Undo :func:`init`: restore ``FullyShardedDataParallel.__init__`` and forget ``init``'s configuration.
+    """Undo :func:`init`: restore ``FullyShardedDataParallel.__init__`` and ``fully_shard``'s default mesh, and forget
+    ``init``'s configuration.
 
     Process groups built for the meshes are left to ``torch.distributed.destroy_process_group()``. Harmless
     when :func:`init` was never called.
@@ -106,7 +114,37 @@ def is_initialized() -> bool:
 def _patch() -> None:
     global _RESTORE
     if _RESTORE is None:
-        _RESTORE = FSDP1Engine().patch_wrapper(_rewrite)
+        restores = [FSDP1Engine().patch_wrapper(_rewrite), FSDP2Engine().patch_default_mesh(_default_fsdp2_mesh)]
+
+        def restore() -> None:
+            for undo in reversed(restores):
+                undo()
+
+        _RESTORE = restore
+
+
+def _mesh_for(layout: Layout, device_type: str) -> DeviceMesh:
+    key = (layout.mesh_shape, device_type)
+    if key not in _MESHES:
+        _MESHES[key] = build_device_mesh(layout, device_type)
+    return _MESHES[key]
+
+
+def _default_fsdp2_mesh() -> DeviceMesh | None:
+    """The mesh a ``fully_shard`` call without ``mesh=`` gets: the configured degree's (``None``: torch's default)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    degree = configured_degree()
+    if degree == 0:
+        return None
+    # FSDP2 has no sharding strategy to override: the degree alone decides (reshard_after_forward is the caller's)
+    layout = resolve_layout(dist.get_world_size(), degree, HYBRID_SHARD)
+    # fully_shard's own default: the accelerator's device type when there is one, else the CPU
+    only_gloo = all(part.split(":")[-1] == "gloo" for part in str(dist.get_backend()).split(","))
+    accelerator = torch.accelerator.current_accelerator()
+    device_type = "cpu" if accelerator is None or only_gloo else accelerator.type
+    _log_once(layout, "fully_shard(...) shards over")
+    return FSDP2Engine().mesh_for(_mesh_for(layout, device_type), layout)
 
 
 def _rewrite(arguments: dict[str, Any]) -> Any | None:
@@ -124,10 +162,7 @@ def _rewrite(arguments: dict[str, Any]) -> Any | None:
     requested = arguments.get("sharding_strategy") or FULL_SHARD  # FSDP's own default
     layout = resolve_layout(dist.get_world_size(), degree, requested)
     device = _root_device(module, arguments.get("device_id"))
-    key = (layout.mesh_shape, device.type)
-    if key not in _MESHES:
-        _MESHES[key] = build_device_mesh(layout, device.type)
-    mesh = _MESHES[key]
+    mesh = _mesh_for(layout, device.type)
     _log_once(layout)
 
     arguments["sharding_strategy"] = ShardingStrategy[layout.sharding_strategy]
@@ -155,8 +190,8 @@ def _root_device(module: Module, device_id: Any) -> torch.device:
     return torch.device(accelerator.type, index)
 
 
-def _log_once(layout: Layout) -> None:
-    message = f"lightning_smp.init: FSDP(...) runs {layout.describe()}"
+def _log_once(layout: Layout, what: str = "FSDP(...) runs") -> None:
+    message = f"lightning_smp.init: {what} {layout.describe()}"
     if message in _WARNED:
         return
     _WARNED.add(message)

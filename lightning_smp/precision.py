@@ -61,7 +61,7 @@ class HybridShardPrecision(FSDPPrecision):
         return super().forward_context()
 
     @override
-    def _after_closure(self, model: Any, optimizer: Optimizer) -> None:
+    def _after_closure(self, model: Any, optimizer: Any) -> None:  # Lightning: a ``Steppable``
         # before the optimizer sees the gradients: a last backward that ran with reduction still off would leave
         # them None or unreduced, and the step would silently do nothing (or let the replicas drift apart)
         from lightning_smp.engines import engine_of

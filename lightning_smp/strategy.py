@@ -32,10 +32,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_smp import checkpoint as checkpoint_lib
-from lightning_smp.checkpoint import CheckpointRun, ShardedModel
-from lightning_smp.collectives import Collectives
 from lightning_smp.accounting.memory import no_sync_extra_bytes
 from lightning_smp.accounting.render import fmt_bytes
+from lightning_smp.checkpoint import CheckpointRun, ShardedModel
+from lightning_smp.collectives import Collectives
 from lightning_smp.config import SMPConfig, check_fsdp_version, resolve_config
 from lightning_smp.degree import (
     Layout,
@@ -222,7 +222,8 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         )
         self._cpu_offload_arg = cpu_offload
         if type(cpu_offload).__name__ in ("CPUOffloadPolicy", "OffloadPolicy"):
-            self.cpu_offload = cpu_offload  # FSDP2's own config, kept as given (FSDPStrategy would make it a CPUOffload)
+            # FSDP2's own config, kept as given (FSDPStrategy would make it a CPUOffload and lose its settings)
+            self.cpu_offload = cpu_offload  # type: ignore[assignment]  # FSDPStrategy annotates FSDP1's type only
         self._state_dict_type: StateDictType = state_dict_type
         #: the engine that shards the model (``fsdp_version``; settled when the Trainer configures the strategy)
         self.engine: Engine = engine_for(self._fsdp_version_arg or 1)
@@ -316,9 +317,9 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         # At Trainer(...), before any process is started: resolve the configuration once and check the world-size
         # facts, so that a bad degree fails here and not in the ranks.
         self._config = config = self._resolve_config()
-        if config.fsdp_version != self.engine.version:
-            self.engine = engine_for(config.fsdp_version)
-            self._check_engine(self.engine, self.mixed_precision, self._cpu_offload_arg)
+        # the engine is known now (an argument, or any configuration source): check the arguments against it
+        self.engine = engine_for(config.fsdp_version)
+        self._check_engine(self.engine, self.mixed_precision, self._cpu_offload_arg)
         self._layout = layout = self._resolve_layout()
         self.precision_plugin.set_device_type(self.root_device.type)
         if layout.overridden and not self._warned_override:

@@ -7,7 +7,7 @@ The bodies that FSDP1 shares (accumulation modes, feature parity) are parametriz
 from __future__ import annotations
 
 import math
-import os
+import warnings
 from functools import lru_cache
 from pathlib import Path
 from tempfile import TemporaryDirectory
@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_smp import GradientSyncError, HybridShardFSDPStrategy, MemorySavingsCallback, resolve_layout
 from lightning_smp.engines import FSDP2Engine
+from lightning_smp.engines.fsdp2 import fsdp_modules
 from lightning_smp.names import (
     DEFER_ALL_REDUCE,
     EVERY_MICRO_BATCH,
@@ -229,3 +230,351 @@ def test_features_match_ddp(tmp_path, version, degree, requested, accumulation):
     assert model.head.weight is model.embed.weight
     assert not any(isinstance(m, CheckpointWrapper) for m in model.modules())  # the launching process's model
 
+
+
+# ---------------------------------------------------------------------------------------- gradient accumulation
+
+
+def _accumulation_report(folder: Path, version: int, accumulation: str | None, k: int) -> list[dict]:
+    """The first-step report of TinyModel at degree 2 on 4 ranks (AdamW) with ``accumulate_grad_batches=k``."""
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork", fsdp_version=version,
+                                       gradient_accumulation=accumulation)
+    callback = MemorySavingsCallback(print_table=False, filename=None)
+    torch.manual_seed(0)
+    trainer = cpu_trainer(strategy, folder, WORLD, max_steps=2, accumulate_grad_batches=k, callbacks=[callback])
+    trainer.fit(TinyModel(), make_loader())
+    return callback.reports["first_step"]
+
+
+ACCUMULATIONS = [
+    pytest.param(2, None, id="fsdp2_defer_all_reduce"),
+    pytest.param(2, EVERY_MICRO_BATCH, id="fsdp2_every_micro_batch"),
+    pytest.param(2, NO_SYNC, id="fsdp2_no_sync"),
+    pytest.param(1, None, id="fsdp1_no_sync"),
+    pytest.param(1, EVERY_MICRO_BATCH, id="fsdp1_every_micro_batch"),
+]
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize(("version", "accumulation"), ACCUMULATIONS)
+def test_accumulation_traffic_and_gradient_memory(tmp_path, version, accumulation):
+    """k=4 against k=1: what crosses the replicas per optimizer step, what stays inside the shard group, and the most
+    gradient memory a rank holds during the step, measured and equal to the textbook."""
+    k = 4
+    once = _accumulation_report(tmp_path / "k1", version, accumulation, 1)
+    accumulated = _accumulation_report(tmp_path / "k4", version, accumulation, k)
+    mode = accumulated[0]["gradient_accumulation"]
+    assert mode == (accumulation or (DEFER_ALL_REDUCE if version == 2 else NO_SYNC))
+    for one, many in zip(once, accumulated):
+        assert many["comm_mismatch"] == [] and one["comm_mismatch"] == []
+        assert many["backward_passes"] == k
+        replica_bytes = many["comm"][REPLICATE_AXIS]["all_reduce"]["bytes"]
+        scattered = many["comm"][SHARD_AXIS]["reduce_scatter"]["count"]
+        sharded_grads = one["grads_bytes"]
+        assert sharded_grads == one["params_bytes"]  # k=1: the padded shard of every parameter's gradient
+        if mode == EVERY_MICRO_BATCH:
+            assert replica_bytes == k * one["comm"][REPLICATE_AXIS]["all_reduce"]["bytes"]
+            assert scattered == k * one["comm"][SHARD_AXIS]["reduce_scatter"]["count"]
+            assert many["grads_bytes"] == sharded_grads
+        elif mode == DEFER_ALL_REDUCE:
+            # one crossing of the replicas per optimizer step whatever k is, every micro-batch reduce-scattered
+            assert replica_bytes == one["comm"][REPLICATE_AXIS]["all_reduce"]["bytes"]
+            assert scattered == k * one["comm"][SHARD_AXIS]["reduce_scatter"]["count"]
+            # the partial reduce buffer is a shard too: never more than (1 + 1/d) x the sharded gradient
+            assert sharded_grads <= many["grads_bytes"] <= sharded_grads * (1 + 1 / 2)
+        else:
+            assert replica_bytes == one["comm"][REPLICATE_AXIS]["all_reduce"]["bytes"]
+            assert scattered == one["comm"][SHARD_AXIS]["reduce_scatter"]["count"]
+            # no_sync: every rank holds the full unsharded gradient, and the report shows it
+            unsharded = many["unsharded_grads_bytes"]
+            assert many["grads_bytes"] >= unsharded > sharded_grads
+
+
+class _WarningProbe(L.Callback):
+    """Records the warnings each rank raises from ``setup`` on (the strategy warns inside the ranks) to a file."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._catcher = warnings.catch_warnings(record=True)
+        self._caught = self._catcher.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._catcher.__exit__(None, None, None)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / f"rank{trainer.global_rank}.txt").write_text("\n".join(str(w.message) for w in self._caught))
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("chosen", [None, NO_SYNC])
+def test_fsdp1_no_sync_warns_once_with_the_cost(tmp_path, chosen):
+    """Rank 0 warns once, with the exact extra bytes per rank and the fix; choosing no_sync explicitly silences it."""
+    from lightning_smp.accounting.shards import local_shard_numel
+
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork", gradient_accumulation=chosen)
+    trainer = cpu_trainer(strategy, tmp_path, WORLD, max_steps=2, accumulate_grad_batches=2,
+                          callbacks=[_WarningProbe(tmp_path / "warnings")])
+    trainer.fit(TinyModel(), make_loader())
+    caught = [(tmp_path / "warnings" / f"rank{r}.txt").read_text() for r in range(WORLD)]
+    if chosen == NO_SYNC:
+        assert not any("no_sync" in text for text in caught)
+        return
+    assert caught[0].count("runs FSDP1's no_sync") == 1 and not any("no_sync" in text for text in caught[1:])
+    # the unsharded padded flat parameter instead of this rank's half of it
+    numels = [n for layer in TinyModel.LAYER_NUMELS for n in layer]
+    extra = 4 * (local_shard_numel(numels, 1, 2) - local_shard_numel(numels, 2))
+    assert f"({extra} bytes) more per rank" in caught[0] and "Fix: fsdp_version=2" in caught[0]
+
+
+class _LeavesAllReduceOff(TinyModel):
+    """A user's mistake: turns FSDP2's cross-replica all-reduce off on every micro-batch, the last one too."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.trainer.strategy.model.set_requires_all_reduce(False)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_step_on_gradients_never_reduced_is_refused(tmp_path):
+    """The known trap (``.grad`` stays None, the optimizer silently does nothing) fails loudly, in every rank."""
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork", fsdp_version=2)
+    with pytest.raises(GradientSyncError, match="set_requires_all_reduce"):
+        cpu_trainer(strategy, tmp_path, WORLD, max_steps=2).fit(_LeavesAllReduceOff(), make_loader())
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_accumulation_that_never_turns_the_all_reduce_back_on_fails(tmp_path, monkeypatch):
+    """If the strategy's own accumulation context forgot to re-enable the all-reduce for the last micro-batch, the
+    run must fail, not train on nothing."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def broken(self, model, all_reduce_only):
+        for module in fsdp_modules(model):
+            module.set_requires_all_reduce(False, recurse=False)
+        yield  # and never turned back on
+
+    monkeypatch.setattr(FSDP2Engine, "_reducing_off", broken)
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork", fsdp_version=2)
+    with pytest.raises(GradientSyncError):
+        cpu_trainer(strategy, tmp_path, WORLD, max_steps=2, accumulate_grad_batches=2).fit(TinyModel(), make_loader())
+
+
+# ---------------------------------------------------------------------------------------- model creation
+
+
+class RankSeededModel(TinyModel):
+    """Every rank initialises its own, different weights (no common seed), as an unseeded script would."""
+
+    def setup(self, stage: str) -> None:
+        torch.manual_seed(100 + self.global_rank)  # meta weights are materialised with this rank's generator
+        if not any(p.is_meta for p in self.parameters()):
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.copy_(torch.randn(p.shape) * 0.3)
+
+
+class ShardsItself(TinyModel):
+    """Shards its first layer itself in ``configure_model`` with a plain ``fully_shard(layer)`` (no mesh)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        if not FSDP2Engine().is_sharded(self.net[0]):
+            torch.manual_seed(100 + self.global_rank)  # different weights per rank: replicas must still agree
+            self.net[0].reset_parameters()
+            fully_shard(self.net[0])
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("how", ["seeded_per_rank", "meta_device", "init_module_empty", "shards_itself"])
+def test_replicas_start_from_rank0_and_stay_identical(tmp_path, how):
+    """FSDP2 has no sync_module_states: however the model was created, every replica trains the same shards."""
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork", fsdp_version=2)
+    trainer = None
+    if how == "meta_device":
+        with torch.device("meta"):
+            model = RankSeededModel()
+    elif how == "init_module_empty":
+        trainer = cpu_trainer(strategy, tmp_path, WORLD, max_steps=6)
+        with trainer.init_module(empty_init=True):
+            model = RankSeededModel()
+        assert all(p.is_meta for p in model.parameters())
+    else:
+        model = ShardsItself() if how == "shards_itself" else RankSeededModel()
+    if trainer is None:
+        _, model, records = fit_and_record(strategy, tmp_path, WORLD, model=model)
+    else:
+        from tests.helpers import RankRecorder
+
+        trainer.callbacks.append(RankRecorder(tmp_path / "records"))
+        trainer.fit(model, make_loader())
+        records = [torch.load(tmp_path / "records" / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    layout = resolve_layout(WORLD, 2)
+    for rank, record in enumerate(records):
+        assert all(torch.isfinite(s).all() for s in record["shards"])
+        for peer in layout.replicate_group(rank):
+            assert all(torch.equal(a, b) for a, b in zip(record["shards"], records[peer]["shards"])), (rank, peer)
+    if how == "seeded_per_rank":  # exactly DDP, which also starts every rank from rank 0's weights
+        ddp_losses, _ = _ddp_rank_seeded()
+        assert max(abs(a - b) for a, b in zip(records[0]["losses"], ddp_losses)) <= TOL
+    if how == "shards_itself":  # fully_shard(layer) without a mesh got the strategy's 2-D mesh, not torch's 1-D one
+        for rank, record in enumerate(records):
+            assert record["shards"][0].shape == (_chunk_rows(33, 2, layout.shard_group(rank).index(rank)), 16)
+
+
+@lru_cache(maxsize=None)
+def _ddp_rank_seeded() -> tuple[list[float], dict]:
+    with TemporaryDirectory() as folder:
+        _, model, records = fit_and_record(DDPStrategy(start_method="fork"), Path(folder), WORLD, model=RankSeededModel())
+    return records[0]["losses"], _state(model)
+
+
+# ---------------------------------------------------------------------------------------- arguments and sources
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"use_orig_params": False}, r"use_orig_params=False is an FSDP1 argument .* FSDP2 always keeps the original"),
+    ({"limit_all_gathers": True}, r"limit_all_gathers=True is an FSDP1 argument"),
+    ({"forward_prefetch": True}, r"set_modules_to_forward_prefetch"),
+    ({"sync_module_states": True}, r"replicas always start from global rank 0"),
+    ({"reshard_after_forward": False}, r"choose sharding_strategy"),
+    ({"ignored_modules": []}, r"ignored_params"),
+    ({"not_an_argument": 1}, r"not_an_argument=1 is not an argument of fully_shard"),
+])
+def test_fsdp1_arguments_are_refused_naming_the_fsdp2_equivalent(kwargs, message):
+    from lightning_smp import UnsupportedOptionError
+
+    with pytest.raises(UnsupportedOptionError, match=message):
+        HybridShardFSDPStrategy(fsdp_version=2, **kwargs)
+
+
+def test_engine_configs_of_the_other_engine_are_refused():
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy
+
+    from lightning_smp import HybridShardConfigError, UnsupportedOptionError
+
+    with pytest.raises(UnsupportedOptionError, match=r"mixed_precision=MixedPrecision\(...\) is an FSDP1 config"):
+        HybridShardFSDPStrategy(fsdp_version=2, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    with pytest.raises(UnsupportedOptionError, match=r"mixed_precision=MixedPrecisionPolicy\(...\) is an FSDP2 config"):
+        HybridShardFSDPStrategy(fsdp_version=1, mixed_precision=MixedPrecisionPolicy())
+    with pytest.raises(UnsupportedOptionError, match=r"cpu_offload=CPUOffloadPolicy\(...\) is an FSDP2 config"):
+        # without fsdp_version the engine is known once the Trainer resolves the configuration sources
+        cpu_trainer(HybridShardFSDPStrategy(cpu_offload=CPUOffloadPolicy(pin_memory=False)), devices=WORLD)
+    with pytest.raises(HybridShardConfigError, match=r"gradient_accumulation='defer_all_reduce' needs fsdp_version=2"):
+        HybridShardFSDPStrategy(fsdp_version=1, gradient_accumulation=DEFER_ALL_REDUCE)
+    with pytest.raises(HybridShardConfigError, match=r"gradient_accumulation='sometimes' is not supported"):
+        HybridShardFSDPStrategy(gradient_accumulation="sometimes")
+    with pytest.raises(HybridShardConfigError, match=r"fsdp_version=3 is not an FSDP version. Valid values: 1, 2"):
+        HybridShardFSDPStrategy(fsdp_version=3)
+
+
+@pytest.mark.parametrize("source", ["argument", "registered_name", "environment", "init", "cli_section"])
+def test_fsdp_version_from_every_source(monkeypatch, tmp_path, source):
+    """Resolved when the Trainer is created, before any process starts; a bad value fails there."""
+    import json
+
+    from lightning_smp import HybridShardConfigError, init, shutdown
+    from lightning_smp.config import ENV_CONFIG, set_cli_config
+
+    strategy: Any = HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork")
+    if source == "argument":
+        strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork", fsdp_version=2)
+    elif source == "registered_name":
+        strategy = "smp_hybrid_fsdp2"
+    elif source == "environment":
+        monkeypatch.setenv(ENV_CONFIG, json.dumps({"fsdp_version": 2}))
+    elif source == "init":
+        init({"fsdp_version": 2})
+    else:
+        set_cli_config({"fsdp_version": 2})
+    try:
+        trainer = cpu_trainer(strategy, tmp_path, WORLD)
+        assert trainer.strategy.fsdp_version == 2 and trainer.strategy.engine.name == "fsdp2"
+        assert trainer.strategy.gradient_accumulation == DEFER_ALL_REDUCE
+        if source == "environment":  # an FSDP1-only argument is refused once the source says FSDP2
+            from lightning_smp import UnsupportedOptionError
+
+            with pytest.raises(UnsupportedOptionError, match="limit_all_gathers"):
+                cpu_trainer(HybridShardFSDPStrategy(limit_all_gathers=True), tmp_path, WORLD)
+            monkeypatch.setenv(ENV_CONFIG, json.dumps({"fsdp_version": "2"}))
+            with pytest.raises(HybridShardConfigError, match=rf"{ENV_CONFIG}: fsdp_version='2' is not an FSDP version"):
+                cpu_trainer(HybridShardFSDPStrategy(), tmp_path, WORLD)
+    finally:
+        shutdown()
+        set_cli_config(None)
+
+
+def test_precision_maps_to_a_mixed_precision_policy():
+    from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    from lightning_smp.engines import ShardingPlan
+    from lightning_smp.engines.fsdp2 import _mixed_precision_policy, _offload_policy
+
+    layout = resolve_layout(WORLD, 2)
+    cpu = torch.device("cpu")
+
+    def plan(**kwargs: Any) -> ShardingPlan:
+        return ShardingPlan(layout=layout, device=kwargs.pop("device", cpu), **kwargs)
+
+    assert _mixed_precision_policy(plan(precision="32-true")) == MixedPrecisionPolicy()
+    assert _mixed_precision_policy(plan(precision="bf16-true")) == MixedPrecisionPolicy()  # the module is bf16
+    assert _mixed_precision_policy(plan(precision="bf16-mixed")) == MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    assert _mixed_precision_policy(plan(precision="16-mixed")) == MixedPrecisionPolicy(torch.float16, torch.float32)
+    mine = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    assert _mixed_precision_policy(plan(precision="bf16-mixed", mixed_precision=mine)) is mine
+    offload = _offload_policy(plan(cpu_offload=CPUOffload(offload_params=True)))
+    assert isinstance(offload, CPUOffloadPolicy) and offload.pin_memory is False  # no pinned memory without a GPU
+    assert _offload_policy(plan(cpu_offload=CPUOffload(offload_params=True), device=torch.device("cuda", 0))).pin_memory
+    assert type(_offload_policy(plan(cpu_offload=CPUOffload(offload_params=False)))) is OffloadPolicy
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize(("precision", "cpu_offload"), [("bf16-mixed", None), ("32-true", True)])
+def test_precision_and_cpu_offload_train(tmp_path, precision, cpu_offload):
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork", fsdp_version=2,
+                                       cpu_offload=cpu_offload)
+    trainer, _, records = fit_and_record(strategy, tmp_path, WORLD, precision=precision, max_steps=3)
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in records)
+    assert all(s.dtype == torch.float32 for r in records for s in r["shards"])  # fp32 sharded master weights
+    if cpu_offload:  # the same numbers as without offloading (on a CPU the offload is a no-op that must not crash)
+        _, _, plain = fit_and_record(HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork",
+                                                             fsdp_version=2), tmp_path / "plain", WORLD, max_steps=3)
+        assert records[0]["losses"] == plain[0]["losses"]
+
+
+# ---------------------------------------------------------------------------------------- plain PyTorch
+
+
+def _plain_fully_shard(rank: int, world_size: int, degree: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    import lightning_smp
+
+    lightning_smp.init({"hybrid_shard_degree": degree})
+    try:
+        model = torch.nn.Linear(8, 6)
+        fully_shard(model)  # no mesh: the configured one
+        inside = (tuple(model.weight.device_mesh.shape), model.weight.device_mesh.mesh_dim_names)
+        other = torch.nn.Linear(8, 6)
+        own = dist.device_mesh.init_device_mesh("cpu", (world_size,))
+        fully_shard(other, mesh=own)  # the caller's mesh wins
+        mine = tuple(other.weight.device_mesh.shape)
+    finally:
+        lightning_smp.shutdown()
+    after = torch.nn.Linear(8, 6)
+    fully_shard(after)  # undone: torch's default 1-D world mesh again
+    return {"inside": inside, "mine": mine, "after": tuple(after.weight.device_mesh.shape)}
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize(("degree", "shape", "names"), [
+    (2, (2, 2), (REPLICATE_AXIS, SHARD_AXIS)), (4, (4,), (SHARD_AXIS,)), (1, (4, 1), (REPLICATE_AXIS, SHARD_AXIS)),
+])
+def test_init_gives_plain_fully_shard_the_configured_mesh(degree, shape, names):
+    from tests.helpers import run_distributed
+
+    for result in run_distributed(_plain_fully_shard, WORLD, degree):
+        assert result == {"inside": (shape, names), "mine": (WORLD,), "after": (WORLD,)}

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from torch.nn import Module
 
+from lightning_smp.config import check_fsdp_version
 from lightning_smp.engines.base import Engine, ShardingFacts, ShardingPlan, StorageUnit
 from lightning_smp.engines.fsdp1 import FSDP1Engine
 from lightning_smp.engines.fsdp2 import FSDP2Engine
-from lightning_smp.config import check_fsdp_version
 
 #: Every engine, in the order a wrapped model is matched against them.
 ENGINES: tuple[Engine, ...] = (FSDP1Engine(), FSDP2Engine())

@@ -86,7 +86,7 @@ def fsdp_modules(model: Module) -> list[Any]:
 
 def _param_groups(model: Module) -> list[tuple[Any, Any]]:
     """``(FSDPModule, FSDPParamGroup)`` for every module of ``model`` that owns parameters."""
-    groups = []
+    groups: list[tuple[Any, Any]] = []
     for module in fsdp_modules(model):
         state = module._get_fsdp_state()
         # a module may own several groups (torch >= 2.10: ``_fsdp_param_groups``), older versions exactly one
@@ -226,8 +226,8 @@ class FSDP2Engine:
                 " torch.distributed.fsdp.MixedPrecisionPolicy. Fix: pass MixedPrecisionPolicy(param_dtype=...,"
                 " reduce_dtype=...), or only the Trainer's precision."
             )
-        if cpu_offload is not None and type(cpu_offload).__name__ not in ("CPUOffload", "CPUOffloadPolicy",
-                                                                         "OffloadPolicy"):
+        if not isinstance(cpu_offload, (bool, type(None))) and type(cpu_offload).__name__ not in (
+                "CPUOffload", "CPUOffloadPolicy", "OffloadPolicy"):
             raise UnsupportedOptionError(
                 f"cpu_offload={cpu_offload!r} is not an offload config. Fix: pass True, or CPUOffloadPolicy(...)."
             )
@@ -432,7 +432,7 @@ class FSDP2Engine:
             return None
         info = groups[0][1].mesh_info
         shard = info.shard_mesh_size
-        replicate_group = getattr(info, "replicate_process_group", None)
+        replicate_group: Any = getattr(info, "replicate_process_group", None)  # HSDP meshes only
         replicas = info.replicate_mesh_size if replicate_group is not None else 1
         if shard == 1:
             return ShardingFacts(NO_SHARD, 1, replicas, {REPLICATE_AXIS: replicate_group})
