@@ -36,7 +36,10 @@ from lightning_smp.checkpoint import convert, safety, saving
 from lightning_smp.names import FULL, SHARDED, STATE_DICT_TYPES, STRATEGY_NAMES
 from tests.helpers import TinyModel, cpu_trainer, make_loader
 
-STRATEGIES = {name: args["sharding_strategy"] for name, _, args in STRATEGY_NAMES if name != "smp_hybrid_notebook"}
+#: every registered strategy name but the notebook one (the same as smp_hybrid, launched by fork): its init args
+STRATEGIES = {name: {k: v for k, v in args.items() if k != "start_method"}
+              for name, _, args in STRATEGY_NAMES if name != "smp_hybrid_notebook"}
+ENGINES = [pytest.param(1, id="fsdp1"), pytest.param(2, id="fsdp2")]
 # 64 samples, batch 4: 4 steps per epoch on 4 ranks, 8 on 2 ranks
 K, N = 4, 10  # save after K steps (the last batch of epoch 0 on 4 ranks), train to N (into epoch 2)
 
@@ -91,8 +94,8 @@ class Probe(Callback):
 
 
 def strategy(degree: int, kind: str = SHARDED, name: str = "smp_hybrid", **kwargs: Any) -> HybridShardFSDPStrategy:
-    return HybridShardFSDPStrategy(hybrid_shard_degree=degree, sharding_strategy=STRATEGIES[name],
-                                   state_dict_type=kind, start_method="fork", **kwargs)
+    return HybridShardFSDPStrategy(hybrid_shard_degree=degree, state_dict_type=kind, start_method="fork",
+                                   **{**STRATEGIES[name], **kwargs})
 
 
 def run(folder: Path, devices: int, degree: int, *, tag: str, kind: str = SHARDED, name: str = "smp_hybrid",
@@ -164,6 +167,19 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
+@pytest.fixture(scope="module")
+def written_by(written: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Path]]:
+    """``written`` for each engine: ``{fsdp_version: {kind: folder}}`` (FSDP1's are ``written`` itself)."""
+    out = {1: written, 2: {}}
+    for kind in STATE_DICT_TYPES:
+        folder = tmp_path_factory.mktemp(f"writer_fsdp2_{kind}")
+        callback = ModelCheckpoint(dirpath=folder / "ckpts", save_top_k=0, every_n_train_steps=K, save_last=True)
+        run(folder, 4, 2, tag="writer", kind=kind, max_steps=K, callbacks=(callback,),
+            strategy_kwargs={"fsdp_version": 2})
+        out[2][kind] = folder
+    return out
+
+
 @pytest.mark.timeout(180)
 def test_model_checkpoint_top_k_and_last_in_both_formats(written: dict[str, Path]) -> None:
     for kind, folder in written.items():
@@ -181,10 +197,12 @@ def test_model_checkpoint_top_k_and_last_in_both_formats(written: dict[str, Path
 
 
 @pytest.mark.timeout(60)
-def test_sharded_checkpoint_tensors_are_written_once_by_replica_group_zero(written: dict[str, Path]) -> None:
+@pytest.mark.parametrize("version", ENGINES)
+def test_sharded_checkpoint_tensors_are_written_once_by_replica_group_zero(written_by: dict[int, dict[str, Path]],
+                                                                          version: int) -> None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    folder = written[SHARDED] / "ckpts" / "last.ckpt"
+    folder = written_by[version][SHARDED] / "ckpts" / "last.ckpt"
     sizes = {p.name: p.stat().st_size for p in folder.glob("__*.distcp")}
     # degree 2 on 4 ranks: replica group 0 is ranks 0 and 1; ranks 2 and 3 (replica 1) write no bytes
     assert sizes.get("__2_0.distcp", 0) == 0 and sizes.get("__3_0.distcp", 0) == 0, sizes
@@ -229,8 +247,10 @@ class CollectiveCounter(Callback):
 
 
 @pytest.mark.timeout(120)
-def test_full_checkpoint_is_assembled_once(tmp_path: Path) -> None:
-    run(tmp_path, 4, 2, tag="once", kind=FULL, max_steps=2, callbacks=(CollectiveCounter(tmp_path),))
+@pytest.mark.parametrize("version", ENGINES)
+def test_full_checkpoint_is_assembled_once(tmp_path: Path, version: int) -> None:
+    run(tmp_path, 4, 2, tag="once", kind=FULL, max_steps=2, callbacks=(CollectiveCounter(tmp_path),),
+        strategy_kwargs={"fsdp_version": version})
     gathers = {r: [c for c in torch.load(tmp_path / f"calls_rank{r}.pt") if "gather" in c] for r in range(4)}
     # replica group 0 (ranks 0, 1) gathers the shards; replica group 1 (ranks 2, 3) does no gathering at all
     assert gathers[0] and gathers[1], gathers
@@ -351,6 +371,45 @@ def test_full_checkpoint_resumes_at_any_degree(tmp_path: Path, written: dict[str
     assert_same_state(probe(tmp_path, "from_full", "start"), probe(written[FULL], "writer", "end"))
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("writer", "reader", "kind", "devices", "degree"), [
+    pytest.param(1, 2, SHARDED, 4, 4, id="fsdp1_to_fsdp2_sharded_4r_d4"),
+    pytest.param(1, 2, SHARDED, 2, 1, id="fsdp1_to_fsdp2_sharded_2r_d1"),
+    pytest.param(1, 2, FULL, 4, 2, id="fsdp1_to_fsdp2_full_4r_d2"),
+    pytest.param(2, 1, SHARDED, 4, 4, id="fsdp2_to_fsdp1_sharded_4r_d4"),
+    pytest.param(2, 1, SHARDED, 2, 2, id="fsdp2_to_fsdp1_sharded_2r_d2"),
+    pytest.param(2, 1, FULL, 4, 1, id="fsdp2_to_fsdp1_full_4r_d1"),
+    pytest.param(2, 2, SHARDED, 2, 2, id="fsdp2_to_fsdp2_sharded_2r_d2"),
+    pytest.param(2, 2, FULL, 4, 4, id="fsdp2_to_fsdp2_full_4r_d4"),
+])
+def test_checkpoint_moves_between_engines(tmp_path: Path, written_by: dict[int, dict[str, Path]], writer: int,
+                                          reader: int, kind: str, devices: int, degree: int) -> None:
+    """A checkpoint of either engine resumes exactly under the other, at another degree and world size, the
+    optimizer state included, and training goes on from there."""
+    source = written_by[writer][kind] / "ckpts" / "last.ckpt"
+    run(tmp_path, devices, degree, tag="moved", kind=kind, max_steps=K + 2, ckpt_path=source,
+        strategy_kwargs={"fsdp_version": reader})
+    start, end = probe(tmp_path, "moved", "start"), probe(tmp_path, "moved", "end")
+    assert start["global_step"] == K
+    assert_same_state(start, probe(written_by[writer][kind], "writer", "end"))
+    assert end["global_step"] == K + 2 and all(torch.isfinite(torch.tensor(end["losses"])))
+
+
+@pytest.mark.timeout(60)
+def test_engines_write_the_same_checkpoint(written_by: dict[int, dict[str, Path]]) -> None:
+    """Same model, data and degree: both engines' full files hold the same keys and shapes, and their sharded
+    folders the same tensor keys; the values agree to float tolerance (the engines reduce in different orders)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    full = {v: torch.load(written_by[v][FULL] / "ckpts" / "last.ckpt", weights_only=True) for v in (1, 2)}
+    assert list(full[1]["state_dict"]) == list(full[2]["state_dict"])
+    for key, value in full[1]["state_dict"].items():
+        assert torch.allclose(value, full[2]["state_dict"][key], atol=1e-5), key
+    keys = {v: {k for k, m in safety.SafeFileSystemReader(written_by[v][SHARDED] / "ckpts" / "last.ckpt")
+                .read_metadata().state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)} for v in (1, 2)}
+    assert keys[1] == keys[2]
+
+
 @pytest.mark.timeout(60)
 def test_full_checkpoint_loads_on_a_single_device_for_inference(written: dict[str, Path]) -> None:
     reference = probe(written[FULL], "writer", "end")
@@ -381,7 +440,9 @@ def test_validate_and_predict_load_the_checkpoint(tmp_path: Path, written: dict[
 
 
 @pytest.mark.timeout(120)
-def test_load_from_checkpoint_reads_either_kind(written: dict[str, Path]) -> None:
+@pytest.mark.parametrize("version", ENGINES)
+def test_load_from_checkpoint_reads_either_kind(written_by: dict[int, dict[str, Path]], version: int) -> None:
+    written = written_by[version]
     full_path, sharded_path = (written[kind] / "ckpts" / "last.ckpt" for kind in (FULL, SHARDED))
     full = torch.load(full_path, weights_only=True)
     assembled = ckpt.read_full(sharded_path)
@@ -396,7 +457,9 @@ def test_load_from_checkpoint_reads_either_kind(written: dict[str, Path]) -> Non
         ckpt.load_from_checkpoint(CkptModel, written[FULL] / "missing.ckpt")
 
 
-def test_consolidate_sharded_to_full(tmp_path: Path, written: dict[str, Path]) -> None:
+@pytest.mark.parametrize("version", ENGINES)
+def test_consolidate_sharded_to_full(tmp_path: Path, written_by: dict[int, dict[str, Path]], version: int) -> None:
+    written = written_by[version]
     source = written[SHARDED] / "ckpts" / "last.ckpt"
     full = torch.load(written[FULL] / "ckpts" / "last.ckpt", weights_only=True)
 

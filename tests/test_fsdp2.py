@@ -170,6 +170,11 @@ def test_fsdp2_matches_ddp(tmp_path, backend, degree, requested, expected):
         # the memory report measures FSDP2's padded allocation, to the byte: ceil(rows / shard) rows each
         padded = sum(math.ceil(s[0] / shard) * math.prod(s[1:]) for s in shapes)
         assert report[rank]["params_bytes"] == padded * 4
+        assert report[rank]["grads_bytes"] == padded * 4  # one padded reduce-scatter output per module
+        # Adam: exp_avg and exp_avg_sq shaped like the unpadded local shard, and one fp32 step per parameter
+        local = sum(math.prod(t.shape) for t in record["shards"])
+        assert report[rank]["optimizer_bytes"] == 2 * 4 * local + 4 * len(shapes)
+        assert report[rank]["unsharded_optimizer_bytes"] == 2 * 4 * sum(math.prod(s) for s in shapes) + 4 * len(shapes)
         assert report[rank]["sharding_strategy"] == name
         assert (report[rank]["shard_degree"], report[rank]["replicas"]) == (shard, replicate)
         # an axis whose group spans the world is the world group itself (DeviceMesh reuses it), so it also carries

@@ -8,7 +8,8 @@ world under hybrid sharding, which is silently wrong).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,18 @@ def _check_optimizer_count(path: Path, saved: list[Any] | None, optimizers: list
         )
 
 
+@contextmanager
+def _keeping_hyperparameter_types(optimizer: Optimizer) -> Iterator[None]:
+    """Loading through ``torch.distributed.checkpoint`` can turn a tuple hyperparameter (Adam's ``betas``) into a
+    list (for FSDP2 models): give each its type back, so that a resumed optimizer equals the one that was saved."""
+    before = [{key: type(value) for key, value in group.items()} for group in optimizer.param_groups]
+    yield
+    for group, types in zip(optimizer.param_groups, before):
+        for key, kind in types.items():
+            if kind is tuple and type(group.get(key)) is list:
+                group[key] = tuple(group[key])
+
+
 def _load_param_groups(optimizer: Optimizer, saved_groups: list[dict[str, Any]]) -> None:
     local = optimizer.state_dict()["param_groups"]
     if len(local) != len(saved_groups):
@@ -118,7 +131,8 @@ def _load_full_optimizer(model: ShardedModel, optimizer: Optimizer, optim_state:
     params = [p for g in optim_state["param_groups"] for p in g["params"]]
     if params and isinstance(params[0], int):
         optim_state = model.engine.optimizer_state_by_name(model.module, optimizer, optim_state)
-    set_optimizer_state_dict(model.module, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
+    with _keeping_hyperparameter_types(optimizer):
+        set_optimizer_state_dict(model.module, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
 
 
 def _load_sharded(model: ShardedModel, path: Path, optimizers: list[Optimizer], strict: bool,
@@ -160,7 +174,8 @@ def _load_sharded(model: ShardedModel, path: Path, optimizers: list[Optimizer], 
     for idx, optimizer in enumerate(optimizers):
         optim_state = state[f"optimizer_{idx}"]
         if "state" in optim_state:
-            set_optimizer_state_dict(module, optimizer, optim_state)
+            with _keeping_hyperparameter_types(optimizer):
+                set_optimizer_state_dict(module, optimizer, optim_state)
         else:
             _load_param_groups(optimizer, optim_state["param_groups"])
 
