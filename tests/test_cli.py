@@ -25,11 +25,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "examples" / "configs"
 
-#: what each example must resolve to on 4 CPU ranks: (mesh shape, FSDP sharding strategy)
+#: what each example must resolve to on 4 CPU ranks: (mesh shape, FSDP sharding strategy, fsdp_version)
 EXPECTED = {
-    "hybrid_cpu.yaml": ((2, 2), HYBRID_SHARD),
-    "hybrid_class_path.yaml": ((2, 2), HYBRID_SHARD),
-    "hybrid_zero2_notebook.yaml": ((1, 4), SHARD_GRAD_OP),
+    "hybrid_cpu.yaml": ((2, 2), HYBRID_SHARD, 1),
+    "hybrid_class_path.yaml": ((2, 2), HYBRID_SHARD, 1),
+    "hybrid_zero2_notebook.yaml": ((1, 4), SHARD_GRAD_OP, 1),
+    "hybrid_fsdp2_accumulation.yaml": ((2, 2), HYBRID_SHARD, 2),
 }
 
 
@@ -48,9 +49,10 @@ def test_example_config_parses_to_the_documented_layout(name, tmp_path):
     cli = _cli("--config", str(CONFIGS / name), tmp_path=tmp_path)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, HybridShardFSDPStrategy)
-    mesh_shape, fsdp_strategy = EXPECTED[name]
+    mesh_shape, fsdp_strategy, version = EXPECTED[name]
     assert strategy.layout.mesh_shape == mesh_shape
     assert strategy.layout.sharding_strategy == fsdp_strategy
+    assert strategy.fsdp_version == version
     assert type(cli.model).__name__ == "TinyGPT" and type(cli.datamodule).__name__ == "MarkovDataModule"
 
 
@@ -61,11 +63,15 @@ def test_example_config_parses_to_the_documented_layout(name, tmp_path):
         pytest.param("hybrid_cpu.yaml", "--smp={hybrid_shard_degree: 1}", (4, 1), id="smp_section_whole"),
         pytest.param("hybrid_class_path.yaml", "--trainer.strategy.init_args.hybrid_shard_degree=4", (1, 4),
                      id="init_args"),
+        pytest.param("hybrid_cpu.yaml", "--smp.fsdp_version=2", (2, 2), id="smp_section_fsdp_version"),
+        pytest.param("hybrid_class_path.yaml", "--trainer.strategy.init_args.fsdp_version=2", (2, 2),
+                     id="init_args_fsdp_version"),
     ],
 )
 def test_command_line_overrides(name, override, shape, tmp_path):
     cli = _cli("--config", str(CONFIGS / name), override, tmp_path=tmp_path)
     assert cli.trainer.strategy.layout.mesh_shape == shape
+    assert cli.trainer.strategy.fsdp_version == (2 if "fsdp_version" in override else 1)
 
 
 def test_precedence_inside_the_cli(tmp_path):
@@ -156,11 +162,12 @@ def test_print_config_shows_the_resolved_degree(capsys):
 
 
 @pytest.mark.timeout(PROCESS_TIMEOUT)
-def test_cli_fit_with_fork_ranks_uses_the_smp_section(tmp_path):
-    """The smp: section reaches the ranks: each one records its shard group."""
+@pytest.mark.parametrize("config", ["hybrid_cpu.yaml", "hybrid_fsdp2_accumulation.yaml"])
+def test_cli_fit_with_fork_ranks_uses_the_smp_section(tmp_path, config):
+    """The smp: section reaches the ranks (either engine): each one records its shard group."""
     records = tmp_path / "records"
     main([
-        "fit", "--config", str(CONFIGS / "hybrid_cpu.yaml"), "--trainer.strategy=smp_hybrid_notebook",
+        "fit", "--config", str(CONFIGS / config), "--trainer.strategy=smp_hybrid_notebook",
         "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.logger=false",
         "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}",
         f'--trainer.callbacks=[{{"class_path": "tests.helpers.RankRecorder", "init_args": {{"folder": "{records}"}}}}]',
@@ -170,7 +177,9 @@ def test_cli_fit_with_fork_ranks_uses_the_smp_section(tmp_path):
     ranks = [torch.load(records / f"rank{r}.pt", weights_only=False) for r in range(4)]
     assert [r["shard_group"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["fsdp_strategy"] for r in ranks] == [HYBRID_SHARD] * 4
-    assert [len(r["losses"]) for r in ranks] == [2] * 4
+    micro_batches = 4 if "fsdp2" in config else 1  # the FSDP2 example accumulates 4 per optimizer step
+    assert [len(r["losses"]) for r in ranks] == [2 * micro_batches] * 4
+    assert [r["counters"][0] for r in ranks] == [2] * 4
     assert ENV_CLI not in os.environ
 
 
