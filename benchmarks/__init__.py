@@ -9,7 +9,12 @@ tokens (:class:`lightning_smp.demo.MarkovTokens`) and the same optimizer (AdamW)
 - plain PyTorch FSDP1 on a hand-built ``(replicate, shard)`` mesh with a hand-written loop, no Lightning: the floor
   the wrapper should not exceed;
 - ``smp_hybrid`` and ``smp_hybrid_zero2`` (:class:`lightning_smp.HybridShardFSDPStrategy`) at every valid degree,
-  and ``smp_hybrid`` with :class:`lightning_smp.callbacks.MemorySavingsCallback` (its overhead).
+  and ``smp_hybrid`` with :class:`lightning_smp.callbacks.MemorySavingsCallback` (its overhead);
+- FSDP2: plain PyTorch ``fully_shard`` on the same mesh with a hand-written loop (``torch_fsdp2``) next to
+  ``smp_hybrid_fsdp2`` (the strategy with ``fsdp_version=2``) at every valid degree;
+- gradient accumulation (one round: bytes and memory only) at the hybrid degree for k = 1, 2, 4: FSDP1 ``no_sync``,
+  FSDP1 reducing every micro-batch and FSDP2's deferred all-reduce: bytes across replicas per optimizer step and the
+  most gradient memory a rank holds.
 
 Per configuration and rank: model-state bytes against the floor (unsharded / degree, padding shown separately),
 logical bytes per optimizer step inside the shard group and across replicas against the textbook formula,

@@ -19,6 +19,7 @@ from benchmarks.launch import init_launched_process, launcher_world_size, run_al
 from benchmarks.report import write_results
 from benchmarks.settings import (
     Settings,
+    build_accumulation_configs,
     build_configs,
     interleaved,
     parse_args,
@@ -65,7 +66,9 @@ def run(settings: Settings, out: Path | None = None, plot: bool = True, command:
     """
     progress = print if echo else (lambda _: None)
     machine = machine_info()
+    # the accumulation runs measure bytes and memory only (exact counts): one round, after the timed rounds
     plan = interleaved(build_configs(settings), settings.rounds)
+    plan += [(0, spec) for spec in build_accumulation_configs(settings)]
     if settings.mode == "quick":
         torch.set_num_threads(1)
         dataset = make_dataset(settings)

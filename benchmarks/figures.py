@@ -11,6 +11,9 @@ Definitions:
   group, ``replicate`` = across replicas, ``other`` = any other group), measured / textbook formula over all axes,
   and whether every (axis, operation) count equals the formula's;
 - **collectives by group size**: calls per step grouped by the size of the process group (the latency proxy);
+- **gradient accumulation** (one round, bytes and memory only): for k micro-batches per optimizer step, the bytes
+  across replicas and inside the shard group, and the most gradient memory a rank holds during the step (measured
+  after every backward), for FSDP1 ``no_sync``, FSDP1 reducing every micro-batch and FSDP2's deferred all-reduce;
 - **step time** of a configuration: for every timed step the slowest rank's time, then the median over all timed
   steps of all rounds; ratios are ratios of those medians (targets apply to them). The same ratio of per-step
   CPU time (mean over ranks) is shown for information: it measures work rather than waiting, so it moves much less
@@ -31,7 +34,10 @@ TARGETS = {
     "memory measured / floor": 1.01,
     "traffic measured / formula": 1.000,
     "wrapper overhead: smp_hybrid / plain-torch HSDP": 1.03,
+    "wrapper overhead: smp_hybrid_fsdp2 / plain-torch fully_shard HSDP": 1.03,
     "memory callback overhead: on / off": 1.02,
+    "FSDP2 deferred all-reduce: replica bytes k=4 / k=1": 1.00,
+    "FSDP2 deferred all-reduce: peak gradient memory / ((1 + 1/d) x sharded gradient)": 1.00,
 }
 
 
@@ -210,7 +216,55 @@ def timing_ratios(settings: Settings, configs: dict[str, dict]) -> list[dict[str
                              f"smp_hybrid d={world}", "lightning_fsdp"))
     ratios += [_ratio(f"smp_hybrid_zero2 d={d} / smp_hybrid d={d}", configs, f"smp_hybrid_zero2 d={d}",
                       f"smp_hybrid d={d}") for d in degrees]
+    for degree in degrees:
+        hybrid = 1 < degree < settings.world_size
+        label = "plain fully_shard HSDP" if hybrid else f"plain fully_shard {NO_SHARD if degree == 1 else FULL_SHARD}"
+        target = TARGETS["wrapper overhead: smp_hybrid_fsdp2 / plain-torch fully_shard HSDP"] if hybrid else None
+        ratios.append(_ratio(f"wrapper overhead d={degree}: smp_hybrid_fsdp2 / {label}", configs,
+                             f"smp_hybrid_fsdp2 d={degree}", f"torch_fsdp2 d={degree}", target))
+        ratios.append(_ratio(f"smp_hybrid_fsdp2 d={degree} / smp_hybrid d={degree} (FSDP2 / FSDP1)", configs,
+                             f"smp_hybrid_fsdp2 d={degree}", f"smp_hybrid d={degree}"))
     return [r for r in ratios if r is not None]
+
+
+def summarise_accumulation(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (mode, k) of the accumulation runs: the largest per-rank figures, and each against k=1 and
+    against the sharded gradient (the k=1 gradient of the same mode, padding included)."""
+    runs: dict[tuple[str, str, int], list[dict]] = {}
+    for record in records:
+        if record.get("micro_batches") is not None:
+            runs.setdefault((record["kind"], record["accumulation"], record["micro_batches"]), []).append(record)
+    rows = []
+    for (kind, mode, k), ranks in runs.items():
+        base = runs.get((kind, mode, 1), ranks)
+        sharded = max(r["grads_bytes"] for r in base)
+        replicate = max(r["replicate_bytes"] for r in ranks)
+        replicate_once = max(r["replicate_bytes"] for r in base)
+        degree = ranks[0]["degree"]
+        rows.append({
+            "kind": kind, "fsdp_version": 2 if kind.endswith("fsdp2") else 1, "accumulation": mode,
+            "micro_batches": k, "degree": degree,
+            "replicate_bytes": replicate, "shard_bytes": max(r["shard_bytes"] for r in ranks),
+            "replicate_vs_k1": replicate / replicate_once if replicate_once else None,
+            "peak_grads_bytes": max(r["grads_bytes"] for r in ranks), "sharded_grads_bytes": sharded,
+            "grads_vs_sharded": max(r["grads_bytes"] for r in ranks) / sharded if sharded else None,
+            "bound": 1 + 1 / degree, "counts_match": all(not r["comm_mismatch"] for r in ranks),
+        })
+    return sorted(rows, key=lambda r: (r["fsdp_version"], r["accumulation"], r["micro_batches"]))
+
+
+def accumulation_checks(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The FSDP2 targets of the accumulation table, at the largest k."""
+    deferred = [r for r in rows if r["fsdp_version"] == 2 and r["micro_batches"] == max(r["micro_batches"] for r in rows)]
+    checks = []
+    for row in deferred:
+        name = "FSDP2 deferred all-reduce: replica bytes k=4 / k=1"
+        checks.append({"name": name, "value": row["replicate_vs_k1"], "target": TARGETS[name],
+                       "ok": row["replicate_vs_k1"] is not None and round(row["replicate_vs_k1"], 3) == 1.0})
+        name = "FSDP2 deferred all-reduce: peak gradient memory / ((1 + 1/d) x sharded gradient)"
+        value = None if row["grads_vs_sharded"] is None else row["grads_vs_sharded"] / row["bound"]
+        checks.append({"name": name, "value": value, "target": TARGETS[name], "ok": value is not None and value <= 1.0})
+    return checks
 
 
 def summarise(settings: Settings, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -233,4 +287,6 @@ def summarise(settings: Settings, records: Sequence[dict[str, Any]]) -> dict[str
     ]
     checks += [{"name": r["name"], "value": r["value"], "target": r["target"], "ok": r["ok"]}
                for r in ratios if r["target"] is not None]
-    return {"configs": list(configs.values()), "ratios": ratios, "checks": checks}
+    accumulation = summarise_accumulation(records)
+    checks += accumulation_checks(accumulation) if accumulation else []
+    return {"configs": list(configs.values()), "ratios": ratios, "checks": checks, "accumulation": accumulation}

@@ -10,7 +10,7 @@ from benchmarks.tables import MIB
 
 
 def plot_memory(summary: dict[str, Any], settings: Settings, path: Path) -> Path:
-    """Draw per-rank model-state memory by degree (``smp_hybrid``, ZeRO-2, plain-torch HSDP, the floor, DDP and
+    """Draw per-rank model-state memory by degree (``smp_hybrid``, ZeRO-2, plain-torch HSDP, FSDP2, the floor, DDP and
     Lightning FULL_SHARD for reference) into ``path`` (PNG, matplotlib's Agg backend)."""
     import matplotlib
 
@@ -19,7 +19,8 @@ def plot_memory(summary: dict[str, Any], settings: Settings, path: Path) -> Path
 
     configs = [c for c in summary["configs"] if not c["memory_callback"]]
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
-    styles = {"smp_hybrid": ("o", -0.12), "smp_hybrid_zero2": ("s", 0.0), "torch_hsdp": ("^", 0.12)}
+    styles = {"smp_hybrid": ("o", -0.18), "smp_hybrid_zero2": ("s", -0.06), "torch_hsdp": ("^", 0.06),
+              "smp_hybrid_fsdp2": ("D", 0.18)}
     degrees = sorted({c["degree"] for c in configs if c["degree"] is not None})
     positions = {d: i for i, d in enumerate(degrees)}
     for kind, (marker, offset) in styles.items():

@@ -12,11 +12,26 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from lightning_smp.degree import resolve_layout, valid_degrees
-from lightning_smp.names import FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2
+from lightning_smp.names import (
+    DEFER_ALL_REDUCE,
+    EVERY_MICRO_BATCH,
+    FULL_SHARD,
+    HYBRID_SHARD,
+    HYBRID_SHARD_ZERO2,
+    NO_SYNC,
+)
 
 #: The kinds of configuration, in display order.
-Kind = Literal["ddp", "lightning_fsdp", "torch_hsdp", "smp_hybrid", "smp_hybrid_zero2"]
-KINDS: tuple[str, ...] = ("ddp", "lightning_fsdp", "torch_hsdp", "smp_hybrid", "smp_hybrid_zero2")
+Kind = Literal["ddp", "lightning_fsdp", "torch_hsdp", "smp_hybrid", "smp_hybrid_zero2", "torch_fsdp2",
+               "smp_hybrid_fsdp2"]
+KINDS: tuple[str, ...] = ("ddp", "lightning_fsdp", "torch_hsdp", "smp_hybrid", "smp_hybrid_zero2", "torch_fsdp2",
+                          "smp_hybrid_fsdp2")
+#: Micro-batches per optimizer step of the gradient-accumulation runs.
+MICRO_BATCHES: tuple[int, ...] = (1, 2, 4)
+#: The accumulation runs: (kind, gradient_accumulation) at the hybrid degree, for every k of MICRO_BATCHES.
+ACCUMULATION_MODES: tuple[tuple[str, str], ...] = (
+    ("smp_hybrid", NO_SYNC), ("smp_hybrid", EVERY_MICRO_BATCH), ("smp_hybrid_fsdp2", DEFER_ALL_REDUCE),
+)
 
 
 @dataclass(frozen=True)
@@ -118,19 +133,34 @@ class ConfigSpec:
     Attributes:
         kind: ``"ddp"`` (Lightning ``DDPStrategy``), ``"lightning_fsdp"`` (Lightning ``FSDPStrategy`` FULL_SHARD),
             ``"torch_hsdp"`` (plain PyTorch FSDP1 on a hand-built mesh with a hand-written loop, no Lightning),
-            ``"smp_hybrid"`` / ``"smp_hybrid_zero2"`` (:class:`~lightning_smp.HybridShardFSDPStrategy`).
+            ``"smp_hybrid"`` / ``"smp_hybrid_zero2"`` (:class:`~lightning_smp.HybridShardFSDPStrategy`),
+            ``"torch_fsdp2"`` (plain PyTorch ``fully_shard`` on the same mesh with a hand-written loop) and
+            ``"smp_hybrid_fsdp2"`` (the strategy with ``fsdp_version=2``).
         degree: the hybrid shard degree (``None`` for DDP and Lightning FSDP).
         memory_callback: run :class:`~lightning_smp.MemorySavingsCallback` too (to time its overhead).
+        micro_batches: ``accumulate_grad_batches`` of a gradient-accumulation run (``None``: a timed run).
+        accumulation: the strategy's ``gradient_accumulation`` in an accumulation run.
     """
 
     kind: str
     degree: int | None = None
     memory_callback: bool = False
+    micro_batches: int | None = None
+    accumulation: str | None = None
 
     @property
     def name(self) -> str:
         base = self.kind if self.degree is None else f"{self.kind} d={self.degree}"
+        if self.micro_batches is not None:
+            return f"{base} {self.accumulation} k={self.micro_batches}"
         return f"{base} +memory callback" if self.memory_callback else base
+
+    @property
+    def fsdp_version(self) -> int | None:
+        """The FSDP engine of a sharded configuration (``None`` for DDP)."""
+        if self.kind == "ddp":
+            return None
+        return 2 if self.kind in ("torch_fsdp2", "smp_hybrid_fsdp2") else 1
 
     def sharding_strategy(self, world_size: int) -> str:
         """What FSDP runs (``"DDP"`` for DDP): the same SMP rule for our strategy and the plain-torch loop."""
@@ -171,9 +201,10 @@ def build_configs(settings: Settings) -> list[ConfigSpec]:
         if degree == main:
             configs.append(ConfigSpec("smp_hybrid", degree, memory_callback=True))
         configs.append(ConfigSpec("smp_hybrid_zero2", degree))
+        configs += [ConfigSpec("torch_fsdp2", degree), ConfigSpec("smp_hybrid_fsdp2", degree)]
     if settings.only:
         wanted = set(settings.only)
-        unknown = wanted - {c.name for c in configs}
+        unknown = wanted - {c.name for c in configs} - {c.name for c in _accumulation_specs(settings)}
         if unknown:
             from lightning_smp.errors import HybridShardConfigError
 
@@ -183,6 +214,23 @@ def build_configs(settings: Settings) -> list[ConfigSpec]:
             )
         configs = [c for c in configs if c.name in wanted]
     return configs
+
+
+def _accumulation_specs(settings: Settings) -> list[ConfigSpec]:
+    degrees = list(settings.degrees or benchmark_degrees(settings.world_size))
+    main = hybrid_degree(settings.world_size, degrees)
+    if main is None:
+        return []
+    return [ConfigSpec(kind, main, micro_batches=k, accumulation=mode)
+            for kind, mode in ACCUMULATION_MODES for k in MICRO_BATCHES]
+
+
+def build_accumulation_configs(settings: Settings) -> list[ConfigSpec]:
+    """The gradient-accumulation runs (bytes and memory only, so one round): FSDP1 ``no_sync``, FSDP1 reducing every
+    micro-batch and FSDP2's deferred all-reduce, for k in :data:`MICRO_BATCHES`, at the hybrid degree (with
+    ``--only``, those it names)."""
+    specs = _accumulation_specs(settings)
+    return [c for c in specs if c.name in set(settings.only)] if settings.only else specs
 
 
 def interleaved(configs: Sequence[ConfigSpec], rounds: int) -> list[tuple[int, ConfigSpec]]:

@@ -120,6 +120,28 @@ def check_rows(summary: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+ACCUMULATION_HEADER = [
+    "engine", "accumulation", "k", "replica MiB/step", "vs k=1", "shard MiB/step", "peak grads MiB/rank",
+    "vs sharded grads", "bound (1 + 1/d)",
+]
+
+
+def accumulation_rows(summary: dict[str, Any]) -> list[list[str]]:
+    """The gradient-accumulation table: one row per mode and number of micro-batches."""
+    return [[
+        f"FSDP{r['fsdp_version']}", r["accumulation"], str(r["micro_batches"]), _mib(r["replicate_bytes"]),
+        _x(r["replicate_vs_k1"], 2), _mib(r["shard_bytes"]), _mib(r["peak_grads_bytes"]),
+        _x(r["grads_vs_sharded"], 2) + ("" if r["counts_match"] else " (counts differ)"), _x(r["bound"], 2),
+    ] for r in summary.get("accumulation", [])]
+
+
+ACCUMULATION_NOTE = (
+    "*replica MiB/step*: bytes across replicas per optimizer step of k micro-batches; *peak grads*: the most gradient"
+    " memory a rank holds during the step (FSDP1 no_sync: the unsharded gradient; FSDP2: the sharded gradient and its"
+    " partial-reduce buffer); *vs sharded grads*: over the k=1 gradient of the same mode."
+)
+
+
 def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
@@ -175,6 +197,9 @@ def to_markdown(summary: dict[str, Any], settings: Settings, machine: dict[str, 
         " programs share the machine."),
         f"> {GLOO_NOTE}",
     ]
+    if summary.get("accumulation"):
+        parts += ["## Gradient accumulation", _markdown_table(ACCUMULATION_HEADER, accumulation_rows(summary)),
+                  ACCUMULATION_NOTE]
     if plot_name:
         parts.append(f"![model-state bytes per rank by degree]({plot_name})")
     parts += ["## Per configuration and rank", _markdown_table(rank_header(summary), rank_rows(summary))]
@@ -189,6 +214,8 @@ def print_tables(summary: dict[str, Any], settings: Settings) -> None:
              rank_rows(summary)),
             ("Targets", ["figure", "value", "target", "verdict"], check_rows(summary)),
             ("Step-time ratios", RATIO_HEADER, ratio_rows(summary)),
+            ("Gradient accumulation", ACCUMULATION_HEADER, accumulation_rows(summary)),
         ],
-        left=("configuration", "FSDP", "figure", "step-time ratio"), width=180, footer=GLOO_NOTE,
+        left=("configuration", "FSDP", "figure", "step-time ratio", "engine", "accumulation"), width=180,
+        footer=GLOO_NOTE,
     )

@@ -1,4 +1,4 @@
-"""What one rank runs for one configuration.
+"""What one rank runs for one configuration (a timed run, or a gradient-accumulation run).
 
 Every configuration trains the same :class:`~lightning_smp.demo.TinyGPT` (FSDP units: one per
 :class:`~lightning_smp.demo.Block`, plus the root) on the same :class:`~lightning_smp.demo.MarkovTokens` with
@@ -109,10 +109,11 @@ def lightning_strategy(spec: ConfigSpec, device: torch.device) -> Any:
     if spec.kind == "lightning_fsdp":
         cls = _cpu_fsdp_strategy_class() if device.type == "cpu" else FSDPStrategy
         return cls(sharding_strategy=FULL_SHARD, auto_wrap_policy={Block})
-    if spec.kind in ("smp_hybrid", "smp_hybrid_zero2"):
+    if spec.kind in ("smp_hybrid", "smp_hybrid_zero2", "smp_hybrid_fsdp2"):
         flavour = HYBRID_SHARD_ZERO2 if spec.kind == "smp_hybrid_zero2" else HYBRID_SHARD
         return HybridShardFSDPStrategy(hybrid_shard_degree=spec.degree, sharding_strategy=flavour,
-                                       auto_wrap_policy={Block})
+                                       auto_wrap_policy={Block}, fsdp_version=spec.fsdp_version,
+                                       gradient_accumulation=spec.accumulation)
     raise ValueError(f"{spec.kind!r} is not a Lightning configuration")
 
 
@@ -212,6 +213,94 @@ def run_torch_hsdp(spec: ConfigSpec, settings: Settings, dataset: Dataset, devic
     return probe
 
 
+def plain_mp_policy(settings: Settings) -> Any:
+    """The ``MixedPrecisionPolicy`` the strategy's FSDP2 engine uses for ``settings.precision``, for the plain loop."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if settings.precision in ("32-true", "32"):
+        return MixedPrecisionPolicy()
+    if settings.precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    raise ValueError(f"precision={settings.precision!r} is not supported by the plain loop")
+
+
+def run_torch_fsdp2(spec: ConfigSpec, settings: Settings, dataset: Dataset, device: torch.device) -> StepProbe:
+    """The FSDP2 floor: plain ``fully_shard`` on the same mesh as ``smp_hybrid_fsdp2`` (2-D for hybrid sharding,
+    the shard axis when one group is the world, ``(world, 1)`` for degree 1), each block then the root, and a
+    hand-written loop; no Lightning."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data.distributed import DistributedSampler
+
+    world, degree = settings.world_size, spec.degree
+    assert degree is not None
+    mesh = init_device_mesh(device.type, (world // degree, degree), mesh_dim_names=MESH_AXES)
+    fsdp_mesh = mesh[SHARD_AXIS] if spec.sharding_strategy(world) == FULL_SHARD else mesh
+    model = make_model(settings).to(device)  # same seed on every rank: replicas start equal without a broadcast
+    policy = plain_mp_policy(settings)
+    for block in model.modules():
+        if isinstance(block, Block):
+            fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=True, mp_policy=policy)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
+    optimizer = make_optimizer(model.parameters(), settings)
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=dist.get_rank(), shuffle=False)
+    loader = DataLoader(dataset, batch_size=settings.batch_size, sampler=sampler)
+    groups = {axis: mesh.get_group(axis) for axis in MESH_AXES}
+    autocast = settings.precision == "bf16-mixed"
+    probe = StepProbe(settings)
+    model.train()
+    try:
+        for index, batch in enumerate(loader):
+            if index == settings.steps_per_run:
+                break
+            batch = batch.to(device)
+            probe.batch_start(index, groups)
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = lm_loss(model(batch[:, :-1]), batch)
+            loss.backward()
+            probe.before_optimizer_step(index, model)
+            optimizer.step()
+            probe.batch_end(index, model, [optimizer], groups)
+    finally:
+        probe.close()
+    return probe
+
+
+# ---------------------------------------------------------------------------------------------- accumulation
+
+
+def run_accumulation(spec: ConfigSpec, settings: Settings, dataset: Dataset, device: torch.device) -> dict[str, Any]:
+    """Two optimizer steps of ``spec.micro_batches`` micro-batches each; the memory report of the second one: bytes
+    across replicas and inside the shard group, and the most gradient memory held during the step."""
+    import lightning as L
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from lightning_smp.callbacks import MemorySavingsCallback
+
+    callback = MemorySavingsCallback(comm_step=2, print_table=False, log_metrics=False, filename=None)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", settings.world_size))
+    trainer = L.Trainer(
+        strategy=lightning_strategy(spec, device), accelerator=CPUAccelerator() if device.type == "cpu" else
+        settings.accelerator, devices=local_world, num_nodes=settings.world_size // local_world,
+        precision=settings.precision, max_steps=2, accumulate_grad_batches=spec.micro_batches, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, callbacks=[callback],
+    )
+    trainer.fit(make_model(settings), DataLoader(dataset, batch_size=settings.batch_size, shuffle=False))
+    report = callback.reports["fit_end"][dist.get_rank()]
+    comm = report["comm"]
+    return {
+        "grads_bytes": report["grads_bytes"],
+        "params_bytes": report["params_bytes"],
+        "unsharded_grads_bytes": report["unsharded_grads_bytes"],
+        "replicate_bytes": sum(e["bytes"] for e in comm.get(REPLICATE_AXIS, {}).values()),
+        "shard_bytes": sum(e["bytes"] for e in comm.get(SHARD_AXIS, {}).values()),
+        "comm_mismatch": report["comm_mismatch"],
+        "backward_passes": report["backward_passes"],
+    }
+
+
 # ---------------------------------------------------------------------------------------------- one rank, one run
 
 
@@ -224,8 +313,14 @@ def run_config(spec: ConfigSpec, settings: Settings, dataset: Dataset, device: t
         torch.cuda.reset_peak_memory_stats(device)
     reset_peak_rss()
     start_rss = current_rss()
+    if spec.micro_batches is not None:
+        return {"config": spec.name, "kind": spec.kind, "degree": spec.degree, "rank": dist.get_rank(),
+                "micro_batches": spec.micro_batches, "accumulation": spec.accumulation,
+                **run_accumulation(spec, settings, dataset, device)}
     if spec.kind == "torch_hsdp":
         probe = run_torch_hsdp(spec, settings, dataset, device)
+    elif spec.kind == "torch_fsdp2":
+        probe = run_torch_fsdp2(spec, settings, dataset, device)
     else:
         probe = run_lightning(spec, settings, dataset, device)
     if not probe.measured:
