@@ -21,6 +21,9 @@ Keys SMP defines but this library does not implement are never silently ignored:
 training (``tensor_parallel_degree: 4``, ``sm_activation_offloading: true``) is an error, a harmless one
 (``tensor_parallel_degree: 1``) a warning. Unknown keys are errors with a "did you mean" suggestion. Every
 error is a :class:`~lightning_smp.errors.HybridShardConfigError` naming the source and the key.
+
+Above 300 lines for a reason: the rule of every SMP v2 key (its type, when it is an error, the fix) is data
+here, next to the one precedence implementation that applies them.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ its next cell comes back to it: the trained weights (loaded into the notebook's 
 and ``trainer.current_epoch``, ``trainer.callback_metrics``/``logged_metrics``, callback state, every callback's
 ``report`` and ``reports`` attributes (e.g. :class:`lightning_smp.MemorySavingsCallback`), and the optimizer
 state, so that ``trainer.save_checkpoint(...)`` in the notebook writes a checkpoint a new Trainer resumes from.
+
+Above 300 lines for a reason: one launcher, whose halves (starting ranks, bringing results back into the
+launching process) share the results object and cannot be understood apart.
 """
 
 from __future__ import annotations

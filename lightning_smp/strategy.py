@@ -1,4 +1,10 @@
-"""``HybridShardFSDPStrategy``: Lightning glue around :mod:`lightning_smp.degree` and :mod:`lightning_smp.mesh`."""
+"""``HybridShardFSDPStrategy``: Lightning glue around :mod:`lightning_smp.degree`, :mod:`lightning_smp.mesh` and
+:mod:`lightning_smp.engines`.
+
+Above 300 lines for a reason: it is the one module that knows Lightning's Trainer, one class whose methods are
+overrides of ``FSDPStrategy``'s (each delegating to a pure helper), and about a quarter of it is the documentation of
+the arguments users read in their IDE.
+"""
 
 from __future__ import annotations
 

@@ -583,3 +583,85 @@ def test_init_gives_plain_fully_shard_the_configured_mesh(degree, shape, names):
 
     for result in run_distributed(_plain_fully_shard, WORLD, degree):
         assert result == {"inside": (shape, names), "mine": (WORLD,), "after": (WORLD,)}
+
+
+# ---------------------------------------------------------------------------------------- pieces, without processes
+
+
+def test_auto_wrap_policies_pick_the_same_modules_as_fsdp1():
+    """Every kind of policy FSDP1 and Lightning accept picks the modules FSDP1 would wrap, innermost first."""
+    import functools
+
+    from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy, size_based_auto_wrap_policy
+
+    from lightning_smp import UnsupportedOptionError
+    from lightning_smp.engines.fsdp2 import wrap_targets
+
+    model = FeatureModel()
+    blocks = list(model.blocks)
+    assert wrap_targets(model, None) == []
+    assert wrap_targets(model, {LoRABlock}) == blocks
+    assert wrap_targets(model, ModuleWrapPolicy({LoRABlock})) == blocks
+    assert wrap_targets(model, CustomPolicy(lambda m: isinstance(m, LoRABlock))) == blocks
+    # a callable policy: exactly the modules FSDP1's own recursive wrapping would wrap, in its order
+    from torch.distributed.fsdp.wrap import _recursive_wrap
+
+    for threshold in (20, 150, 400):
+        by_size = functools.partial(size_based_auto_wrap_policy, min_num_params=threshold)
+        wrapped: list[torch.nn.Module] = []
+        _recursive_wrap(model, by_size, lambda module, wrapped=wrapped, **kwargs: wrapped.append(module) or module,
+                        ignored_modules=set(), ignored_params=set(), only_wrap_children=True)
+        assert wrap_targets(model, by_size) == wrapped, threshold
+        assert wrapped, threshold
+    with pytest.raises(UnsupportedOptionError, match="auto_wrap_policy=3 is not a wrapping policy"):
+        wrap_targets(model, 3)
+
+
+def test_a_count_that_differs_from_the_textbook_is_marked():
+    from lightning_smp.accounting.render import MISMATCH_MARK, comm_mismatches, comm_rows, comm_title
+
+    def figure(gathers: int) -> dict:
+        return {SHARD_AXIS: {"all_gather": {"count": gathers, "bytes": 8 * gathers, "ring_bytes": 4.0 * gathers}}}
+
+    record = {"rank": 0, "comm": {**figure(1), "other": {"broadcast": {"count": 1, "bytes": 1}}},
+              "comm_textbook": figure(2)}
+    # Lightning's own world-group traffic ("other") has no textbook figure and is never marked
+    assert comm_mismatches(record) == [(SHARD_AXIS, "all_gather")]
+    rows = comm_rows([record])[1]
+    assert [row[3] for row in rows] == [f"1 {MISMATCH_MARK}", "1"]
+    agreed = {**record, "comm": figure(2)}
+    assert comm_mismatches(agreed) == [] and MISMATCH_MARK not in str(comm_rows([agreed]))
+    title = comm_title([{**record, "backward_passes": 4, "gradient_accumulation": DEFER_ALL_REDUCE}])
+    assert title == (f"Collectives per rank in one optimizer step (4 micro-batch(es), defer_all_reduce); {MISMATCH_MARK}:"
+                     " measured differs from the textbook")
+    assert MISMATCH_MARK not in comm_title([agreed])
+
+
+def _clip_over_shards(rank: int, world_size: int) -> tuple[str, float, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=(REPLICATE_AXIS, SHARD_AXIS))
+    torch.manual_seed(0)
+    model = TinyModel()
+    reference = TinyModel()
+    reference.load_state_dict(model.state_dict())
+    fully_shard(model.net[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))  # the same batch everywhere: grads agree
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    total = FSDP2Engine().clip_grad_norm(model, max_norm=0.5)
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.5)
+    clipped = max((p.grad.full_tensor() - q.grad).abs().max().item()
+                  for p, q in zip(model.parameters(), reference.parameters()))
+    return type(total).__name__, abs(total.item() - expected.item()), clipped
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_norm_clipping_counts_every_shard_once_and_returns_a_plain_number():
+    from tests.helpers import run_distributed
+
+    for kind, norm_error, grad_error in run_distributed(_clip_over_shards, WORLD):
+        assert kind == "Tensor"  # not a DTensor: loggable as is
+        assert norm_error <= 1e-4 and grad_error <= 1e-6

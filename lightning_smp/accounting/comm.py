@@ -27,6 +27,9 @@ When no counter is active nothing is installed, so accounting costs nothing. Whi
 operation of the current thread passes through a Python ``TorchDispatchMode`` (a few microseconds per op; the
 memory report therefore counts one optimizer step, not all of them). Counting never changes a result: each call is
 forwarded unchanged.
+
+Above 300 lines for a reason: the counter and the textbook formulas share their conventions (logical bytes,
+ring bytes, axis names) and are compared one to one; they are kept side by side on purpose.
 """
 
 from __future__ import annotations

@@ -126,6 +126,15 @@ def comm_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def comm_title(records: Sequence[dict]) -> str:
+    """The communication table's title: micro-batches and accumulation mode of the step, and what the mark means
+    when a count is marked."""
+    r0 = records[0]
+    mode = f", {r0['gradient_accumulation']}" if r0.get("gradient_accumulation") else ""
+    marked = f"; {MISMATCH_MARK}: measured differs from the textbook" if any(map(comm_mismatches, records)) else ""
+    return f"Collectives per rank in one optimizer step ({r0.get('backward_passes', 1)} micro-batch(es){mode}){marked}"
+
+
 def report_tables(records: Sequence[dict]) -> list[TableSpec]:
     """The memory table and the communication table of one report."""
     r0 = records[0]
@@ -133,10 +142,7 @@ def report_tables(records: Sequence[dict]) -> list[TableSpec]:
              f" {r0['shard_degree']} shard(s)")
     return [
         (f"Memory per rank at {r0['stage']} (step {r0['step']}): {where}", *memory_rows(records)),
-        (f"Collectives per rank in one optimizer step ({r0.get('backward_passes', 1)} micro-batch(es)"
-         f"{', ' + r0['gradient_accumulation'] if r0.get('gradient_accumulation') else ''})"
-         + (f"; {MISMATCH_MARK}: measured differs from the textbook" if any(map(comm_mismatches, records)) else ""),
-         *comm_rows(records)),
+        (comm_title(records), *comm_rows(records)),
     ]
 
 
@@ -154,6 +160,7 @@ __all__ = [
     "build_table",
     "MISMATCH_MARK",
     "comm_mismatches",
+    "comm_title",
     "comm_rows",
     "fmt_bytes",
     "format_report",
