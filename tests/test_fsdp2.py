@@ -537,13 +537,16 @@ def test_precision_maps_to_a_mixed_precision_policy():
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
-@pytest.mark.parametrize(("precision", "cpu_offload"), [("bf16-mixed", None), ("32-true", True)])
+@pytest.mark.parametrize(("precision", "cpu_offload"),
+                         [("bf16-mixed", None), ("16-mixed", None), ("bf16-true", None), ("32-true", True)])
 def test_precision_and_cpu_offload_train(tmp_path, precision, cpu_offload):
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork", fsdp_version=2,
                                        cpu_offload=cpu_offload)
     trainer, _, records = fit_and_record(strategy, tmp_path, WORLD, precision=precision, max_steps=3)
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in records)
-    assert all(s.dtype == torch.float32 for r in records for s in r["shards"])  # fp32 sharded master weights
+    # fp32 sharded master weights under *-mixed; a bf16 model (converted by the precision plugin) under bf16-true
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    assert all(s.dtype == dtype for r in records for s in r["shards"])
     if cpu_offload:  # the same numbers as without offloading (on a CPU the offload is a no-op that must not crash)
         _, _, plain = fit_and_record(HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork",
                                                              fsdp_version=2), tmp_path / "plain", WORLD, max_steps=3)

@@ -170,9 +170,9 @@ class ValidatedModel(TinyModel):
         self.log("val_loss", torch.nn.functional.mse_loss(self(batch[0]), batch[1]), sync_dist=True)
 
 
-def _fit_then_validate(rank: int, world_size: int) -> tuple[bool, int, float, float]:
+def _fit_then_validate(rank: int, world_size: int, fsdp_version: int) -> tuple[bool, int, float, float]:
     # ranks started externally, as under torchrun: fit and validate run in the same processes
-    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2)
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=fsdp_version)
     trainer = cpu_trainer(strategy, devices=world_size, max_steps=2, limit_val_batches=1, num_sanity_val_steps=0)
     model = ValidatedModel()
     trainer.fit(model, make_loader(), make_loader())
@@ -192,8 +192,9 @@ def _fit_then_validate(rank: int, world_size: int) -> tuple[bool, int, float, fl
 
 
 @pytest.mark.timeout(120)
-def test_mesh_is_built_once_per_strategy_across_stages():
-    results = run_distributed(_fit_then_validate, 4, timeout=90)
+@pytest.mark.parametrize("fsdp_version", [1, 2], ids=["fsdp1", "fsdp2"])
+def test_mesh_is_built_once_per_strategy_across_stages(fsdp_version):
+    results = run_distributed(_fit_then_validate, 4, fsdp_version, timeout=90)
     assert all(r[:2] == (True, 2) for r in results)
     # validation after fit in the same processes uses the trained shards (a second wrap used to see 1-D views)
     assert abs(results[0][2] - results[0][3]) <= 1e-6
