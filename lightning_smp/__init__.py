@@ -1,9 +1,11 @@
 """SageMaker SMP v2 hybrid sharded data parallelism for PyTorch Lightning, without SageMaker.
 
 ``import lightning_smp`` registers the Trainer strategy names ``"smp_hybrid"``, ``"smp_hybrid_zero2"`` and
-``"smp_hybrid_notebook"`` and ``"smp_hybrid_fsdp2"``.
+``"smp_hybrid_notebook"`` and ``"smp_hybrid_fsdp2"``, for the Trainer and for Fabric
+(:class:`lightning_smp.fabric.HybridShardFSDPStrategy`).
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_smp.__about__ import __version__
@@ -23,7 +25,10 @@ from lightning_smp.plain import init, is_initialized, shutdown
 from lightning_smp.precision import HybridShardPrecision
 from lightning_smp.strategy import HybridShardFSDPStrategy
 
+from lightning_smp import fabric as _fabric  # isort: skip  # Fabric's strategy, registered below
+
 HybridShardFSDPStrategy.register_strategies(StrategyRegistry)
+_fabric.HybridShardFSDPStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "MESH_AXES",

@@ -42,23 +42,14 @@ from lightning_smp.accounting.memory import no_sync_extra_bytes
 from lightning_smp.accounting.render import fmt_bytes
 from lightning_smp.checkpoint import CheckpointRun, ShardedModel
 from lightning_smp.collectives import Collectives
-from lightning_smp.config import SMPConfig, check_fsdp_version, resolve_config
-from lightning_smp.degree import (
-    Layout,
-    check_degree,
-    check_sharding_strategy,
-    reconcile_degree,
-    resolve_strategy_layout,
-)
-from lightning_smp.engines import Engine, ShardingPlan, engine_for
+from lightning_smp.core import FSDP2_OFFLOAD_CONFIGS, HybridShardCore
+from lightning_smp.degree import Layout
+from lightning_smp.engines import Engine, ShardingPlan
 from lightning_smp.errors import CheckpointError, HybridShardConfigError, UnsupportedOptionError
 from lightning_smp.launcher import HybridShardMultiProcessingLauncher, MainProcessResults, check_start_method_name
-from lightning_smp.mesh import build_device_mesh, check_device_mesh, process_group_degree
 from lightning_smp.names import (
     FULL,
-    GRADIENT_ACCUMULATIONS,
     NO_SYNC,
-    STATE_DICT_TYPES,
     STRATEGY_NAMES,
     GradientAccumulation,
     ShardingStrategyName,
@@ -66,7 +57,6 @@ from lightning_smp.names import (
     StateDictType,
 )
 from lightning_smp.precision import HybridShardPrecision
-from lightning_smp.replicas import broadcast_across_replicas, broadcast_before_wrapping
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -178,33 +168,14 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         **kwargs: Any,
     ) -> None:
         # static checks, before anything is built: the same on every rank
-        self._requested_strategy = check_sharding_strategy(sharding_strategy)
-        self._fsdp_version_arg = None if fsdp_version is None else check_fsdp_version(fsdp_version)
-        if gradient_accumulation is not None and gradient_accumulation not in GRADIENT_ACCUMULATIONS:
-            raise HybridShardConfigError(
-                f"gradient_accumulation={gradient_accumulation!r} is not supported. Valid values: "
-                + ", ".join(repr(g) for g in GRADIENT_ACCUMULATIONS) + "."
-            )
-        self._accumulation_arg: GradientAccumulation | None = gradient_accumulation
-        # the user's own engine arguments, before FSDPStrategy adds its defaults (use_orig_params=True)
-        self._engine_options = {**kwargs, **({"auto_wrap_policy": auto_wrap_policy} if auto_wrap_policy else {})}
-        if self._fsdp_version_arg is not None:
-            self._check_engine(engine_for(self._fsdp_version_arg), mixed_precision, cpu_offload)
-        degree = None if hybrid_shard_degree is None else check_degree(hybrid_shard_degree)
-        self._user_mesh, mesh_degree = check_device_mesh(device_mesh)
-        self._mesh_shape_arg = tuple(device_mesh) if isinstance(device_mesh, (tuple, list)) else None
-        if device_mesh is not None and kwargs.get("process_group") is not None:
-            raise HybridShardConfigError(
-                "device_mesh and process_group were both given; they are mutually exclusive. Fix: pass only one."
-            )
-        degree = reconcile_degree("device_mesh", mesh_degree, degree)
-        self._degree_arg = reconcile_degree("process_group", process_group_degree(kwargs.get("process_group")), degree)
+        #: what the Trainer and Fabric strategies share (configuration, layout, engine, mesh, sharding)
+        self.core = HybridShardCore.from_arguments(
+            sharding_strategy=sharding_strategy, hybrid_shard_degree=hybrid_shard_degree, device_mesh=device_mesh,
+            fsdp_version=fsdp_version, gradient_accumulation=gradient_accumulation, state_dict_type=state_dict_type,
+            mixed_precision=mixed_precision, cpu_offload=cpu_offload, auto_wrap_policy=auto_wrap_policy,
+            kwargs=kwargs,
+        )
         start_method = check_start_method_name(start_method)
-        if state_dict_type not in STATE_DICT_TYPES:
-            raise HybridShardConfigError(
-                f"state_dict_type={state_dict_type!r} is not supported. Valid values: "
-                + ", ".join(repr(t) for t in STATE_DICT_TYPES) + "."
-            )
         self._start_method: StartMethod = start_method or ("fork" if _IS_INTERACTIVE else "popen")
         # Lightning refuses hybrid strategies before a mesh exists, and a mesh needs the process group:
         # start as FULL_SHARD and set the real strategy in setup_environment().
@@ -226,20 +197,10 @@ class HybridShardFSDPStrategy(FSDPStrategy):
             device_mesh=None,
             **kwargs,
         )
-        self._cpu_offload_arg = cpu_offload
-        if type(cpu_offload).__name__ in ("CPUOffloadPolicy", "OffloadPolicy"):
+        if type(cpu_offload).__name__ in FSDP2_OFFLOAD_CONFIGS:
             # FSDP2's own config, kept as given (FSDPStrategy would make it a CPUOffload and lose its settings)
             self.cpu_offload = cpu_offload  # type: ignore[assignment]  # FSDPStrategy annotates FSDP1's type only
         self._state_dict_type: StateDictType = state_dict_type
-        #: the engine that shards the model (``fsdp_version``; settled when the Trainer configures the strategy)
-        self.engine: Engine = engine_for(self._fsdp_version_arg or 1)
-        #: who writes this run's checkpoints (see :class:`lightning_smp.checkpoint.CheckpointRun`)
-        self.checkpoint_run = CheckpointRun()
-        self._config: SMPConfig | None = None
-        self._layout: Layout | None = None
-        self._device_mesh: DeviceMesh | None = None
-        self._mesh_layout: tuple[Layout, str] | None = None
-        self._wrapped_root: Module | None = None
         self._launch_results: MainProcessResults | None = None
         self._warned_override = False
 
@@ -253,25 +214,17 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         Resolved once, when the Trainer configures the strategy; every source is checked even when a higher one
         wins (see :mod:`lightning_smp.config`).
         """
-        return (self._config or self._resolve_config()).hybrid_shard_degree
+        return self.core.hybrid_shard_degree
 
-    def _resolve_config(self) -> SMPConfig:
-        explicit: dict[str, Any] = {}
-        if self._degree_arg is not None:
-            explicit["hybrid_shard_degree"] = self._degree_arg
-        if self._fsdp_version_arg is not None:
-            explicit["fsdp_version"] = self._fsdp_version_arg
-        return resolve_config(explicit or None)
+    @property
+    def engine(self) -> Engine:
+        """The engine that shards the model (``fsdp_version``; settled when the Trainer configures the strategy)."""
+        return self.core.engine
 
-    def _check_engine(self, engine: Engine, mixed_precision: Any, cpu_offload: Any) -> None:
-        """Static checks of the arguments against the engine that will run them."""
-        engine.check_options(self._engine_options, mixed_precision, cpu_offload)
-        if self._accumulation_arg is not None and self._accumulation_arg not in engine.accumulations:
-            raise HybridShardConfigError(
-                f"gradient_accumulation={self._accumulation_arg!r} needs fsdp_version=2; fsdp_version="
-                f"{engine.version} implements " + ", ".join(repr(g) for g in engine.accumulations)
-                + ". Fix: pass fsdp_version=2, or one of those."
-            )
+    @property
+    def checkpoint_run(self) -> CheckpointRun:
+        """Who writes this run's checkpoints (see :class:`lightning_smp.checkpoint.CheckpointRun`)."""
+        return self.core.checkpoint_run
 
     @property
     def fsdp_version(self) -> int:
@@ -281,7 +234,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
     @property
     def gradient_accumulation(self) -> GradientAccumulation:
         """What micro-batches before the last of an optimizer step communicate (the engine's default unless given)."""
-        return self._accumulation_arg or self.engine.accumulations[0]
+        return self.core.gradient_accumulation
 
     @property
     def start_method(self) -> StartMethod:
@@ -291,16 +244,16 @@ class HybridShardFSDPStrategy(FSDPStrategy):
     @property
     def layout(self) -> Layout:
         """Replicas, shard degree and the FSDP sharding strategy in effect (known once the Trainer exists)."""
-        if self._layout is None:
+        if self.core.layout is None:
             raise HybridShardConfigError(
                 "HybridShardFSDPStrategy.layout is not known yet: it is resolved when the Trainer is created."
             )
-        return self._layout
+        return self.core.layout
 
     @property
     def device_mesh(self) -> DeviceMesh:
         """The 2-D ``DeviceMesh`` with axes ``("replicate", "shard")``, built in ``setup_environment``."""
-        if self._device_mesh is None:
+        if self.core.device_mesh is None:
             if self.kwargs.get("process_group") is not None:
                 raise HybridShardConfigError(
                     "HybridShardFSDPStrategy.device_mesh does not exist: a process_group was passed and is used as is."
@@ -309,12 +262,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
                 "HybridShardFSDPStrategy.device_mesh is not available before setup: it is built in"
                 " setup_environment(), once the process group exists (inside Trainer.fit/validate/test/predict)."
             )
-        return self._device_mesh
-
-    def _resolve_layout(self) -> Layout:
-        given = tuple(self._user_mesh.shape) if self._user_mesh is not None else self._mesh_shape_arg
-        return resolve_strategy_layout(self.num_nodes, self.num_processes, self.hybrid_shard_degree,
-                                       self._requested_strategy, mesh_shape=given, user_mesh=self._user_mesh is not None)
+        return self.core.device_mesh
 
     # ------------------------------------------------------------------ launch and process groups
 
@@ -322,11 +270,8 @@ class HybridShardFSDPStrategy(FSDPStrategy):
     def _configure_launcher(self) -> None:
         # At Trainer(...), before any process is started: resolve the configuration once and check the world-size
         # facts, so that a bad degree fails here and not in the ranks.
-        self._config = config = self._resolve_config()
-        # the engine is known now (an argument, or any configuration source): check the arguments against it
-        self.engine = engine_for(config.fsdp_version)
-        self._check_engine(self.engine, self.mixed_precision, self._cpu_offload_arg)
-        self._layout = layout = self._resolve_layout()
+        # the engine is known now (an argument, or any configuration source): the arguments are checked against it
+        layout = self.core.configure(self.num_nodes, self.num_processes)
         self.precision_plugin.set_device_type(self.root_device.type)
         if layout.overridden and not self._warned_override:
             self._warned_override = True
@@ -344,36 +289,18 @@ class HybridShardFSDPStrategy(FSDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # Same inputs on every rank, so every rank fails identically here, before the first collective.
-        layout = self._layout if self._layout is not None else self._resolve_layout()
-        self._layout = layout
         super().setup_environment()
-        if dist.get_world_size() != layout.world_size:
-            raise HybridShardConfigError(
-                f"torch.distributed has {dist.get_world_size()} ranks but the Trainer was configured for"
-                f" world_size={layout.world_size} (num_nodes x devices). Fix: make devices/num_nodes match the launcher."
-            )
+        # Same inputs on every rank, so every rank fails identically here, before the first collective.
+        layout = self.core.build_mesh(self.num_nodes, self.num_processes, self.root_device.type)
         from torch.distributed.fsdp import ShardingStrategy
 
         self.sharding_strategy = ShardingStrategy[layout.sharding_strategy]
-        if self.kwargs.get("process_group") is None:
-            if self._user_mesh is not None:
-                self._device_mesh = self._user_mesh
-            elif self._mesh_layout != (layout, self.root_device.type):
-                # fit, then validate/test on the same Trainer: building again would create new process groups
-                self._device_mesh = build_device_mesh(layout, self.root_device.type)
-                self._mesh_layout = (layout, self.root_device.type)
         rank_zero_info(f"{type(self).__name__}: {layout.describe()}")
 
     def _plan(self) -> ShardingPlan:
         """What the engine builds: this layout on the root device, with the user's own FSDP arguments."""
-        layout = self.layout
-        mesh = self._device_mesh
-        if mesh is not None and self._user_mesh is None:
-            mesh = self.engine.mesh_for(mesh, layout)
-        return ShardingPlan(layout=layout, device=self.root_device, mesh=mesh, mixed_precision=self.mixed_precision_config,
-                            cpu_offload=self.cpu_offload, options=dict(self.kwargs),
-                            precision=str(self.precision_plugin.precision))
+        return self.core.plan(self.root_device, mixed_precision=self.mixed_precision_config, cpu_offload=self.cpu_offload,
+                              options=dict(self.kwargs), precision=str(self.precision_plugin.precision))
 
     # ------------------------------------------------------------------ model wrapping
 
@@ -396,7 +323,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
 
     def _warn_no_sync(self, micro_batches: int) -> None:
         """Once per fit: what accumulating under ``no_sync`` costs each rank, when nobody chose it explicitly."""
-        if self.gradient_accumulation != NO_SYNC or self._accumulation_arg == NO_SYNC or self.model is None:
+        if self.gradient_accumulation != NO_SYNC or self.core.accumulation_arg == NO_SYNC or self.model is None:
             return
         extra = no_sync_extra_bytes(self.model)
         if extra > 0:
@@ -422,38 +349,21 @@ class HybridShardFSDPStrategy(FSDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        previous = self._wrapped_root
-        if previous is not None and (previous is model or getattr(previous, "module", None) is model):
-            # validate/test (or another fit) after fit in the same processes: wrapping again would find the
-            # parameters already sharded (FSDP1: flattened, leaving 1-D views for the forward); keep the wrapper
-            return previous
-        engine = self.engine
-        checkpoint_first = engine.checkpoint_activations_first and not engine.is_sharded(model)
-        if checkpoint_first:
-            _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
-        # parameters the engine already manages were synced when they were sharded; their local views differ in
-        # size between ranks and must not be broadcast
-        synced = engine.holds_shards(model)
-        if engine.is_sharded(model):
-            if _has_meta_device_parameters_or_buffers(model):
-                rank_zero_warn("The model is already wrapped in `FSDP` but there are still parameters on the meta device.")
-            if "auto_wrap_policy" in self.kwargs:
-                rank_zero_warn("A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be ignored.")
-                del self.kwargs["auto_wrap_policy"]
-            model = engine.complete(model, self._plan())
-        else:
-            if not synced:
-                # DDP semantics: every replica starts from rank 0's weights, however the ranks were seeded.
-                synced = broadcast_before_wrapping(model, self.root_device)
-            model = engine.wrap(model, self._plan())
-        self._wrapped_root = model
-        if not synced and self._device_mesh is not None:
-            broadcast_across_replicas(model, self._device_mesh, self.root_device)
-
+        model = self.core.shard(
+            model, self._plan(),
+            checkpoint_activations=lambda m: _setup_activation_checkpointing(m, self._activation_checkpointing_kwargs),
+            on_already_sharded=self._already_sharded,
+        )
         _move_torchmetrics_to_device(model, self.root_device)
-        if not checkpoint_first:
-            _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
         return model
+
+    def _already_sharded(self, model: Module) -> None:
+        # Lightning's FSDPStrategy's warnings for a model the user wrapped in configure_model
+        if _has_meta_device_parameters_or_buffers(model):
+            rank_zero_warn("The model is already wrapped in `FSDP` but there are still parameters on the meta device.")
+        if "auto_wrap_policy" in self.kwargs:
+            rank_zero_warn("A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be ignored.")
+            del self.kwargs["auto_wrap_policy"]
 
     @contextmanager
     @override
@@ -487,12 +397,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
     # ------------------------------------------------------------------ state dicts
 
     def _sharded_model(self) -> ShardedModel:
-        if self.model is None:
-            raise HybridShardConfigError(
-                "HybridShardFSDPStrategy has no model yet: state dicts exist once the Trainer has set up the model"
-                " (inside or after fit/validate/test/predict)."
-            )
-        return ShardedModel(self.model, self.engine, self._device_mesh, Collectives.current(self.root_device))
+        return self.core.sharded_model(self.model, self.root_device, "HybridShardFSDPStrategy")
 
     def full_state_dict(self) -> dict[str, Any]:
         """The unsharded model weights on global rank 0 (an empty dict on the other ranks). Call it on every rank.
@@ -517,7 +422,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
             checkpoint, kind = self._launch_results.complete_checkpoint(checkpoint), FULL
         # atomic, never over another run's checkpoint, tensors written once (see lightning_smp.checkpoint)
         checkpoint_lib.save(checkpoint, filepath, kind=kind, collectives=Collectives.current(self.root_device),
-                            run=self.checkpoint_run, layout=self._layout, storage_options=storage_options)
+                            run=self.checkpoint_run, layout=self.core.layout, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -1,0 +1,267 @@
+"""What every front end of hybrid sharding shares: the Trainer strategy and the Fabric strategy each hold one
+:class:`HybridShardCore` and are thin glue around it.
+
+The core takes explicit inputs (the user's arguments, the number of nodes and devices, the root device, the
+module) and knows neither Lightning's Trainer nor Fabric. In order:
+
+1. :meth:`HybridShardCore.from_arguments`: static checks of the arguments, before anything is built, the same on
+   every rank;
+2. :meth:`~HybridShardCore.configure`: when the front end is created (before any process starts), the configuration
+   is resolved once from every source, the engine chosen and the arguments checked against it, and the layout
+   resolved for the world size, so that a bad degree fails there;
+3. :meth:`~HybridShardCore.build_mesh`: once the process group exists (on every rank), the ``(replicate, shard)``
+   mesh;
+4. :meth:`~HybridShardCore.shard`: the module sharded by the engine, every replica starting from rank 0's weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.nn import Module
+
+from lightning_smp.checkpoint import CheckpointRun, ShardedModel
+from lightning_smp.collectives import Collectives
+from lightning_smp.config import SMPConfig, check_fsdp_version, resolve_config
+from lightning_smp.degree import (
+    Layout,
+    check_degree,
+    check_sharding_strategy,
+    reconcile_degree,
+    resolve_strategy_layout,
+)
+from lightning_smp.engines import Engine, ShardingPlan, engine_for
+from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.mesh import build_device_mesh, check_device_mesh, process_group_degree
+from lightning_smp.names import (
+    GRADIENT_ACCUMULATIONS,
+    STATE_DICT_TYPES,
+    GradientAccumulation,
+    ShardingStrategyName,
+    StateDictType,
+)
+from lightning_smp.replicas import broadcast_across_replicas, broadcast_before_wrapping
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+#: Names of the offload configs of FSDP2, which Lightning's FSDP strategies would turn into FSDP1's ``CPUOffload``.
+FSDP2_OFFLOAD_CONFIGS = ("CPUOffloadPolicy", "OffloadPolicy")
+
+
+@dataclass
+class HybridShardCore:
+    """The front-end-independent state of one hybrid-sharding strategy (see the module docstring for its order).
+
+    Attributes:
+        requested_strategy: the sharding strategy the user asked for.
+        degree_arg: the degree given as an argument (or implied by ``device_mesh``/``process_group``), else ``None``.
+        fsdp_version_arg: the ``fsdp_version`` argument, else ``None`` (the configuration sources decide).
+        accumulation_arg: the ``gradient_accumulation`` argument, else ``None`` (the engine's default).
+        state_dict_type: the checkpoint format.
+        engine_options: the user's own engine arguments (``auto_wrap_policy`` and the ``**kwargs``), before a front
+            end adds its defaults.
+        mixed_precision_arg, cpu_offload_arg: those arguments as the user gave them.
+        user_mesh: a ``DeviceMesh`` the user passed (used as is), and ``mesh_shape_arg`` a tuple they passed.
+        engine: the engine in effect; config, layout, device_mesh: known after :meth:`configure` and
+            :meth:`build_mesh`; checkpoint_run: who writes this run's checkpoints.
+    """
+
+    requested_strategy: ShardingStrategyName
+    degree_arg: int | None
+    fsdp_version_arg: int | None
+    accumulation_arg: GradientAccumulation | None
+    state_dict_type: StateDictType
+    engine_options: dict[str, Any]
+    mixed_precision_arg: Any = None
+    cpu_offload_arg: Any = None
+    user_mesh: DeviceMesh | None = None
+    mesh_shape_arg: tuple[int, ...] | None = None
+    engine: Engine = field(default_factory=lambda: engine_for(1))
+    config: SMPConfig | None = None
+    layout: Layout | None = None
+    device_mesh: DeviceMesh | None = None
+    checkpoint_run: CheckpointRun = field(default_factory=CheckpointRun)
+    _mesh_key: tuple[Layout, str] | None = None
+    _wrapped_root: Module | None = None
+
+    # ------------------------------------------------------------------ 1. static checks
+
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        sharding_strategy: Any,
+        hybrid_shard_degree: Any,
+        device_mesh: Any,
+        fsdp_version: Any,
+        gradient_accumulation: Any,
+        state_dict_type: Any,
+        mixed_precision: Any,
+        cpu_offload: Any,
+        auto_wrap_policy: Any,
+        kwargs: dict[str, Any],
+    ) -> HybridShardCore:
+        """Check the arguments that need no world size and no process; raise :class:`HybridShardConfigError`."""
+        requested = check_sharding_strategy(sharding_strategy)
+        version = None if fsdp_version is None else check_fsdp_version(fsdp_version)
+        if gradient_accumulation is not None and gradient_accumulation not in GRADIENT_ACCUMULATIONS:
+            raise HybridShardConfigError(
+                f"gradient_accumulation={gradient_accumulation!r} is not supported. Valid values: "
+                + ", ".join(repr(g) for g in GRADIENT_ACCUMULATIONS) + "."
+            )
+        if state_dict_type not in STATE_DICT_TYPES:
+            raise HybridShardConfigError(
+                f"state_dict_type={state_dict_type!r} is not supported. Valid values: "
+                + ", ".join(repr(t) for t in STATE_DICT_TYPES) + "."
+            )
+        degree = None if hybrid_shard_degree is None else check_degree(hybrid_shard_degree)
+        user_mesh, mesh_degree = check_device_mesh(device_mesh)
+        if device_mesh is not None and kwargs.get("process_group") is not None:
+            raise HybridShardConfigError(
+                "device_mesh and process_group were both given; they are mutually exclusive. Fix: pass only one."
+            )
+        degree = reconcile_degree("device_mesh", mesh_degree, degree)
+        degree = reconcile_degree("process_group", process_group_degree(kwargs.get("process_group")), degree)
+        core = cls(
+            requested_strategy=requested, degree_arg=degree, fsdp_version_arg=version,
+            accumulation_arg=gradient_accumulation, state_dict_type=state_dict_type,
+            engine_options={**kwargs, **({"auto_wrap_policy": auto_wrap_policy} if auto_wrap_policy else {})},
+            mixed_precision_arg=mixed_precision, cpu_offload_arg=cpu_offload, user_mesh=user_mesh,
+            mesh_shape_arg=tuple(device_mesh) if isinstance(device_mesh, (tuple, list)) else None,
+            engine=engine_for(version or 1),
+        )
+        if version is not None:
+            core.check_engine()  # the engine is known already: refuse its wrong arguments now
+        return core
+
+    def check_engine(self) -> None:
+        """Static checks of the arguments against the engine that will run them."""
+        engine = self.engine
+        engine.check_options(self.engine_options, self.mixed_precision_arg, self.cpu_offload_arg)
+        if self.accumulation_arg is not None and self.accumulation_arg not in engine.accumulations:
+            raise HybridShardConfigError(
+                f"gradient_accumulation={self.accumulation_arg!r} needs fsdp_version=2; fsdp_version="
+                f"{engine.version} implements " + ", ".join(repr(g) for g in engine.accumulations)
+                + ". Fix: pass fsdp_version=2, or one of those."
+            )
+
+    # ------------------------------------------------------------------ 2. configuration, at the front end's creation
+
+    def resolve_config(self) -> SMPConfig:
+        """Every configuration source merged, the arguments on top (see :mod:`lightning_smp.config`)."""
+        explicit: dict[str, Any] = {}
+        if self.degree_arg is not None:
+            explicit["hybrid_shard_degree"] = self.degree_arg
+        if self.fsdp_version_arg is not None:
+            explicit["fsdp_version"] = self.fsdp_version_arg
+        return resolve_config(explicit or None)
+
+    def configure(self, num_nodes: int, devices: int) -> Layout:
+        """Resolve the configuration once, choose the engine, check the arguments against it and resolve the layout
+        for ``num_nodes x devices`` ranks. Call it before any process starts."""
+        self.config = config = self.resolve_config()
+        self.engine = engine_for(config.fsdp_version)
+        self.check_engine()
+        self.layout = self.resolve_layout(num_nodes, devices)
+        return self.layout
+
+    def resolve_layout(self, num_nodes: int, devices: int) -> Layout:
+        given = tuple(self.user_mesh.shape) if self.user_mesh is not None else self.mesh_shape_arg
+        degree = (self.config or self.resolve_config()).hybrid_shard_degree
+        return resolve_strategy_layout(num_nodes, devices, degree, self.requested_strategy, mesh_shape=given,
+                                       user_mesh=self.user_mesh is not None)
+
+    @property
+    def hybrid_shard_degree(self) -> int:
+        return (self.config or self.resolve_config()).hybrid_shard_degree
+
+    @property
+    def gradient_accumulation(self) -> GradientAccumulation:
+        return self.accumulation_arg or self.engine.accumulations[0]
+
+    # ------------------------------------------------------------------ 3. the mesh, once the process group exists
+
+    def build_mesh(self, num_nodes: int, devices: int, device_type: str) -> Layout:
+        """Check the world size against the layout (every rank fails alike, before any collective) and build the
+        mesh once per layout and device type; none when the user passed a ``process_group``."""
+        layout = self.layout if self.layout is not None else self.resolve_layout(num_nodes, devices)
+        self.layout = layout
+        if dist.get_world_size() != layout.world_size:
+            raise HybridShardConfigError(
+                f"torch.distributed has {dist.get_world_size()} ranks but the strategy was configured for"
+                f" world_size={layout.world_size} (num_nodes x devices). Fix: make devices/num_nodes match the launcher."
+            )
+        if self.engine_options.get("process_group") is None:
+            if self.user_mesh is not None:
+                self.device_mesh = self.user_mesh
+            elif self._mesh_key != (layout, device_type):
+                # fit, then validate/test in the same processes: building again would create new process groups
+                self.device_mesh = build_device_mesh(layout, device_type)
+                self._mesh_key = (layout, device_type)
+        return layout
+
+    def plan(self, device: torch.device, *, mixed_precision: Any, cpu_offload: Any, options: dict[str, Any],
+             precision: str) -> ShardingPlan:
+        """What the engine builds: the layout on ``device``, with the user's own engine arguments."""
+        if self.layout is None:
+            raise HybridShardConfigError("the layout is not known yet: the strategy has not been configured.")
+        mesh = self.device_mesh
+        if mesh is not None and self.user_mesh is None:
+            mesh = self.engine.mesh_for(mesh, self.layout)
+        if type(self.cpu_offload_arg).__name__ in FSDP2_OFFLOAD_CONFIGS:
+            cpu_offload = self.cpu_offload_arg  # FSDP2's own config, kept as the user gave it
+        return ShardingPlan(layout=self.layout, device=device, mesh=mesh, mixed_precision=mixed_precision,
+                            cpu_offload=cpu_offload, options=options, precision=precision)
+
+    # ------------------------------------------------------------------ 4. sharding the module
+
+    def shard(self, module: Module, plan: ShardingPlan, *, checkpoint_activations: Callable[[Module], None],
+              on_already_sharded: Callable[[Module], None]) -> Module:
+        """Shard ``module`` (or complete what the user sharded), every replica from global rank 0's weights.
+
+        ``checkpoint_activations`` applies the front end's activation checkpointing (before or after sharding, as the
+        engine needs); ``on_already_sharded`` is told about a module the user sharded (the front ends warn there).
+        Sharding the same module again (validate after fit in the same processes) returns the first result.
+        """
+        previous = self._wrapped_root
+        if previous is not None and (previous is module or getattr(previous, "module", None) is module):
+            # wrapping again would find the parameters already sharded (FSDP1: flattened, leaving 1-D views)
+            return previous
+        engine, device = self.engine, plan.device
+        first = engine.checkpoint_activations_first and not engine.is_sharded(module)
+        if first:
+            checkpoint_activations(module)
+        # parameters the engine already manages were synced when they were sharded; their local views differ in
+        # size between ranks and must not be broadcast
+        synced = engine.holds_shards(module)
+        if engine.is_sharded(module):
+            on_already_sharded(module)
+            module = engine.complete(module, plan)
+        else:
+            if not synced:
+                # DDP semantics: every replica starts from rank 0's weights, however the ranks were seeded.
+                synced = broadcast_before_wrapping(module, device)
+            module = engine.wrap(module, plan)
+        self._wrapped_root = module
+        if not synced and self.device_mesh is not None:
+            broadcast_across_replicas(module, self.device_mesh, device)
+        if not first:
+            checkpoint_activations(module)
+        return module
+
+    def sharded_model(self, module: Module | None, device: torch.device, owner: str) -> ShardedModel:
+        """``module`` with what the state-dict code needs to know about it (``owner`` names the front end in errors)."""
+        if module is None:
+            raise HybridShardConfigError(
+                f"{owner} has no model yet: state dicts exist once the model has been set up."
+            )
+        return ShardedModel(module, self.engine, self.device_mesh, Collectives.current(device))
+
+
+__all__ = ["FSDP2_OFFLOAD_CONFIGS", "HybridShardCore"]

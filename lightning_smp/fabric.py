@@ -1,0 +1,474 @@
+"""``lightning_smp.fabric.HybridShardFSDPStrategy``: hybrid sharding for hand-written loops with Lightning Fabric.
+
+Lightning's own naming: the same class name as the Trainer strategy, under a ``fabric`` module, subclassing
+``lightning.fabric.strategies.FSDPStrategy``. ``import lightning_smp`` registers ``smp_hybrid``,
+``smp_hybrid_zero2``, ``smp_hybrid_fsdp2`` and ``smp_hybrid_notebook`` in Fabric's registry too::
+
+    fabric = L.Fabric(strategy="smp_hybrid", accelerator="cpu", devices=4)   # or HybridShardFSDPStrategy(...)
+    fabric.launch()
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+
+It is thin glue around :class:`lightning_smp.core.HybridShardCore`, the same core as the Trainer strategy's: the
+same arguments and checks (before any process starts), every configuration source, both engines, replicas from rank
+0's weights, and the same checkpoint formats (a checkpoint of either front end loads in the other).
+``fabric.no_backward_sync(model)`` follows ``gradient_accumulation`` (FSDP2: only the cross-replica all-reduce is
+deferred, gradients stay sharded); an optimizer step after a backward that never reduced its gradients is refused
+(:class:`~lightning_smp.errors.GradientSyncError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision.fsdp import FSDPPrecision
+from lightning.fabric.strategies import FSDPStrategy
+from lightning.fabric.strategies.fsdp import (
+    _has_meta_device_parameters_or_buffers,
+    _move_torchmetrics_to_device,
+    _setup_activation_checkpointing,
+)
+from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_smp import checkpoint as checkpoint_lib
+from lightning_smp.collectives import Collectives
+from lightning_smp.core import FSDP2_OFFLOAD_CONFIGS, HybridShardCore
+from lightning_smp.degree import Layout
+from lightning_smp.engines import Engine, ShardingPlan, engine_of
+from lightning_smp.errors import GradientSyncError, HybridShardConfigError, UnsupportedOptionError
+from lightning_smp.launcher import check_start_method_name
+from lightning_smp.names import STRATEGY_NAMES, GradientAccumulation, ShardingStrategyName, StartMethod, StateDictType
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+class HybridShardFabricPrecision(FSDPPrecision):
+    """Fabric's ``FSDPPrecision`` that autocasts on the strategy's device type (Fabric's hard-codes ``"cuda"``) and,
+    for ``16-mixed``, scales the loss with a scaler for that device type."""
+
+    device_type: str = "cpu"
+
+    @classmethod
+    def from_plugin(cls, plugin: FSDPPrecision, device_type: str) -> HybridShardFabricPrecision:
+        upgraded = cls(plugin.precision)  # type: ignore[arg-type]  # an FSDPPrecision's precision is one of its own
+        upgraded.device_type = device_type
+        if upgraded.scaler is not None and getattr(upgraded.scaler, "_device", device_type) != device_type:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            upgraded.scaler = ShardedGradScaler(device=device_type)
+        return upgraded
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        if "mixed" in self.precision:
+            dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
+            return torch.autocast(self.device_type, dtype=dtype)
+        return super().forward_context()
+
+
+class _HybridBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: what the strategy's ``gradient_accumulation`` says, and a record of
+    whether the latest backward ran without reducing its gradients."""
+
+    def __init__(self, strategy: HybridShardFSDPStrategy) -> None:
+        self.strategy = strategy
+        self.active = False
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return nullcontext()
+        return self._blocked(module)
+
+    @contextmanager
+    def _blocked(self, module: Module) -> Generator[None, None, None]:
+        self.active = True
+        try:
+            with self.strategy.engine.accumulation_context(module, self.strategy.gradient_accumulation):
+                yield
+        finally:
+            self.active = False
+
+
+class HybridShardFSDPStrategy(FSDPStrategy):
+    r"""Hybrid sharding (SMP's ``hybrid_shard_degree``) for Lightning Fabric.
+
+    Takes the arguments of :class:`lightning_smp.HybridShardFSDPStrategy` (see it for each) that apply to Fabric:
+    ``hybrid_shard_degree``, ``fsdp_version``, ``gradient_accumulation``, ``sharding_strategy``, ``state_dict_type``
+    (``"sharded"`` by default), ``device_mesh``, ``start_method`` (``None``: ``"fork"`` in a notebook, else
+    ``"popen"``, Fabric's script launcher), ``auto_wrap_policy``, ``activation_checkpointing_policy``,
+    ``cpu_offload``, ``mixed_precision``, ``process_group_backend``, ``timeout`` and the engine's ``**kwargs``.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        cpu_offload: Any = None,
+        mixed_precision: Any = None,
+        auto_wrap_policy: Any = None,
+        activation_checkpointing: Any = None,
+        activation_checkpointing_policy: Any = None,
+        sharding_strategy: Any | ShardingStrategyName = "HYBRID_SHARD",
+        state_dict_type: StateDictType = "sharded",
+        device_mesh: Any = None,
+        hybrid_shard_degree: int | None = None,
+        start_method: StartMethod | None = None,
+        fsdp_version: int | None = None,
+        gradient_accumulation: GradientAccumulation | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # static checks, before anything is built: the same on every rank (and the Trainer strategy's)
+        self.core = HybridShardCore.from_arguments(
+            sharding_strategy=sharding_strategy, hybrid_shard_degree=hybrid_shard_degree, device_mesh=device_mesh,
+            fsdp_version=fsdp_version, gradient_accumulation=gradient_accumulation, state_dict_type=state_dict_type,
+            mixed_precision=mixed_precision, cpu_offload=cpu_offload, auto_wrap_policy=auto_wrap_policy,
+            kwargs=kwargs,
+        )
+        self._start_method: StartMethod = check_start_method_name(start_method) or (
+            "fork" if _IS_INTERACTIVE else "popen")
+        # FULL_SHARD until the mesh exists (Lightning refuses hybrid strategies without one); see setup_environment
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            precision=precision, process_group_backend=process_group_backend, timeout=timeout,
+            cpu_offload=cpu_offload if type(cpu_offload).__name__ not in FSDP2_OFFLOAD_CONFIGS else True,
+            mixed_precision=mixed_precision, auto_wrap_policy=auto_wrap_policy,
+            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_policy=activation_checkpointing_policy, sharding_strategy="FULL_SHARD",
+            state_dict_type=state_dict_type, device_mesh=None, **kwargs,
+        )
+        self._backward_sync_control: _HybridBackwardSyncControl = _HybridBackwardSyncControl(self)
+        # whether the latest backward ran inside no_backward_sync (its gradients are not reduced yet)
+        self._unreduced = False
+        self._module: Module | None = None  # the sharded root set up last, for the check before each step
+        self._warned_override = False
+
+    # ------------------------------------------------------------------ what the core knows
+
+    @property
+    def engine(self) -> Engine:
+        """The engine that shards the model (``fsdp_version``; settled when Fabric configures the strategy)."""
+        return self.core.engine
+
+    @property
+    def fsdp_version(self) -> int:
+        return self.engine.version
+
+    @property
+    def gradient_accumulation(self) -> GradientAccumulation:
+        return self.core.gradient_accumulation
+
+    @property
+    def hybrid_shard_degree(self) -> int:
+        return self.core.hybrid_shard_degree
+
+    @property
+    def layout(self) -> Layout:
+        if self.core.layout is None:
+            raise HybridShardConfigError(
+                "lightning_smp.fabric.HybridShardFSDPStrategy.layout is not known yet: it is resolved when Fabric"
+                " is created."
+            )
+        return self.core.layout
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The 2-D ``(replicate, shard)`` mesh, built in ``setup_environment`` (inside ``fabric.launch()``)."""
+        if self.core.device_mesh is None:
+            raise HybridShardConfigError(
+                "lightning_smp.fabric.HybridShardFSDPStrategy.device_mesh is not available before fabric.launch():"
+                " it is built once the process group exists (or a process_group was passed and is used as is)."
+            )
+        return self.core.device_mesh
+
+    # ------------------------------------------------------------------ precision
+
+    @property
+    @override
+    def precision(self) -> FSDPPrecision:
+        plugin = self._precision
+        if not isinstance(plugin, FSDPPrecision):
+            plugin = self._precision = HybridShardFabricPrecision("32-true")
+        return plugin
+
+    @precision.setter
+    @override
+    def precision(self, precision: Precision | None) -> None:
+        if precision is not None and not isinstance(precision, FSDPPrecision):
+            raise UnsupportedOptionError(
+                f"lightning_smp.fabric.HybridShardFSDPStrategy needs an `FSDPPrecision` plugin, found"
+                f" {type(precision).__name__}. Fix: pass `Fabric(precision=...)` (e.g. '32-true', 'bf16-mixed')."
+            )
+        self._precision = precision
+
+    # ------------------------------------------------------------------ launch and process groups
+
+    @override
+    def _configure_launcher(self) -> None:
+        # At Fabric(...), before any process starts: the configuration once, the engine, the world-size facts
+        layout = self.core.configure(self.num_nodes, self.num_processes)
+        device_type = self.root_device.type
+        if isinstance(self._precision, FSDPPrecision) and not isinstance(self._precision, HybridShardFabricPrecision):
+            self._precision = HybridShardFabricPrecision.from_plugin(self._precision, device_type)
+        elif isinstance(self._precision, HybridShardFabricPrecision):
+            self._precision.device_type = device_type
+        if layout.overridden and not self._warned_override:
+            self._warned_override = True
+            rank_zero_warn(layout.override_message())
+        if self.cluster_environment is None:
+            raise HybridShardConfigError(
+                "lightning_smp.fabric.HybridShardFSDPStrategy has no cluster environment: create it through Fabric."
+            )
+        if self._start_method == "popen" or self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        layout = self.core.build_mesh(self.num_nodes, self.num_processes, self.root_device.type)
+        from torch.distributed.fsdp import ShardingStrategy
+
+        self.sharding_strategy = ShardingStrategy[layout.sharding_strategy]
+        rank_zero_info(f"{type(self).__name__}: {layout.describe()}")
+
+    def _plan(self) -> ShardingPlan:
+        return self.core.plan(self.root_device, mixed_precision=self.mixed_precision_config,
+                              cpu_offload=self.cpu_offload, options=dict(self._fsdp_kwargs),
+                              precision=str(self.precision.precision))
+
+    # ------------------------------------------------------------------ modules and optimizers
+
+    @override
+    def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None,
+                                    ) -> tuple[Module, list[Optimizer], Any]:
+        if self.engine.version != 1:
+            raise HybridShardConfigError(
+                "fabric.setup(model, optimizer) with fsdp_version=2: fully_shard replaces the model's parameters, so"
+                " an optimizer created before would update nothing. Fix: model = fabric.setup_module(model), then"
+                " create the optimizer from model.parameters() and call fabric.setup_optimizers(optimizer)."
+            )
+        return super().setup_module_and_optimizers(module, optimizers, scheduler)
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        module = self.core.shard(
+            module, self._plan(),
+            checkpoint_activations=lambda m: _setup_activation_checkpointing(m, self._activation_checkpointing_kwargs),
+            on_already_sharded=self._already_sharded,
+        )
+        _move_torchmetrics_to_device(module, self.root_device)
+        self._module = module
+        return module
+
+    def _already_sharded(self, module: Module) -> None:
+        if _has_meta_device_parameters_or_buffers(module):
+            rank_zero_warn("The model is already wrapped in `FSDP` but there are still parameters on the meta device.")
+        if "auto_wrap_policy" in self._fsdp_kwargs:
+            rank_zero_warn("A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be ignored.")
+            del self._fsdp_kwargs["auto_wrap_policy"]
+
+    @override
+    def module_sharded_context(self) -> AbstractContextManager:
+        return self.engine.wrap_context(self._plan())
+
+    # ------------------------------------------------------------------ backward, clipping and steps
+
+    @override
+    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+        super().backward(tensor, module, *args, **kwargs)
+        self._unreduced = self._backward_sync_control.active
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        if self._unreduced:
+            raise GradientSyncError(
+                "optimizer.step() right after a backward inside fabric.no_backward_sync(model): that backward's"
+                " gradients were never reduced across ranks (under FSDP2 they are not even assigned), so the step"
+                " would silently do nothing or let the replicas drift apart. Fix: run the last micro-batch's backward"
+                " outside no_backward_sync, e.g. `with fabric.no_backward_sync(model, enabled=is_accumulating):`."
+            )
+        if self._module is not None:
+            self._check_synced(self._module)
+        return super().optimizer_step(optimizer, **kwargs)
+
+    def _check_synced(self, module: Module) -> None:
+        engine = engine_of(module)
+        if engine is not None:
+            engine.check_gradients_synced(module)
+
+    @override
+    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: float | int,
+                            norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> Tensor:
+        """The norm over the whole model (every shard counted once, replicas not double-counted), as DDP's."""
+        engine = engine_of(module)
+        if float(norm_type) != 2.0:
+            raise UnsupportedOptionError(
+                f"norm_type={norm_type!r}: lightning_smp clips by the 2-norm only. Fix: norm_type=2.0."
+            )
+        self.precision.unscale_gradients(optimizer)
+        total = engine.clip_grad_norm(module, float(max_norm)) if engine is not None else None
+        if total is None:
+            raise TypeError(
+                "Gradient clipping by norm needs the module that fabric.setup_module() returned (one sharded root)."
+                f" Got: {type(module).__name__}."
+            )
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"The total norm of the gradients is {total.item()}: not finite.")
+        return total
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _sharded(self, module: Module) -> Any:
+        from lightning.fabric.wrappers import _unwrap_objects
+
+        return self.core.sharded_model(_unwrap_objects(module), self.root_device,
+                                       "lightning_smp.fabric.HybridShardFSDPStrategy")
+
+    def full_state_dict(self, module: Module) -> dict[str, Any]:
+        """The unsharded weights of ``module`` (what ``fabric.setup_module`` returned) on global rank 0, an empty
+        dict elsewhere. Call it on every rank; only replica group 0 gathers."""
+        return checkpoint_lib.full_model_state(self._sharded(module))
+
+    def full_optimizer_state(self, module: Module, optimizer: Optimizer) -> dict[str, Any]:
+        """The unsharded state of ``optimizer`` on global rank 0 (torch's standard layout), empty elsewhere."""
+        from lightning.fabric.wrappers import _unwrap_objects
+
+        return checkpoint_lib.full_optimizer_state(self._sharded(module), _unwrap_objects(optimizer))
+
+    @override
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
+                        filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
+        """``fabric.save(path, state)``: the same sharded folder or full file as the Trainer strategy writes (one
+        module as ``state_dict``, the optimizers in order as ``optimizer_states``, everything else as is)."""
+        module, optimizers, rest = _split_state(state)
+        sharded = self._sharded(module)
+        kind = self.core.state_dict_type
+        checkpoint: dict[str, Any] = dict(rest)
+        model_state = checkpoint_lib.module_state_dict(sharded, kind)
+        if filter and module_key(state) in filter:
+            keep = filter[module_key(state)]
+            model_state = {k: v for k, v in model_state.items() if keep(k, v)}
+        checkpoint["state_dict"] = model_state
+        checkpoint["optimizer_states"] = [checkpoint_lib.optimizer_state(sharded, o, kind) for o in optimizers]
+        checkpoint[FABRIC_KEYS] = {"module": module_key(state), "optimizers": [k for k in state
+                                                                               if isinstance(state[k], Optimizer)]}
+        checkpoint_lib.save(checkpoint, path, kind=kind, collectives=Collectives.current(self.root_device),
+                            run=self.core.checkpoint_run, layout=self.core.layout, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """``fabric.load(path, state)`` / ``fabric.load_raw(path, module)``: either format, written by either front
+        end, at any degree and world size; loads only tensors and plain values."""
+        if state is None:
+            raise HybridShardConfigError(
+                "fabric.load(path) without a state: give the objects to restore, e.g. fabric.load(path, {'model':"
+                " model, 'optimizer': optimizer}) (lightning_smp.checkpoint.read_full(path) reads a checkpoint into"
+                " one process)."
+            )
+        if isinstance(state, Optimizer):
+            raise UnsupportedOptionError(
+                "fabric.load_raw(path, optimizer): an optimizer state is loaded together with its model. Fix:"
+                " fabric.load(path, {'model': model, 'optimizer': optimizer})."
+            )
+        if isinstance(state, Module):
+            return self._load_raw(Path(path), state, strict)
+        module, optimizers, rest = _split_state(state)
+        remainder = checkpoint_lib.load(self._sharded(module), path, optimizers=optimizers, strict=strict,
+                                        model_name=type(module).__name__)
+        remainder.pop("state_dict", None)
+        remainder.pop("optimizer_states", None)
+        remainder.pop(FABRIC_KEYS, None)
+        self.core.checkpoint_run.continue_from(remainder)
+        for key in rest:
+            if key in remainder:
+                state[key] = remainder.pop(key)
+            elif strict:
+                raise HybridShardConfigError(
+                    f"checkpoint {str(path)!r} has no {key!r}, which the state to restore asks for. Fix: load with"
+                    " strict=False, or restore only what the checkpoint holds."
+                )
+        remainder.pop(checkpoint_lib.RUN_KEY, None)
+        return remainder
+
+    def _load_raw(self, path: Path, module: Module, strict: bool) -> dict[str, Any]:
+        """A plain ``torch.save(model.state_dict())`` file (or a full checkpoint) into the sharded ``module``."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if checkpoint_lib.checkpoint_kind(path) == checkpoint_lib.SHARDED or _is_lightning_file(path):
+            checkpoint_lib.load(self._sharded(module), path, strict=strict, model_name=type(module).__name__)
+            return {}
+        raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        set_model_state_dict(module, raw, options=StateDictOptions(full_state_dict=True, strict=strict))
+        return {}
+
+    # ------------------------------------------------------------------ registration
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register the library's names in Fabric's registry; calling it again is harmless."""
+        if not dist.is_available():
+            return
+        for name, description, init_params in STRATEGY_NAMES:
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, **init_params)
+
+
+#: Where a Fabric checkpoint records which state keys held the module and the optimizers.
+FABRIC_KEYS = "lightning_smp_fabric"
+
+
+def module_key(state: Mapping[str, Any]) -> str:
+    """The key of the one module in a Fabric state dict."""
+    keys = [k for k, v in state.items() if isinstance(v, Module)]
+    if len(keys) != 1:
+        raise HybridShardConfigError(
+            f"the state holds {len(keys)} modules ({', '.join(map(repr, keys)) or 'none'}); hybrid sharding saves and"
+            " loads exactly one. Fix: put the model set up by fabric.setup_module() under one key, e.g. 'model'."
+        )
+    return keys[0]
+
+
+def _split_state(state: Mapping[str, Any]) -> tuple[Module, list[Optimizer], dict[str, Any]]:
+    """(the module, the optimizers in order, everything else) of a Fabric state dict."""
+    module = state[module_key(state)]
+    optimizers = [v for v in state.values() if isinstance(v, Optimizer)]
+    rest = {k: v for k, v in state.items() if not isinstance(v, (Module, Optimizer))}
+    return module, optimizers, rest
+
+
+def _is_lightning_file(path: Path) -> bool:
+    """Whether a full checkpoint file is a Lightning one (has a ``state_dict``), not a raw module state dict."""
+    if not path.is_file():
+        return False
+    content = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return isinstance(content, dict) and "state_dict" in content and isinstance(content["state_dict"], dict)
+
+
+__all__ = ["FABRIC_KEYS", "HybridShardFSDPStrategy", "HybridShardFabricPrecision"]
