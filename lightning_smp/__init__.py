@@ -9,6 +9,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_smp.__about__ import __version__
+from lightning_smp.accounting.report import count_communication, memory_report
 from lightning_smp.callbacks import MemorySavingsCallback
 from lightning_smp.config import SMPConfig, resolve_config
 from lightning_smp.degree import Layout, resolve_layout, valid_degrees
@@ -46,8 +47,10 @@ __all__ = [
     "UnsupportedOptionError",
     "__version__",
     "build_device_mesh",
+    "count_communication",
     "init",
     "is_initialized",
+    "memory_report",
     "resolve_config",
     "resolve_layout",
     "shutdown",

@@ -375,6 +375,9 @@ class HybridShardFSDPStrategy(FSDPStrategy):
             model_state = {k: v for k, v in model_state.items() if keep(k, v)}
         checkpoint["state_dict"] = model_state
         checkpoint["optimizer_states"] = [checkpoint_lib.optimizer_state(sharded, o, kind) for o in optimizers]
+        # what the Trainer needs to resume from it (its loops then start from zero)
+        checkpoint.setdefault("lr_schedulers", [])
+        checkpoint.setdefault("pytorch-lightning_version", _lightning_version())
         checkpoint[FABRIC_KEYS] = {"module": module_key(state), "optimizers": [k for k in state
                                                                                if isinstance(state[k], Optimizer)]}
         checkpoint_lib.save(checkpoint, path, kind=kind, collectives=Collectives.current(self.root_device),
@@ -404,6 +407,9 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         remainder.pop("state_dict", None)
         remainder.pop("optimizer_states", None)
         remainder.pop(FABRIC_KEYS, None)
+        for key in _FOR_THE_TRAINER:
+            if key not in rest:
+                remainder.pop(key, None)
         self.core.checkpoint_run.continue_from(remainder)
         for key in rest:
             if key in remainder:
@@ -442,6 +448,14 @@ class HybridShardFSDPStrategy(FSDPStrategy):
 
 #: Where a Fabric checkpoint records which state keys held the module and the optimizers.
 FABRIC_KEYS = "lightning_smp_fabric"
+#: Keys a Fabric checkpoint carries for the Trainer only (left out of what ``fabric.load`` returns).
+_FOR_THE_TRAINER = ("lr_schedulers", "pytorch-lightning_version")
+
+
+def _lightning_version() -> str:
+    import lightning
+
+    return lightning.__version__
 
 
 def module_key(state: Mapping[str, Any]) -> str:

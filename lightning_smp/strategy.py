@@ -365,6 +365,36 @@ class HybridShardFSDPStrategy(FSDPStrategy):
             rank_zero_warn("A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be ignored.")
             del self.kwargs["auto_wrap_policy"]
 
+    # ------------------------------------------------------------------ steps
+
+    def _run_step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run the LightningModule's ``name`` step through the sharded root's ``__call__`` when the engine shards in
+        place (FSDP2: the root is the LightningModule itself, and its parameters are gathered by its forward hooks,
+        which Lightning's direct call of ``training_step`` would skip)."""
+        model, module = self.model, self.lightning_module
+        if model is None or module is None:
+            raise HybridShardConfigError("HybridShardFSDPStrategy has no model to run a step on.")
+        with context:
+            if model is not module or self.engine.is_sharded(model):
+                return self._forward_redirection(model, module, name, *args, **kwargs)
+            return getattr(module, name)(*args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
+
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:

@@ -668,3 +668,31 @@ def test_norm_clipping_counts_every_shard_once_and_returns_a_plain_number():
     for kind, norm_error, grad_error in run_distributed(_clip_over_shards, WORLD):
         assert kind == "Tensor"  # not a DTensor: loggable as is
         assert norm_error <= 1e-4 and grad_error <= 1e-6
+
+
+class _StepWithoutForward(TinyModel):
+    """A training step that calls a submodule, never ``self(...)``: the root's own parameters must still be gathered."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_steps_that_do_not_call_forward_train_and_validate(tmp_path):
+    """FSDP2 gathers the root's parameters in its forward hooks; every step runs through them, whatever it calls."""
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork", fsdp_version=2)
+    callback = MemorySavingsCallback(print_table=False, filename=None)
+    torch.manual_seed(0)
+    trainer = cpu_trainer(strategy, tmp_path, WORLD, max_steps=4, accumulate_grad_batches=2, limit_val_batches=2,
+                          val_check_interval=4, callbacks=[callback])
+    trainer.fit(_StepWithoutForward(), make_loader(), make_loader(samples=16))
+    assert trainer.global_step == 4 and "val_loss" in trainer.callback_metrics
+    # at the end of fit every parameter is counted once, as its shard (never also as a gathered copy)
+    shapes = [p.shape for p in TinyModel().parameters()]
+    padded = sum(math.ceil(s[0] / 2) * math.prod(s[1:]) for s in shapes)
+    assert all(r["params_bytes"] == 4 * padded for r in callback.reports["fit_end"])

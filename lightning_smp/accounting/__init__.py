@@ -22,6 +22,7 @@ from lightning_smp.accounting.memory import (
     textbook,
 )
 from lightning_smp.accounting.render import format_report, print_report
+from lightning_smp.accounting.report import count_communication, memory_report
 
 __all__ = [
     "MEMORY_FIELDS",
@@ -31,11 +32,13 @@ __all__ = [
     "CommFigure",
     "FSDPUnitSpec",
     "comm_groups",
+    "count_communication",
     "ddp_step_textbook",
     "format_report",
     "fsdp_step_textbook",
     "gradient_bytes",
     "measure_memory",
+    "memory_report",
     "peak_memory",
     "print_report",
     "ring_bytes",

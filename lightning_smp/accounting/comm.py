@@ -241,6 +241,7 @@ def fsdp_step_textbook(
     replicate_axis: str = REPLICATE_AXIS,
     reduce_scatter_passes: int | None = None,
     root_gathered: bool = False,
+    keep_gathered_unsynced: bool = False,
 ) -> CommFigure:
     """What FSDP issues per rank in one optimizer step: ``{axis: {op: {"count", "bytes", "ring_bytes"}}}``.
 
@@ -261,7 +262,9 @@ def fsdp_step_textbook(
 
     ``root_gathered``: the root unit's parameters are still gathered when the step begins, because the last thing
     before it was a forward without backward (Lightning's validation sanity check, or a validation run); the step
-    then skips the root's first all-gather. Units without parameters issue nothing and are left out of ``units``.
+    then skips the root's first all-gather. ``keep_gathered_unsynced``: FSDP1 keeps a ZeRO-2 unit's parameters
+    gathered after a backward under ``no_sync`` (it frees them only after a synced one), so the micro-batches before
+    the last gather once in all. Units without parameters issue nothing and are left out of ``units``.
     """
     synced = backward_passes if synced_passes is None else synced_passes
     scattered = synced if reduce_scatter_passes is None else reduce_scatter_passes
@@ -278,8 +281,12 @@ def fsdp_step_textbook(
             gathers = 1
         else:
             raise ValueError(f"unknown sharding_strategy {sharding_strategy!r}")
+        gathering_passes = backward_passes
+        zero2 = sharding_strategy in (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2)
+        if keep_gathered_unsynced and zero2 and synced < backward_passes:
+            gathering_passes = synced  # the unsynced passes keep the parameters the first one gathered
         skipped = 1 if root_gathered and unit.is_root else 0
-        _add(figure, shard_axis, "all_gather", gathers * backward_passes - skipped, gather, shard)
+        _add(figure, shard_axis, "all_gather", gathers * gathering_passes - skipped, gather, shard)
         _add(figure, shard_axis, "reduce_scatter", scattered, grad, shard)
         if sharding_strategy in (HYBRID_SHARD, HYBRID_SHARD_ZERO2):
             _add(figure, replicate_axis, "all_reduce", synced, grad // shard, replicate)

@@ -69,17 +69,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_smp.accounting.comm import CommCounter
-from lightning_smp.accounting.memory import (
-    MEMORY_FIELDS,
-    PEAK_FIELDS,
-    comm_groups,
-    gradient_bytes,
-    measure_memory,
-    peak_memory,
-    textbook,
-)
-from lightning_smp.accounting.render import comm_mismatches, print_report
-from lightning_smp.collectives import Collectives
+from lightning_smp.accounting.memory import MEMORY_FIELDS, PEAK_FIELDS, comm_groups, gradient_bytes
+from lightning_smp.accounting.render import print_report
+from lightning_smp.accounting.report import memory_report
 from lightning_smp.errors import HybridShardConfigError, LightningSMPError
 from lightning_smp.names import NO_SYNC
 
@@ -236,24 +228,14 @@ class MemorySavingsCallback(Callback):
 
     def _make_report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
-        model = strategy.model or pl_module
-        record: dict[str, Any] = {
-            "rank": trainer.global_rank,
-            "world_size": trainer.world_size,
-            "stage": stage,
-            "step": trainer.global_step,
-            "strategy": type(strategy).__name__,
-        }
-        record.update(measure_memory(model, trainer.optimizers, self._grads_bytes))
-        record.update(peak_memory(strategy.root_device))
-        record["comm"] = self._comm
-        passes = self._backward_passes or trainer.accumulate_grad_batches
-        accumulation = getattr(strategy, "gradient_accumulation", NO_SYNC)  # Lightning's strategies: no_sync
-        record["comm_textbook"] = textbook(model, passes, accumulation, root_gathered=self._root_gathered)
-        record["backward_passes"] = passes
-        record["gradient_accumulation"] = accumulation
-        record["comm_mismatch"] = [list(pair) for pair in comm_mismatches(record)]
-        records = sorted(Collectives.current(strategy.root_device).all_gather(record), key=lambda r: r["rank"])
+        records = memory_report(
+            strategy.model or pl_module, trainer.optimizers, comm=self._comm,
+            backward_passes=self._backward_passes or trainer.accumulate_grad_batches,
+            # Lightning's own strategies accumulate under no_sync
+            accumulation=getattr(strategy, "gradient_accumulation", NO_SYNC), grads_bytes=self._grads_bytes,
+            root_gathered=self._root_gathered, stage=stage, step=trainer.global_step,
+            strategy=type(strategy).__name__, print_table=False,
+        )
         # a collective (broadcast of the directory) on every rank
         log_dir = trainer.log_dir if trainer.loggers else trainer.default_root_dir
         self.reports[stage] = records

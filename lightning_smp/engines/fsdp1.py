@@ -279,7 +279,7 @@ class FSDP1Engine:
         scattered, synced = accumulation_passes(accumulation, backward_passes)
         return fsdp_step_textbook(self.comm_units(model), facts.sharding_strategy, facts.shard_degree, replicas,
                                   backward_passes, synced_passes=synced, reduce_scatter_passes=scattered,
-                                  root_gathered=root_gathered)
+                                  root_gathered=root_gathered, keep_gathered_unsynced=True)
 
     # ------------------------------------------------------------------ plain PyTorch
 

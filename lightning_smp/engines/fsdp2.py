@@ -421,6 +421,8 @@ class FSDP2Engine:
                 local = fsdp_param._sharded_param_data.numel()  # the padded local shard the rank allocates
                 units.append(StorageUnit(param, local, param.numel(), local * ranks))
                 managed.add(id(param))
+                # while a module is gathered its registered parameters are the unsharded ones: the same storage
+                managed.add(id(getattr(fsdp_param, "_unsharded_param", None)))
         for param in model.parameters():
             if id(param) not in managed:
                 units.append(StorageUnit(param, param.numel(), param.numel(), param.numel()))

@@ -1,0 +1,101 @@
+"""One memory-and-communication report, with or without a Trainer: :func:`memory_report`.
+
+The memory callback makes its reports with it, and a hand-written loop (Fabric, plain PyTorch) calls it directly::
+
+    counter = lightning_smp.count_communication(model)   # a CommCounter on the model's axes
+    with counter:                                          # one optimizer step, all its micro-batches
+        ...
+    records = lightning_smp.memory_report(model, [optimizer], comm=counter.counts())
+
+The records are the callback's (fields documented in :mod:`lightning_smp.callbacks.memory`), gathered on every
+rank; rank 0 prints the same tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_smp.accounting.comm import CommCounter
+from lightning_smp.accounting.memory import comm_groups, measure_memory, peak_memory, textbook
+from lightning_smp.accounting.render import comm_mismatches, print_report
+from lightning_smp.collectives import Collectives
+from lightning_smp.names import NO_SYNC, GradientAccumulation
+
+
+def _module(model: Any) -> Any:
+    # Fabric hands out wrappers (of modules and optimizers); what they wrap is inside
+    from lightning.fabric.wrappers import _unwrap_objects
+
+    return _unwrap_objects(model)
+
+
+def _device(model: Module) -> torch.device:
+    from torch.distributed.tensor import DTensor
+
+    param = next(model.parameters(), None)
+    if param is None:
+        return torch.device("cpu")
+    return param.to_local().device if isinstance(param, DTensor) else param.device
+
+
+def count_communication(model: Any, mesh: Any = None) -> CommCounter:
+    """A :class:`~lightning_smp.accounting.CommCounter` on ``model``'s axes (the shard group and the replicas)."""
+    return CommCounter(groups=comm_groups(_module(model), mesh))
+
+
+def memory_report(
+    model: Any,
+    optimizers: Sequence[Optimizer] = (),
+    *,
+    comm: dict | None = None,
+    backward_passes: int = 1,
+    accumulation: GradientAccumulation = NO_SYNC,
+    grads_bytes: int | None = None,
+    root_gathered: bool = False,
+    stage: str = "manual",
+    step: int = 0,
+    strategy: str | None = None,
+    print_table: bool = True,
+) -> list[dict[str, Any]]:
+    """Measure what this rank holds, gather every rank's record (a collective: call it on every rank) and, on rank
+    0, print the memory and communication tables; return the records, sorted by rank, on every rank.
+
+    Args:
+        model: the sharded model (``fabric.setup_module``'s result is unwrapped), a DDP model or a plain module.
+        optimizers: whose state to count (Fabric's wrappers are unwrapped).
+        comm: :meth:`CommCounter.counts` of one optimizer step (see :func:`count_communication`), or ``None``.
+        backward_passes, accumulation: the micro-batches of that step and what the earlier ones communicated
+            (``fabric.no_backward_sync`` runs the strategy's ``gradient_accumulation``), for the textbook figure.
+        grads_bytes: the gradient memory to report (e.g. the most held during the step); measured now if ``None``.
+        root_gathered: a forward without backward ran right before the counted step (see the textbook).
+        stage, step, strategy: labels of the record.
+    """
+    module: Module = _module(model)
+    plain: list[Optimizer] = [_module(o) for o in optimizers]
+    collectives = Collectives.current(_device(module))
+    record: dict[str, Any] = {
+        "rank": collectives.rank,
+        "world_size": collectives.world_size,
+        "stage": stage,
+        "step": step,
+        "strategy": strategy or type(module).__name__,
+    }
+    record.update(measure_memory(module, plain, grads_bytes))
+    record.update(peak_memory(collectives.device))
+    record["comm"] = comm
+    record["comm_textbook"] = textbook(module, backward_passes, accumulation, root_gathered=root_gathered)
+    record["backward_passes"] = backward_passes
+    record["gradient_accumulation"] = accumulation
+    record["comm_mismatch"] = [list(pair) for pair in comm_mismatches(record)]
+    records = sorted(collectives.all_gather(record), key=lambda r: r["rank"])
+    if print_table and collectives.rank == 0:
+        print_report(records)
+    return records
+
+
+__all__ = ["count_communication", "memory_report"]

@@ -1,0 +1,359 @@
+"""``Fabric(strategy="smp_hybrid")``: hand-written loops on the same core as the Trainer strategy, as real
+multi-process runs (Fabric's fork launcher, gloo): equality with Fabric's DDP, what each rank holds and sends,
+accumulation with ``no_backward_sync``, checkpoints across degree, world size, engine and front end."""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from torch.multiprocessing import ProcessRaisedException
+
+from lightning_smp import HybridShardConfigError, count_communication, memory_report
+from lightning_smp.fabric import HybridShardFSDPStrategy
+from lightning_smp.names import (
+    DEFER_ALL_REDUCE,
+    HYBRID_SHARD,
+    HYBRID_SHARD_ZERO2,
+    REPLICATE_AXIS,
+    SHARDED,
+    STATE_DICT_TYPES,
+    STRATEGY_NAMES,
+)
+from tests.helpers import GLOO_TIMEOUT, TinyModel, make_loader
+
+TOL = 1e-5
+WORLD = 4
+K = 2  # micro-batches per optimizer step
+STEPS = 4
+
+
+def make_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return TinyModel().net  # 16 -> 33 -> 4, odd sizes that FSDP must pad
+
+
+def _fabric(strategy: Any, devices: int = WORLD) -> L.Fabric:
+    return L.Fabric(strategy=strategy, accelerator="cpu", devices=devices)
+
+
+def _ours(degree: int, version: int, requested: str = HYBRID_SHARD, **kwargs: Any) -> HybridShardFSDPStrategy:
+    return HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version, sharding_strategy=requested,
+                                   start_method="fork", **kwargs)
+
+
+def _full(fabric: L.Fabric, model: Any) -> dict[str, list]:
+    """The full weights on rank 0 (as lists: a launched function's result is pickled out of the ranks)."""
+    strategy = fabric.strategy
+    if isinstance(strategy, HybridShardFSDPStrategy):
+        state = strategy.full_state_dict(model)
+    else:
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return {k: v.tolist() for k, v in state.items()}
+
+
+def _batches(fabric: L.Fabric) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = make_loader().dataset.tensors
+    mine = slice(fabric.global_rank, None, fabric.world_size)  # what a DistributedSampler gives this rank
+    xs, ys = x[mine], y[mine]
+    return [(xs[i:i + 2], ys[i:i + 2]) for i in range(0, len(xs), 2)]
+
+
+def train(fabric: L.Fabric, clip: dict[str, float], steps: int = STEPS) -> dict[str, Any]:
+    """A litgpt-style step: k micro-batches under no_backward_sync but the last, clipping, AdamW."""
+    model = fabric.setup_module(make_net())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    batches = iter(_batches(fabric))
+    counted: dict | None = None
+    for step in range(steps):
+        counter = count_communication(model) if step == 1 else None
+        if counter is not None:
+            counter.__enter__()
+        for micro in range(K):
+            x, y = next(batches)
+            with fabric.no_backward_sync(model, enabled=micro < K - 1):
+                fabric.backward(torch.nn.functional.mse_loss(model(x), y) / K)
+        if counter is not None:
+            counter.__exit__(None, None, None)
+            counted = counter.counts()
+        fabric.clip_gradients(model, optimizer, **clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    accumulation = getattr(fabric.strategy, "gradient_accumulation", "no_sync")
+    records = memory_report(model, [optimizer], comm=counted, backward_passes=K, accumulation=accumulation,
+                            print_table=False)
+    return {"weights": _full(fabric, model), "records": records}
+
+
+@lru_cache(maxsize=None)
+def ddp_reference(clip: tuple[tuple[str, float], ...]) -> dict[str, torch.Tensor]:
+    result = _fabric(DDPStrategy(start_method="fork")).launch(train, dict(clip))
+    return {k: torch.tensor(v) for k, v in result["weights"].items()}
+
+
+def _max_diff(ours: dict[str, list], reference: dict[str, torch.Tensor]) -> float:
+    assert list(ours) == list(reference)
+    return max((torch.tensor(ours[k]) - reference[k]).abs().max().item() for k in reference)
+
+
+# ---------------------------------------------------------------------------------------- names and checks
+
+
+@pytest.mark.parametrize("name", [n for n, _, _ in STRATEGY_NAMES])
+def test_every_name_is_registered_in_fabric(name):
+    assert STRATEGY_REGISTRY[name]["strategy"] is HybridShardFSDPStrategy
+    strategy = _fabric(name).strategy
+    assert isinstance(strategy, HybridShardFSDPStrategy)
+    init = next(args for n, _, args in STRATEGY_NAMES if n == name)
+    # degree 0 on one node: native FSDP over the node (FULL_SHARD, or SHARD_GRAD_OP for the ZeRO-2 name)
+    zero2 = init["sharding_strategy"] == HYBRID_SHARD_ZERO2
+    assert strategy.layout.sharding_strategy == ("SHARD_GRAD_OP" if zero2 else "FULL_SHARD")
+    assert strategy.fsdp_version == init.get("fsdp_version", 1)
+    assert strategy._start_method == init.get("start_method", "popen")
+
+
+def test_bad_degree_fails_when_fabric_is_created():
+    with pytest.raises(HybridShardConfigError, match="hybrid_shard_degree=3"):
+        _fabric(HybridShardFSDPStrategy(hybrid_shard_degree=3))
+    with pytest.raises(HybridShardConfigError, match="fsdp_version=7"):
+        HybridShardFSDPStrategy(fsdp_version=7)
+
+
+# ---------------------------------------------------------------------------------------- parity with DDP
+
+CONFIGS = [
+    pytest.param(version, degree, requested, id=f"fsdp{version}_{label}")
+    for version in (1, 2)
+    for degree, requested, label in ((1, HYBRID_SHARD, "degree1"), (2, HYBRID_SHARD, "degree2"),
+                                     (2, HYBRID_SHARD_ZERO2, "degree2_zero2"), (4, HYBRID_SHARD, "degree4"))
+]
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize(("version", "degree", "requested"), CONFIGS)
+def test_fabric_loop_matches_ddp(version, degree, requested):
+    """Norm clipping and no_backward_sync accumulation: DDP's weights to 1e-5, and what crosses the replicas."""
+    clip = (("max_norm", 0.05),)
+    result = _fabric(_ours(degree, version, requested)).launch(train, dict(clip))
+    assert _max_diff(result["weights"], ddp_reference(clip)) <= TOL
+    # clipping acted: unclipped DDP ends elsewhere
+    assert _max_diff(result["weights"], ddp_reference((("max_norm", 1e9),))) > 1e-4
+    for record in result["records"]:
+        assert record["comm_mismatch"] == [] or degree in (1, 4)  # a world-spanning axis also counts Fabric's own
+        if 1 < degree < WORLD:
+            replicated = record["comm"][REPLICATE_AXIS]["all_reduce"]
+            book = record["comm_textbook"][REPLICATE_AXIS]["all_reduce"]
+            assert replicated["count"] == book["count"] == 1  # one unit: one crossing per optimizer step of K
+            assert record["gradient_accumulation"] == (DEFER_ALL_REDUCE if version == 2 else "no_sync")
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", [1, 2])
+def test_clipping_by_value_matches_ddp(version):
+    clip = (("clip_val", 0.002),)
+    result = _fabric(_ours(2, version)).launch(train, dict(clip))
+    assert _max_diff(result["weights"], ddp_reference(clip)) <= TOL
+
+
+def _step_after_unreduced_backward(fabric: L.Fabric) -> None:
+    model = fabric.setup_module(make_net())
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _batches(fabric)[0]
+    with fabric.no_backward_sync(model):
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+    optimizer.step()  # the gradients were never reduced
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", [1, 2])
+def test_step_after_an_unreduced_backward_is_refused(version):
+    with pytest.raises(ProcessRaisedException, match="GradientSyncError: optimizer.step\\(\\) right after a backward"):
+        _fabric(_ours(2, version)).launch(_step_after_unreduced_backward)
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_joint_setup_is_refused_under_fsdp2():
+    def joint(fabric: L.Fabric) -> None:
+        net = make_net()
+        fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+    with pytest.raises(ProcessRaisedException, match="fabric.setup_module\\(model\\), then"):
+        _fabric(_ours(2, 2)).launch(joint)
+
+
+# ---------------------------------------------------------------------------------------- model creation
+
+
+def _meta_init(fabric: L.Fabric) -> list[list]:
+    torch.manual_seed(100 + fabric.global_rank)  # every rank would initialise differently
+    with fabric.init_module(empty_init=True):
+        net = TinyModel().net
+    assert all(p.is_meta for p in net.parameters())
+    model = fabric.setup_module(net)
+    from torch.distributed.tensor import DTensor
+
+    local = [(p.to_local() if isinstance(p, DTensor) else p).detach().flatten().tolist() for p in model.parameters()]
+    gathered: list[Any] = [None] * fabric.world_size
+    dist.all_gather_object(gathered, local)
+    return gathered
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", [1, 2])
+def test_meta_device_init_gives_identical_replicas(version):
+    ranks = _fabric(_ours(2, version)).launch(_meta_init)
+    for rank in range(WORLD):
+        peer = (rank + 2) % WORLD  # the other replica of the same shard
+        assert ranks[rank] == ranks[peer]
+        assert all(math.isfinite(v) for tensor in ranks[rank] for v in tensor)
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+
+
+def _save(fabric: L.Fabric, folder: str, kind_steps: int, factory: Any = None) -> dict[str, Any]:
+    """Train ``kind_steps`` steps, save, return the full state (rank 0)."""
+    model = fabric.setup_module(factory() if factory is not None else make_net())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    for x, y in _batches(fabric)[:kind_steps]:
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    fabric.save(Path(folder) / "ckpt", {"model": model, "optimizer": optimizer, "step": kind_steps})
+    return _state(fabric, model, optimizer)
+
+
+def _state(fabric: L.Fabric, model: Any, optimizer: Any) -> dict[str, Any]:
+    strategy = fabric.strategy
+    optim = strategy.full_optimizer_state(model, optimizer)
+    return {"weights": _full(fabric, model),
+            "optimizer": {i: {k: v.tolist() for k, v in s.items()} for i, s in optim.get("state", {}).items()}}
+
+
+def _load(fabric: L.Fabric, path: str) -> dict[str, Any]:
+    model = fabric.setup_module(make_net())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    remainder = fabric.load(path, state, strict=False)
+    out = _state(fabric, model, optimizer)
+    out["step"], out["remainder"] = state["step"], sorted(remainder)
+    return out
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("kind", STATE_DICT_TYPES)
+@pytest.mark.parametrize(("version", "degree", "devices"), [(2, 4, 4), (1, 1, 2), (1, 2, 4)],
+                         ids=["fsdp2_d4_4r", "fsdp1_d1_2r", "fsdp1_d2_4r"])
+def test_fabric_checkpoint_resumes_across_degree_world_size_and_engine(tmp_path, kind, version, degree, devices):
+    saved = _fabric(_ours(2, 2, state_dict_type=kind)).launch(_save, str(tmp_path), 3)
+    loaded = _fabric(_ours(degree, version, state_dict_type=kind), devices).launch(_load, str(tmp_path / "ckpt"))
+    assert loaded["weights"] == saved["weights"] and loaded["optimizer"] == saved["optimizer"]
+    assert loaded["step"] == 3
+
+
+def _trainer_writes(folder: Path, kind: str) -> Path:
+    from lightning_smp import HybridShardFSDPStrategy as TrainerStrategy
+    from tests.helpers import cpu_trainer
+
+    class Net(TinyModel):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+    torch.manual_seed(0)
+    module = Net()
+    trainer = cpu_trainer(TrainerStrategy(hybrid_shard_degree=2, start_method="fork", state_dict_type=kind), folder,
+                          WORLD, max_steps=2)
+    trainer.fit(module, make_loader())
+    path = folder / "trainer.ckpt"
+    trainer.save_checkpoint(path)  # from the notebook-style launching process: one full file
+    return path
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_checkpoints_cross_front_ends(tmp_path):
+    """A Trainer checkpoint loads in Fabric; a Fabric one (either format) loads in one process and in the Trainer."""
+    from lightning_smp import checkpoint as ckpt
+
+    written = _trainer_writes(tmp_path, SHARDED)
+    full = torch.load(written, weights_only=True)
+    def load_trainer_checkpoint(fabric: L.Fabric, path: str) -> dict[str, list]:
+        model = fabric.setup_module(Wrapped())
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+        remainder = fabric.load(path, {"model": model, "optimizer": optimizer})
+        assert remainder["global_step"] == 2
+        return _full(fabric, model)
+
+    weights = _fabric(_ours(2, 2)).launch(load_trainer_checkpoint, str(written))
+    assert {k: torch.tensor(v) for k, v in weights.items()}.keys() == full["state_dict"].keys()
+    assert all(torch.equal(torch.tensor(weights[k]), v) for k, v in full["state_dict"].items())
+
+    for kind in STATE_DICT_TYPES:
+        folder = tmp_path / f"fabric_{kind}"
+        saved = _fabric(_ours(2, 2, state_dict_type=kind)).launch(_save, str(folder), 2, Wrapped)
+        assembled = ckpt.read_full(folder / "ckpt")  # one process, no GPU, either format
+        assert {k: v.tolist() for k, v in assembled["state_dict"].items()} == saved["weights"]
+        assert assembled["step"] == 2
+        # and back: the Trainer (FSDP1, degree 4) resumes from the Fabric checkpoint, optimizer state included
+        from lightning_smp import HybridShardFSDPStrategy as TrainerStrategy
+        from tests.helpers import cpu_trainer
+
+        probe = _StartProbe(folder / "start.pt")
+        trainer = cpu_trainer(TrainerStrategy(hybrid_shard_degree=4, start_method="fork"), folder, WORLD, max_steps=1,
+                              callbacks=[probe])
+        trainer.fit(_AdamWModel(), make_loader(), ckpt_path=folder / "ckpt")
+        start = torch.load(folder / "start.pt", weights_only=True)
+        assert {k: v.tolist() for k, v in start["weights"].items()} == saved["weights"]
+        assert {i: {k: v.tolist() for k, v in s.items()} for i, s in start["optimizer"]["state"].items()} == (
+            saved["optimizer"])
+
+
+class Wrapped(torch.nn.Module):
+    """The bare net under ``net``, so that its keys are TinyModel's (``net.*``), as a Trainer checkpoint has them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_net()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class _AdamWModel(TinyModel):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+
+class _StartProbe(L.Callback):
+    """Rank 0 writes the full model and optimizer state the Trainer starts training from."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        state = {"weights": trainer.strategy.full_state_dict(),
+                 "optimizer": trainer.strategy.full_optimizer_state(trainer.optimizers[0])}
+        if trainer.global_rank == 0:
+            torch.save(state, self.path)
+
+
+def _load_raw(fabric: L.Fabric, path: str) -> dict[str, list]:
+    model = fabric.setup_module(make_net())
+    fabric.load_raw(path, model)
+    return _full(fabric, model)
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", [1, 2])
+def test_load_raw_reads_a_plain_state_dict_file(tmp_path, version):
+    torch.manual_seed(7)
+    plain = TinyModel().net
+    torch.save(plain.state_dict(), tmp_path / "plain.pt")
+    weights = _fabric(_ours(2, version)).launch(_load_raw, str(tmp_path / "plain.pt"))
+    assert all(torch.equal(torch.tensor(weights[k]), v) for k, v in plain.state_dict().items())
