@@ -1,6 +1,6 @@
 """SageMaker SMP v2 hybrid sharded data parallelism for PyTorch Lightning, without SageMaker.
 
-``import lightning_smp`` registers the Trainer strategy names ``"smp_hybrid"``, ``"smp_hybrid_zero2"`` and
+``import lightning_smp`` registers the strategy names ``"smp_hybrid"``, ``"smp_hybrid_zero2"``,
 ``"smp_hybrid_notebook"`` and ``"smp_hybrid_fsdp2"``, for the Trainer and for Fabric
 (:class:`lightning_smp.fabric.HybridShardFSDPStrategy`).
 """

@@ -375,9 +375,9 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         if model is None or module is None:
             raise HybridShardConfigError("HybridShardFSDPStrategy has no model to run a step on.")
         with context:
-            if model is not module or self.engine.is_sharded(model):
+            if model is not module:  # a wrapper (FSDP1): Lightning's redirection through its forward
                 return self._forward_redirection(model, module, name, *args, **kwargs)
-            return getattr(module, name)(*args, **kwargs)
+            return self.engine.call_through_root(model, getattr(module, name), *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

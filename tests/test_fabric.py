@@ -357,3 +357,159 @@ def test_load_raw_reads_a_plain_state_dict_file(tmp_path, version):
     torch.save(plain.state_dict(), tmp_path / "plain.pt")
     weights = _fabric(_ours(2, version)).launch(_load_raw, str(tmp_path / "plain.pt"))
     assert all(torch.equal(torch.tensor(weights[k]), v) for k, v in plain.state_dict().items())
+
+
+# ---------------------------------------------------------------------------------------- a third-party model
+
+
+def _gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)  # built from a config: nothing is downloaded
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config)
+
+
+def train_gpt2(fabric: L.Fabric, path: str) -> None:
+    """Hugging Face GPT-2 (tied input and output embeddings) in the same loop: accumulation, clipping, AdamW. Rank 0
+    writes the full weights to ``path`` (a launched function's result travels through a pipe Fabric reads only
+    after the ranks end, too small for them)."""
+    model = fabric.setup_module(_gpt2())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    tokens = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
+    mine = tokens[fabric.global_rank::fabric.world_size]
+    for step in range(3):
+        for micro in range(K):
+            batch = mine[(step * K + micro) * 2:(step * K + micro) * 2 + 2]
+            with fabric.no_backward_sync(model, enabled=micro < K - 1):
+                fabric.backward(model(input_ids=batch, labels=batch).loss / K)
+        fabric.clip_gradients(model, optimizer, max_norm=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    strategy = fabric.strategy
+    full = strategy.full_state_dict(model) if isinstance(strategy, HybridShardFSDPStrategy) else model.state_dict()
+    if fabric.global_rank == 0:
+        torch.save({k: v.detach().cpu() for k, v in full.items()}, path)
+
+
+@lru_cache(maxsize=None)
+def gpt2_reference(folder: str) -> dict[str, torch.Tensor]:
+    path = str(Path(folder) / "ddp.pt")
+    _fabric(DDPStrategy(start_method="fork")).launch(train_gpt2, path)
+    return torch.load(path, weights_only=True)
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", [1, 2])
+def test_hugging_face_gpt2_in_a_fabric_loop_matches_ddp(tmp_path_factory, version):
+    pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    path = tmp_path_factory.mktemp("gpt2") / "ours.pt"
+    _fabric(_ours(2, version, auto_wrap_policy={GPT2Block})).launch(train_gpt2, str(path))
+    ours = torch.load(path, weights_only=True)
+    reference = gpt2_reference(str(tmp_path_factory.getbasetemp()))
+    assert list(ours) == list(reference)
+    assert max((ours[k] - reference[k]).abs().max().item() for k in reference) <= TOL
+
+
+# ---------------------------------------------------------------------------------------- the rest of the contract
+
+
+@pytest.mark.parametrize("source", ["environment", "init"])
+def test_fsdp_version_and_degree_from_the_configuration_sources(monkeypatch, source):
+    import json
+
+    from lightning_smp import init, shutdown
+    from lightning_smp.config import ENV_CONFIG
+
+    values = {"hybrid_shard_degree": 2, "fsdp_version": 2}
+    if source == "environment":
+        monkeypatch.setenv(ENV_CONFIG, json.dumps(values))
+    else:
+        init(values)
+    try:
+        strategy = _fabric("smp_hybrid").strategy
+        assert strategy.fsdp_version == 2 and strategy.layout.mesh_shape == (2, 2)
+        assert strategy.gradient_accumulation == DEFER_ALL_REDUCE
+    finally:
+        shutdown()
+
+
+def _rank_seeded(fabric: L.Fabric) -> tuple[dict[str, list], dict[str, list]]:
+    torch.manual_seed(100 + fabric.global_rank)  # every rank initialises its own weights
+    net = TinyModel().net
+    mine = {k: v.tolist() for k, v in net.state_dict().items()}
+    first: list[Any] = [None] * fabric.world_size
+    dist.all_gather_object(first, mine)
+    model = fabric.setup_module(net)
+    return first[0], _full(fabric, model)
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", [1, 2])
+def test_replicas_start_from_rank0_weights(version):
+    rank0, trained_from = _fabric(_ours(2, version)).launch(_rank_seeded)
+    assert trained_from == rank0
+
+
+def _joint_setup(fabric: L.Fabric) -> dict[str, list]:
+    net = make_net()
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=0.05))
+    for x, y in _batches(fabric)[:2]:
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    return _full(fabric, model)
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_joint_setup_under_fsdp1_trains_like_ddp():
+    ours = _fabric(_ours(2, 1)).launch(_joint_setup)
+    reference = _fabric(DDPStrategy(start_method="fork")).launch(_joint_setup)
+    assert _max_diff(ours, {k: torch.tensor(v) for k, v in reference.items()}) <= TOL
+
+
+def _save_once(fabric: L.Fabric, path: str) -> None:
+    model = fabric.setup_module(make_net())
+    fabric.save(path, {"model": model, "step": 1})
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("kind", STATE_DICT_TYPES)
+def test_a_second_run_never_overwrites_the_first_runs_checkpoint(tmp_path, kind):
+    path = str(tmp_path / "ckpt")
+    _fabric(_ours(2, 2, state_dict_type=kind)).launch(_save_once, path)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(ProcessRaisedException, match="CheckpointError"):
+        _fabric(_ours(2, 2, state_dict_type=kind)).launch(_save_once, path)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def _report(fabric: L.Fabric) -> list[dict]:
+    model = fabric.setup_module(TinyModel())
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.05))
+    x, y = _batches(fabric)[0]
+    fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+    optimizer.step()
+    return memory_report(model, [optimizer], print_table=False)
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", [1, 2])
+def test_memory_report_in_a_loop_equals_the_callbacks(tmp_path, version):
+    """The same model, optimizer and degree: Fabric's report holds the Trainer callback's memory figures."""
+    from lightning_smp import HybridShardFSDPStrategy as TrainerStrategy
+    from lightning_smp import MemorySavingsCallback
+    from lightning_smp.accounting import MEMORY_FIELDS, PEAK_FIELDS
+    from tests.helpers import cpu_trainer
+
+    ours = _fabric(_ours(2, version)).launch(_report)
+    callback = MemorySavingsCallback(print_table=False, filename=None)
+    torch.manual_seed(0)
+    cpu_trainer(TrainerStrategy(hybrid_shard_degree=2, start_method="fork", fsdp_version=version), tmp_path, WORLD,
+                max_steps=1, callbacks=[callback]).fit(TinyModel(), make_loader())
+    fields = [f for f in MEMORY_FIELDS if f not in PEAK_FIELDS] + ["sharding_strategy", "shard_degree", "replicas"]
+    for mine, theirs in zip(ours, callback.reports["first_step"], strict=True):
+        assert {f: mine[f] for f in fields} == {f: theirs[f] for f in fields}

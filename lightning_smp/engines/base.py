@@ -9,7 +9,7 @@ implementation's internals.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -121,6 +121,11 @@ class Engine(Protocol):
 
     def complete(self, module: Module, plan: ShardingPlan) -> Module:
         """A model the user sharded (in part) in ``configure_model``, made ready to train as ``plan`` says."""
+        ...
+
+    def call_through_root(self, root: Module, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` (a step of the module that is itself the sharded root) so that the root's forward hooks
+        run once around it; a root that wraps the module (FSDP1) calls it directly."""
         ...
 
     def wrap_context(self, plan: ShardingPlan) -> AbstractContextManager[None]:

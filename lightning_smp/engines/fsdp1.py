@@ -124,6 +124,9 @@ class FSDP1Engine:
     def wrap(self, module: Module, plan: ShardingPlan) -> Module:
         return _fsdp()(module=module, **self.wrapper_kwargs(plan))
 
+    def call_through_root(self, root: Module, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return method(*args, **kwargs)  # the FSDP1 root is a wrapper: Lightning redirects through it itself
+
     def complete(self, module: Module, plan: ShardingPlan) -> Module:
         return module  # Lightning's FSDPStrategy: a model wrapped by the user is used as it is
 

@@ -304,6 +304,32 @@ class FSDP2Engine:
     def is_sharded(self, module: Module) -> bool:
         return bool(fsdp_modules(module))
 
+    def call_through_root(self, root: Module, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` (a LightningModule step) as the forward of the sharded ``root``: its hooks gather the
+        root's own parameters and prepare their gradient reduction, whatever the step calls. Calls of the root
+        inside the step (``self(x)``) then run its forward without those hooks again (they would gather twice)."""
+        if not isinstance(root, _fsdp_module_cls()):
+            return method(*args, **kwargs)
+        state = root._get_fsdp_state()
+        hooks = [(root._forward_pre_hooks, state._pre_forward_hook_handle.id),
+                 (root._forward_hooks, state._post_forward_hook_handle.id)]
+        original_forward = root.forward
+
+        def step_as_forward(*step_args: Any, **step_kwargs: Any) -> Any:
+            root.forward = original_forward  # restored before the step calls it
+            paused = [(table, key, table.pop(key)) for table, key in hooks if key in table]
+            try:
+                return method(*step_args, **step_kwargs)
+            finally:
+                for table, key, hook in paused:
+                    table[key] = hook
+
+        root.forward = step_as_forward
+        try:
+            return root(*args, **kwargs)
+        finally:
+            root.forward = original_forward
+
     def holds_shards(self, module: Module) -> bool:
         from torch.distributed.tensor import DTensor
 
