@@ -172,7 +172,6 @@ def run_torch_hsdp(spec: ConfigSpec, settings: Settings, dataset: Dataset, devic
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-    from torch.utils.data.distributed import DistributedSampler
 
     world, degree = settings.world_size, spec.degree
     assert degree is not None
@@ -188,13 +187,21 @@ def run_torch_hsdp(spec: ConfigSpec, settings: Settings, dataset: Dataset, devic
         auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device, use_orig_params=True,
         mixed_precision=plain_mixed_precision(settings),
     )
-    optimizer = make_optimizer(fsdp.parameters(), settings)
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=dist.get_rank(), shuffle=False)
+    return plain_loop(fsdp, mesh, settings, dataset, device)
+
+
+def plain_loop(model: Module, mesh: Any, settings: Settings, dataset: Dataset, device: torch.device) -> StepProbe:
+    """The hand-written loop of the plain-PyTorch floors (FSDP1 and FSDP2 alike), measured by the same probe as the
+    Lightning runs: AdamW, a DistributedSampler's slice of the data, autocast for ``bf16-mixed``."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    optimizer = make_optimizer(model.parameters(), settings)
+    sampler = DistributedSampler(dataset, num_replicas=settings.world_size, rank=dist.get_rank(), shuffle=False)
     loader = DataLoader(dataset, batch_size=settings.batch_size, sampler=sampler)
     groups = {axis: mesh.get_group(axis) for axis in MESH_AXES}
     autocast = settings.precision == "bf16-mixed"
     probe = StepProbe(settings)
-    fsdp.train()
+    model.train()
     try:
         for index, batch in enumerate(loader):
             if index == settings.steps_per_run:
@@ -203,11 +210,11 @@ def run_torch_hsdp(spec: ConfigSpec, settings: Settings, dataset: Dataset, devic
             probe.batch_start(index, groups)
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss = lm_loss(fsdp(batch[:, :-1]), batch)
+                loss = lm_loss(model(batch[:, :-1]), batch)
             loss.backward()
-            probe.before_optimizer_step(index, fsdp)
+            probe.before_optimizer_step(index, model)
             optimizer.step()
-            probe.batch_end(index, fsdp, [optimizer], groups)
+            probe.batch_end(index, model, [optimizer], groups)
     finally:
         probe.close()
     return probe
@@ -230,7 +237,6 @@ def run_torch_fsdp2(spec: ConfigSpec, settings: Settings, dataset: Dataset, devi
     hand-written loop; no Lightning."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.utils.data.distributed import DistributedSampler
 
     world, degree = settings.world_size, spec.degree
     assert degree is not None
@@ -242,29 +248,7 @@ def run_torch_fsdp2(spec: ConfigSpec, settings: Settings, dataset: Dataset, devi
         if isinstance(block, Block):
             fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=True, mp_policy=policy)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
-    optimizer = make_optimizer(model.parameters(), settings)
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=dist.get_rank(), shuffle=False)
-    loader = DataLoader(dataset, batch_size=settings.batch_size, sampler=sampler)
-    groups = {axis: mesh.get_group(axis) for axis in MESH_AXES}
-    autocast = settings.precision == "bf16-mixed"
-    probe = StepProbe(settings)
-    model.train()
-    try:
-        for index, batch in enumerate(loader):
-            if index == settings.steps_per_run:
-                break
-            batch = batch.to(device)
-            probe.batch_start(index, groups)
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss = lm_loss(model(batch[:, :-1]), batch)
-            loss.backward()
-            probe.before_optimizer_step(index, model)
-            optimizer.step()
-            probe.batch_end(index, model, [optimizer], groups)
-    finally:
-        probe.close()
-    return probe
+    return plain_loop(model, mesh, settings, dataset, device)
 
 
 # ---------------------------------------------------------------------------------------------- accumulation

@@ -33,7 +33,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision
 from lightning.fabric.strategies import FSDPStrategy
 from lightning.fabric.strategies.fsdp import (
-    _has_meta_device_parameters_or_buffers,
     _move_torchmetrics_to_device,
     _setup_activation_checkpointing,
 )
@@ -42,7 +41,6 @@ from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessS
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -51,14 +49,15 @@ from typing_extensions import override
 from lightning_smp import checkpoint as checkpoint_lib
 from lightning_smp.collectives import Collectives
 from lightning_smp.core import FSDP2_OFFLOAD_CONFIGS, HybridShardCore
-from lightning_smp.degree import Layout
-from lightning_smp.engines import Engine, ShardingPlan, engine_of
+from lightning_smp.engines import ShardingPlan, engine_of
 from lightning_smp.errors import GradientSyncError, HybridShardConfigError, UnsupportedOptionError
+from lightning_smp.frontend import HybridShardFrontEnd
 from lightning_smp.launcher import check_start_method_name
 from lightning_smp.names import STRATEGY_NAMES, GradientAccumulation, ShardingStrategyName, StartMethod, StateDictType
+from lightning_smp.precision import autocast_context
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+    pass
 
 
 class HybridShardFabricPrecision(FSDPPrecision):
@@ -79,10 +78,7 @@ class HybridShardFabricPrecision(FSDPPrecision):
 
     @override
     def forward_context(self) -> AbstractContextManager:
-        if "mixed" in self.precision:
-            dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
-            return torch.autocast(self.device_type, dtype=dtype)
-        return super().forward_context()
+        return autocast_context(self.precision, self.device_type) or super().forward_context()
 
 
 class _HybridBackwardSyncControl(_BackwardSyncControl):
@@ -109,7 +105,7 @@ class _HybridBackwardSyncControl(_BackwardSyncControl):
             self.active = False
 
 
-class HybridShardFSDPStrategy(FSDPStrategy):
+class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     r"""Hybrid sharding (SMP's ``hybrid_shard_degree``) for Lightning Fabric.
 
     Takes the arguments of :class:`lightning_smp.HybridShardFSDPStrategy` (see it for each) that apply to Fabric:
@@ -118,6 +114,9 @@ class HybridShardFSDPStrategy(FSDPStrategy):
     ``"popen"``, Fabric's script launcher), ``auto_wrap_policy``, ``activation_checkpointing_policy``,
     ``cpu_offload``, ``mixed_precision``, ``process_group_backend``, ``timeout`` and the engine's ``**kwargs``.
     """
+
+    _created_by = "Fabric"
+    _mesh_built_in = "inside fabric.launch()"
 
     def __init__(
         self,
@@ -164,45 +163,6 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         # whether the latest backward ran inside no_backward_sync (its gradients are not reduced yet)
         self._unreduced = False
         self._module: Module | None = None  # the sharded root set up last, for the check before each step
-        self._warned_override = False
-
-    # ------------------------------------------------------------------ what the core knows
-
-    @property
-    def engine(self) -> Engine:
-        """The engine that shards the model (``fsdp_version``; settled when Fabric configures the strategy)."""
-        return self.core.engine
-
-    @property
-    def fsdp_version(self) -> int:
-        return self.engine.version
-
-    @property
-    def gradient_accumulation(self) -> GradientAccumulation:
-        return self.core.gradient_accumulation
-
-    @property
-    def hybrid_shard_degree(self) -> int:
-        return self.core.hybrid_shard_degree
-
-    @property
-    def layout(self) -> Layout:
-        if self.core.layout is None:
-            raise HybridShardConfigError(
-                "lightning_smp.fabric.HybridShardFSDPStrategy.layout is not known yet: it is resolved when Fabric"
-                " is created."
-            )
-        return self.core.layout
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """The 2-D ``(replicate, shard)`` mesh, built in ``setup_environment`` (inside ``fabric.launch()``)."""
-        if self.core.device_mesh is None:
-            raise HybridShardConfigError(
-                "lightning_smp.fabric.HybridShardFSDPStrategy.device_mesh is not available before fabric.launch():"
-                " it is built once the process group exists (or a process_group was passed and is used as is)."
-            )
-        return self.core.device_mesh
 
     # ------------------------------------------------------------------ precision
 
@@ -235,9 +195,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
             self._precision = HybridShardFabricPrecision.from_plugin(self._precision, device_type)
         elif isinstance(self._precision, HybridShardFabricPrecision):
             self._precision.device_type = device_type
-        if layout.overridden and not self._warned_override:
-            self._warned_override = True
-            rank_zero_warn(layout.override_message())
+        self._warn_override_once(layout)
         if self.cluster_environment is None:
             raise HybridShardConfigError(
                 "lightning_smp.fabric.HybridShardFSDPStrategy has no cluster environment: create it through Fabric."
@@ -250,11 +208,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        layout = self.core.build_mesh(self.num_nodes, self.num_processes, self.root_device.type)
-        from torch.distributed.fsdp import ShardingStrategy
-
-        self.sharding_strategy = ShardingStrategy[layout.sharding_strategy]
-        rank_zero_info(f"{type(self).__name__}: {layout.describe()}")
+        self._set_up_mesh(self.num_nodes, self.num_processes, self.root_device.type)
 
     def _plan(self) -> ShardingPlan:
         return self.core.plan(self.root_device, mixed_precision=self.mixed_precision_config,
@@ -286,11 +240,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         return module
 
     def _already_sharded(self, module: Module) -> None:
-        if _has_meta_device_parameters_or_buffers(module):
-            rank_zero_warn("The model is already wrapped in `FSDP` but there are still parameters on the meta device.")
-        if "auto_wrap_policy" in self._fsdp_kwargs:
-            rank_zero_warn("A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be ignored.")
-            del self._fsdp_kwargs["auto_wrap_policy"]
+        self._warn_already_sharded(module, self._fsdp_kwargs)
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:

@@ -12,6 +12,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 
+def autocast_context(precision: str, device_type: str) -> AbstractContextManager | None:
+    """``torch.autocast`` on ``device_type`` for a ``*-mixed`` precision (Lightning's FSDP plugins hard-code
+    ``"cuda"``), else ``None``. Shared by the Trainer's and Fabric's precision plugins."""
+    if "mixed" not in precision:
+        return None
+    return torch.autocast(device_type, dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
+
+
 class HybridShardPrecision(FSDPPrecision):
     """Lightning's :class:`FSDPPrecision` with two fixes that hybrid sharding on any device needs.
 
@@ -55,10 +63,7 @@ class HybridShardPrecision(FSDPPrecision):
 
     @override
     def forward_context(self) -> AbstractContextManager:
-        if "mixed" in self.precision:
-            dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
-            return torch.autocast(self.device_type, dtype=dtype)
-        return super().forward_context()
+        return autocast_context(self.precision, self.device_type) or super().forward_context()
 
     @override
     def _after_closure(self, model: Any, optimizer: Any) -> None:  # Lightning: a ``Steppable``

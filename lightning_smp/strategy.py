@@ -21,7 +21,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.strategies.fsdp import (
-    _has_meta_device_parameters_or_buffers,
     _move_torchmetrics_to_device,
     _setup_activation_checkpointing,
 )
@@ -31,7 +30,7 @@ from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -40,12 +39,12 @@ from typing_extensions import override
 from lightning_smp import checkpoint as checkpoint_lib
 from lightning_smp.accounting.memory import no_sync_extra_bytes
 from lightning_smp.accounting.render import fmt_bytes
-from lightning_smp.checkpoint import CheckpointRun, ShardedModel
+from lightning_smp.checkpoint import ShardedModel
 from lightning_smp.collectives import Collectives
 from lightning_smp.core import FSDP2_OFFLOAD_CONFIGS, HybridShardCore
-from lightning_smp.degree import Layout
-from lightning_smp.engines import Engine, ShardingPlan
+from lightning_smp.engines import ShardingPlan
 from lightning_smp.errors import CheckpointError, HybridShardConfigError, UnsupportedOptionError
+from lightning_smp.frontend import HybridShardFrontEnd
 from lightning_smp.launcher import HybridShardMultiProcessingLauncher, MainProcessResults, check_start_method_name
 from lightning_smp.names import (
     FULL,
@@ -68,7 +67,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class HybridShardFSDPStrategy(FSDPStrategy):
+class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     r"""FSDP with SageMaker SMP v2's ``hybrid_shard_degree``: shard inside groups of any size, replicate across them.
 
     A drop-in replacement for :class:`lightning.pytorch.strategies.FSDPStrategy`: every argument it takes is
@@ -202,67 +201,13 @@ class HybridShardFSDPStrategy(FSDPStrategy):
             self.cpu_offload = cpu_offload  # type: ignore[assignment]  # FSDPStrategy annotates FSDP1's type only
         self._state_dict_type: StateDictType = state_dict_type
         self._launch_results: MainProcessResults | None = None
-        self._warned_override = False
 
     # ------------------------------------------------------------------ configuration
-
-    @property
-    def hybrid_shard_degree(self) -> int:
-        """The degree in effect: the constructor argument, else a LightningCLI ``smp:`` section, else
-        :func:`lightning_smp.init`, else ``LIGHTNING_SMP_CONFIG``/``SM_HP_MP_PARAMETERS``, else 0.
-
-        Resolved once, when the Trainer configures the strategy; every source is checked even when a higher one
-        wins (see :mod:`lightning_smp.config`).
-        """
-        return self.core.hybrid_shard_degree
-
-    @property
-    def engine(self) -> Engine:
-        """The engine that shards the model (``fsdp_version``; settled when the Trainer configures the strategy)."""
-        return self.core.engine
-
-    @property
-    def checkpoint_run(self) -> CheckpointRun:
-        """Who writes this run's checkpoints (see :class:`lightning_smp.checkpoint.CheckpointRun`)."""
-        return self.core.checkpoint_run
-
-    @property
-    def fsdp_version(self) -> int:
-        """The engine in effect: 1 (``FullyShardedDataParallel``) or 2 (``fully_shard``)."""
-        return self.engine.version
-
-    @property
-    def gradient_accumulation(self) -> GradientAccumulation:
-        """What micro-batches before the last of an optimizer step communicate (the engine's default unless given)."""
-        return self.core.gradient_accumulation
 
     @property
     def start_method(self) -> StartMethod:
         """How processes are started: ``"popen"``, ``"fork"``, ``"spawn"`` or ``"forkserver"``."""
         return self._start_method
-
-    @property
-    def layout(self) -> Layout:
-        """Replicas, shard degree and the FSDP sharding strategy in effect (known once the Trainer exists)."""
-        if self.core.layout is None:
-            raise HybridShardConfigError(
-                "HybridShardFSDPStrategy.layout is not known yet: it is resolved when the Trainer is created."
-            )
-        return self.core.layout
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """The 2-D ``DeviceMesh`` with axes ``("replicate", "shard")``, built in ``setup_environment``."""
-        if self.core.device_mesh is None:
-            if self.kwargs.get("process_group") is not None:
-                raise HybridShardConfigError(
-                    "HybridShardFSDPStrategy.device_mesh does not exist: a process_group was passed and is used as is."
-                )
-            raise HybridShardConfigError(
-                "HybridShardFSDPStrategy.device_mesh is not available before setup: it is built in"
-                " setup_environment(), once the process group exists (inside Trainer.fit/validate/test/predict)."
-            )
-        return self.core.device_mesh
 
     # ------------------------------------------------------------------ launch and process groups
 
@@ -273,9 +218,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         # the engine is known now (an argument, or any configuration source): the arguments are checked against it
         layout = self.core.configure(self.num_nodes, self.num_processes)
         self.precision_plugin.set_device_type(self.root_device.type)
-        if layout.overridden and not self._warned_override:
-            self._warned_override = True
-            rank_zero_warn(layout.override_message())
+        self._warn_override_once(layout)
         if self.cluster_environment is None:
             raise HybridShardConfigError("HybridShardFSDPStrategy has no cluster environment: create it through a Trainer.")
         if self._start_method == "popen" or self.cluster_environment.creates_processes_externally:
@@ -291,11 +234,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         # Same inputs on every rank, so every rank fails identically here, before the first collective.
-        layout = self.core.build_mesh(self.num_nodes, self.num_processes, self.root_device.type)
-        from torch.distributed.fsdp import ShardingStrategy
-
-        self.sharding_strategy = ShardingStrategy[layout.sharding_strategy]
-        rank_zero_info(f"{type(self).__name__}: {layout.describe()}")
+        self._set_up_mesh(self.num_nodes, self.num_processes, self.root_device.type)
 
     def _plan(self) -> ShardingPlan:
         """What the engine builds: this layout on the root device, with the user's own FSDP arguments."""
@@ -358,12 +297,7 @@ class HybridShardFSDPStrategy(FSDPStrategy):
         return model
 
     def _already_sharded(self, model: Module) -> None:
-        # Lightning's FSDPStrategy's warnings for a model the user wrapped in configure_model
-        if _has_meta_device_parameters_or_buffers(model):
-            rank_zero_warn("The model is already wrapped in `FSDP` but there are still parameters on the meta device.")
-        if "auto_wrap_policy" in self.kwargs:
-            rank_zero_warn("A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be ignored.")
-            del self.kwargs["auto_wrap_policy"]
+        self._warn_already_sharded(model, self.kwargs)
 
     # ------------------------------------------------------------------ steps
 

@@ -20,9 +20,12 @@ from lightning_smp import HybridShardConfigError, count_communication, memory_re
 from lightning_smp.fabric import HybridShardFSDPStrategy
 from lightning_smp.names import (
     DEFER_ALL_REDUCE,
+    FULL_SHARD,
     HYBRID_SHARD,
     HYBRID_SHARD_ZERO2,
+    NO_SYNC,
     REPLICATE_AXIS,
+    SHARD_GRAD_OP,
     SHARDED,
     STATE_DICT_TYPES,
     STRATEGY_NAMES,
@@ -86,7 +89,7 @@ def train(fabric: L.Fabric, clip: dict[str, float], steps: int = STEPS) -> dict[
         fabric.clip_gradients(model, optimizer, **clip)
         optimizer.step()
         optimizer.zero_grad()
-    accumulation = getattr(fabric.strategy, "gradient_accumulation", "no_sync")
+    accumulation = getattr(fabric.strategy, "gradient_accumulation", NO_SYNC)  # Fabric's DDP: no_sync
     records = memory_report(model, [optimizer], comm=counted, backward_passes=K, accumulation=accumulation,
                             print_table=False)
     return {"weights": _full(fabric, model), "records": records}
@@ -114,7 +117,7 @@ def test_every_name_is_registered_in_fabric(name):
     init = next(args for n, _, args in STRATEGY_NAMES if n == name)
     # degree 0 on one node: native FSDP over the node (FULL_SHARD, or SHARD_GRAD_OP for the ZeRO-2 name)
     zero2 = init["sharding_strategy"] == HYBRID_SHARD_ZERO2
-    assert strategy.layout.sharding_strategy == ("SHARD_GRAD_OP" if zero2 else "FULL_SHARD")
+    assert strategy.layout.sharding_strategy == (SHARD_GRAD_OP if zero2 else FULL_SHARD)
     assert strategy.fsdp_version == init.get("fsdp_version", 1)
     assert strategy._start_method == init.get("start_method", "popen")
 
@@ -151,7 +154,7 @@ def test_fabric_loop_matches_ddp(version, degree, requested):
             replicated = record["comm"][REPLICATE_AXIS]["all_reduce"]
             book = record["comm_textbook"][REPLICATE_AXIS]["all_reduce"]
             assert replicated["count"] == book["count"] == 1  # one unit: one crossing per optimizer step of K
-            assert record["gradient_accumulation"] == (DEFER_ALL_REDUCE if version == 2 else "no_sync")
+            assert record["gradient_accumulation"] == (DEFER_ALL_REDUCE if version == 2 else NO_SYNC)
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
