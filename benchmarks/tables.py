@@ -115,7 +115,7 @@ RATIO_HEADER = ["step-time ratio", "wall time", "target", "verdict", "CPU time (
 def check_rows(summary: dict[str, Any]) -> list[list[str]]:
     rows = []
     for check in summary["checks"]:
-        op = "==" if check["name"].startswith("traffic") else "<="
+        op = "==" if check["name"].startswith("traffic") or "replica bytes" in check["name"] else "<="
         rows.append([check["name"], _x(check["value"]), f"{op} {check['target']:.3f}", "met" if check["ok"] else "MISSED"])
     return rows
 
