@@ -142,3 +142,117 @@ def _fsdp2_rank(rank: int, units: Sequence[Sequence[Parameter]], shard: int, pos
 
 
 __all__ = ["OPTIMIZER_STATE", "RankState", "fsdp_units", "model_state", "optimizer_state_layout"]
+
+
+# ---------------------------------------------------------------------------------------------- choosing the degree
+
+
+@dataclass(frozen=True)
+class DegreePlan:
+    """One candidate degree: the largest per-rank figures over the ranks, and whether it fits.
+
+    Attributes:
+        degree: the ``hybrid_shard_degree``; ``sharding_strategy``: what FSDP runs for it.
+        model_state_bytes: parameters + gradients + optimizer state of the fullest rank (exact, see
+            :func:`model_state`).
+        transient_bytes: what is gathered on top during a step: the two largest units unsharded (the one computing
+            and the one prefetched), and under FSDP1 ``no_sync`` accumulation the unsharded gradients.
+        activation_bytes: the caller's estimate for one micro-batch (not measured here).
+        peak_bytes: the sum; ``fits``: ``peak_bytes <= budget / (1 + headroom)``.
+        shard_bytes, replicate_bytes: logical bytes of one optimizer step inside the shard group and across
+            replicas (the textbook figure).
+    """
+
+    degree: int
+    sharding_strategy: str
+    model_state_bytes: int
+    transient_bytes: int
+    activation_bytes: int
+    peak_bytes: int
+    fits: bool
+    shard_bytes: int
+    replicate_bytes: int
+
+
+def _textbook_bytes(units: Sequence[Sequence[Parameter]], layout: Any, fsdp_version: int, micro_batches: int,
+                    accumulation: str) -> tuple[int, int]:
+    from lightning_smp.accounting.comm import FSDPUnitSpec, accumulation_passes, fsdp_step_textbook
+    from lightning_smp.accounting.shards import flat_param_numel
+
+    shard = layout.shard
+    group = layout.world_size if layout.sharding_strategy == NO_SHARD else shard
+    specs = []
+    for index, unit in enumerate(units):
+        size = unit[0].element_size()
+        reduced: int | None = None
+        if fsdp_version == 1:
+            padded = flat_param_numel([p.numel() for p in unit], group, size)  # the flat gradient, frozen parts too
+        else:
+            chunks = [(math.ceil((p.shape[0] if p.dim() else 1) / shard) * (math.prod(p.shape[1:]) if p.dim() else 1),
+                       p.requires_grad) for p in unit]
+            padded = sum(n for n, _ in chunks) * shard
+            reduced = sum(n for n, trainable in chunks if trainable) * shard  # FSDP2 reduces what has gradients
+        specs.append(FSDPUnitSpec(padded_numel=padded, is_root=index == len(units) - 1, gather_bytes=size,
+                                  reduce_bytes=size, reduce_numel=reduced))
+    scattered, synced = accumulation_passes(accumulation, micro_batches)
+    replicas = layout.world_size if layout.sharding_strategy == NO_SHARD else layout.replicate
+    figure = fsdp_step_textbook(specs, layout.sharding_strategy, shard, replicas, micro_batches, synced_passes=synced,
+                                reduce_scatter_passes=scattered, keep_gathered_unsynced=fsdp_version == 1)
+    return (int(sum(e["bytes"] for e in figure["shard"].values())),
+            int(sum(e["bytes"] for e in figure["replicate"].values())))
+
+
+def plan(model: Module, *, world_size: int, devices_per_node: int | None = None, budget_bytes: int,
+         fsdp_version: int = 1, auto_wrap_policy: Any = None, optimizer: Any = "adamw", micro_batches: int = 1,
+         accumulation: str | None = None, activation_bytes: int = 0, headroom: float = 0.1,
+         ) -> tuple[int, list[DegreePlan], str]:
+    """Every valid degree's figures, the recommended degree and the reason.
+
+    The recommendation is the smallest degree whose peak fits ``budget_bytes`` with ``headroom`` to spare (the
+    fewer ranks in a shard group, the cheaper and more local its collectives), among the divisors of
+    ``devices_per_node`` first (the frequent all-gathers stay on the intra-node links), then whole nodes.
+
+    Raises:
+        HybridShardConfigError: no degree fits; the message says what would help.
+    """
+    from lightning_smp.degree import valid_degrees
+    from lightning_smp.names import EVERY_MICRO_BATCH, NO_SYNC
+
+    mode = accumulation or (NO_SYNC if fsdp_version == 1 else "defer_all_reduce")
+    units = fsdp_units(model, auto_wrap_policy)
+    unit_bytes = sorted((sum(p.numel() * p.element_size() for p in unit) for unit in units), reverse=True)
+    full_grads = sum(p.numel() * p.element_size() for unit in units for p in unit if p.requires_grad)
+    rows = []
+    for degree in [d for d in valid_degrees(world_size) if d >= 1]:
+        layout = resolve_layout(world_size, degree)
+        state = max(s.total_bytes for s in model_state(model, world_size=world_size, hybrid_shard_degree=degree,
+                                                        fsdp_version=fsdp_version, auto_wrap_policy=auto_wrap_policy,
+                                                        optimizer=optimizer))
+        transient = sum(unit_bytes[:2]) if layout.shard > 1 else 0
+        if micro_batches > 1 and mode == NO_SYNC and layout.shard > 1:
+            transient += full_grads  # every rank holds the unsharded gradient between micro-batches
+        elif micro_batches > 1 and mode not in (NO_SYNC, EVERY_MICRO_BATCH):
+            transient += full_grads // layout.shard  # FSDP2's partial-reduce buffer
+        peak = state + transient + activation_bytes
+        shard_bytes, replicate_bytes = _textbook_bytes(units, layout, fsdp_version, micro_batches, mode)
+        rows.append(DegreePlan(degree, layout.sharding_strategy, state, transient, activation_bytes, peak,
+                               peak <= budget_bytes / (1 + headroom), shard_bytes, replicate_bytes))
+    per_node = devices_per_node or world_size
+    fitting = [r for r in rows if r.fits]
+    if not fitting:
+        smallest = min(rows, key=lambda r: r.peak_bytes)
+        raise HybridShardConfigError(
+            f"no hybrid_shard_degree fits budget_bytes={budget_bytes} with {headroom:.0%} headroom on {world_size}"
+            f" rank(s): the least is {smallest.peak_bytes} bytes per rank at degree {smallest.degree}. Fix: more"
+            " devices, activation checkpointing or a smaller micro-batch (activations), CPU offload, or"
+            " fsdp_version=2 for accumulation without unsharded gradients."
+        )
+    inside = [r for r in fitting if per_node % r.degree == 0]
+    chosen = min(inside or fitting, key=lambda r: r.degree)
+    where = "inside one node" if per_node % chosen.degree == 0 else "spanning whole nodes"
+    reason = (f"degree {chosen.degree} is the smallest that fits ({chosen.peak_bytes} of {budget_bytes} bytes per"
+              f" rank with {headroom:.0%} headroom), its shard groups {where}")
+    return chosen.degree, rows, reason
+
+
+__all__ += ["DegreePlan", "plan"]

@@ -696,3 +696,19 @@ def test_steps_that_do_not_call_forward_train_and_validate(tmp_path):
     shapes = [p.shape for p in TinyModel().parameters()]
     padded = sum(math.ceil(s[0] / 2) * math.prod(s[1:]) for s in shapes)
     assert all(r["params_bytes"] == 4 * padded for r in callback.reports["fit_end"])
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_frozen_parameters_are_not_reduced_and_the_textbook_knows(tmp_path):
+    """FSDP2 reduce-scatters and all-reduces only the parameters that require gradients (the frozen LoRA bases are
+    gathered, never reduced): measured bytes equal the textbook's on both axes."""
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork", fsdp_version=2,
+                                       auto_wrap_policy={LoRABlock})
+    callback = MemorySavingsCallback(print_table=False, filename=None)
+    torch.manual_seed(0)
+    cpu_trainer(strategy, tmp_path, WORLD, max_steps=1, callbacks=[callback]).fit(FeatureModel(), token_loader())
+    for record in callback.reports["first_step"]:
+        assert record["comm_mismatch"] == []
+        for axis in (SHARD_AXIS, REPLICATE_AXIS):
+            for op in ("all_gather", "reduce_scatter", "all_reduce"):
+                assert record["comm"][axis][op]["bytes"] == record["comm_textbook"][axis][op]["bytes"], (axis, op)

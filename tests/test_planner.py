@@ -3,6 +3,8 @@ for both engines, several degrees and models (tied and frozen parameters, wrappe
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -33,10 +35,21 @@ def test_predicted_model_state_equals_the_measured_one(tmp_path, model_key, vers
     torch.manual_seed(0)
     cpu_trainer(strategy, tmp_path, WORLD, max_steps=1, callbacks=[callback]).fit(cls(), loader())
     measured = callback.reports["first_step"]
-    for plan, record in zip(planned, measured, strict=True):
-        assert (plan.params_bytes, plan.grads_bytes, plan.optimizer_bytes) == (
-            record["params_bytes"], record["grads_bytes"], record["optimizer_bytes"]), plan.rank
-        assert plan.total_bytes == record["total_bytes"]
+    for state, record in zip(planned, measured, strict=True):
+        assert (state.params_bytes, state.grads_bytes, state.optimizer_bytes) == (
+            record["params_bytes"], record["grads_bytes"], record["optimizer_bytes"]), state.rank
+        assert state.total_bytes == record["total_bytes"]
+    if degree == 2:  # (an axis spanning the world also carries Lightning's own reductions: compare the hybrid case)
+        from lightning_smp.names import REPLICATE_AXIS, SHARD_AXIS
+        from lightning_smp.planner import plan
+
+        with torch.device("meta"):
+            _, rows, _ = plan(cls(), world_size=WORLD, budget_bytes=10**12, fsdp_version=version,
+                              auto_wrap_policy=policy, optimizer=optimizer)
+        row = next(r for r in rows if r.degree == degree)
+        for record in measured:
+            assert row.shard_bytes == sum(e["bytes"] for e in record["comm"][SHARD_AXIS].values())
+            assert row.replicate_bytes == sum(e["bytes"] for e in record["comm"][REPLICATE_AXIS].values())
 
 
 def test_optimizer_state_layouts():
@@ -46,3 +59,38 @@ def test_optimizer_state_layouts():
     assert optimizer_state_layout(torch.optim.SGD(net.parameters(), lr=0.1)) == (0, 0)
     with pytest.raises(HybridShardConfigError, match="optimizer='lion' is not one the planner knows"):
         optimizer_state_layout("lion")
+
+
+def test_the_smallest_fitting_degree_is_recommended_on_both_sides_of_each_threshold():
+    from lightning_smp.planner import plan
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    _, rows, _ = plan(model, world_size=8, budget_bytes=10**12, auto_wrap_policy={torch.nn.Linear})
+    peaks = {r.degree: r.peak_bytes for r in rows}
+    assert list(peaks) == [1, 2, 4, 8] and peaks[1] > peaks[2] > peaks[4] > peaks[8]
+    for degree in (1, 2, 4, 8):
+        # a budget just large enough for this degree (with 10% headroom) picks it; a byte less picks the next
+        budget = math.ceil(peaks[degree] * 1.1)
+        chosen, _, reason = plan(model, world_size=8, budget_bytes=budget, auto_wrap_policy={torch.nn.Linear})
+        assert chosen == degree and reason.startswith(f"degree {degree} is the smallest that fits")
+        if degree < 8:
+            below, _, _ = plan(model, world_size=8, budget_bytes=budget - 2, auto_wrap_policy={torch.nn.Linear})
+            assert below > degree
+    with pytest.raises(HybridShardConfigError, match="no hybrid_shard_degree fits budget_bytes=1000"):
+        plan(model, world_size=8, budget_bytes=1000)
+
+
+def test_accumulation_costs_in_the_plan():
+    from lightning_smp.planner import plan
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    kwargs = {"world_size": 4, "budget_bytes": 10**12, "auto_wrap_policy": {torch.nn.Linear}, "micro_batches": 4}
+    fsdp1 = {r.degree: r for r in plan(model, fsdp_version=1, **kwargs)[1]}
+    fsdp2 = {r.degree: r for r in plan(model, fsdp_version=2, **kwargs)[1]}
+    full = sum(p.numel() * 4 for p in model.parameters())
+    # FSDP1 no_sync holds the unsharded gradient on top; FSDP2 a 1/degree partial buffer
+    assert fsdp1[2].transient_bytes - fsdp2[2].transient_bytes == full - full // 2
+    # both cross the replicas once per optimizer step
+    assert fsdp1[2].replicate_bytes == fsdp2[2].replicate_bytes > 0

@@ -217,6 +217,9 @@ class FSDPUnitSpec:
     is_root: bool = False
     gather_bytes: int = 4
     reduce_bytes: int = 4
+    #: elements of the gradients the unit reduces, padding included, when fewer than ``padded_numel`` (FSDP2
+    #: reduces only the parameters that require gradients); ``None``: all of them (FSDP1 reduces the flat gradient)
+    reduce_numel: int | None = None
 
 
 def _new_figure(axes: Iterable[str]) -> CommFigure:
@@ -271,7 +274,7 @@ def fsdp_step_textbook(
     figure = _new_figure([shard_axis, replicate_axis])
     for unit in units:
         gather = unit.padded_numel * unit.gather_bytes
-        grad = unit.padded_numel * unit.reduce_bytes
+        grad = (unit.padded_numel if unit.reduce_numel is None else unit.reduce_numel) * unit.reduce_bytes
         if sharding_strategy == NO_SHARD:
             _add(figure, replicate_axis, "all_reduce", synced, grad, replicate)
             continue

@@ -490,7 +490,10 @@ class FSDP2Engine:
         specs = []
         for module, group in _param_groups(model):
             params = group.fsdp_params
-            padded = sum(p._sharded_param_data.numel() for p in params) * group.mesh_info.shard_mesh_size
+            shard = group.mesh_info.shard_mesh_size
+            padded = sum(p._sharded_param_data.numel() for p in params) * shard
+            # only the parameters that require gradients are reduce-scattered (and all-reduced)
+            reduced = sum(p._sharded_param_data.numel() for p in params if p.sharded_param.requires_grad) * shard
             gather_dtype = params[0].param_dtype or params[0].orig_dtype
             reduce_dtype = params[0].reduce_dtype or gather_dtype
             specs.append(FSDPUnitSpec(
@@ -498,6 +501,7 @@ class FSDP2Engine:
                 is_root=bool(module._get_fsdp_state()._is_root),
                 gather_bytes=torch.empty((), dtype=gather_dtype).element_size(),
                 reduce_bytes=torch.empty((), dtype=reduce_dtype).element_size(),
+                reduce_numel=reduced,
             ))
         return specs
 
