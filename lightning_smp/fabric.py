@@ -15,6 +15,10 @@ same arguments and checks (before any process starts), every configuration sourc
 ``fabric.no_backward_sync(model)`` follows ``gradient_accumulation`` (FSDP2: only the cross-replica all-reduce is
 deferred, gradients stay sharded); an optimizer step after a backward that never reduced its gradients is refused
 (:class:`~lightning_smp.errors.GradientSyncError`).
+
+Above 300 lines for a reason: one strategy class whose methods override Fabric's ``FSDPStrategy`` (each delegating to
+the core or the checkpoint helpers), its precision plugin and backward-sync control, and the mapping between a Fabric
+state dict and the checkpoint format, which belong to Fabric alone.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from lightning_smp.errors import GradientSyncError, HybridShardConfigError, Unsu
 from lightning_smp.frontend import HybridShardFrontEnd
 from lightning_smp.launcher import check_start_method_name
 from lightning_smp.names import STRATEGY_NAMES, GradientAccumulation, ShardingStrategyName, StartMethod, StateDictType
-from lightning_smp.precision import autocast_context
+from lightning_smp.precision import autocast_context, scaler_for
 
 if TYPE_CHECKING:
     pass
@@ -70,10 +74,7 @@ class HybridShardFabricPrecision(FSDPPrecision):
     def from_plugin(cls, plugin: FSDPPrecision, device_type: str) -> HybridShardFabricPrecision:
         upgraded = cls(plugin.precision)  # type: ignore[arg-type]  # an FSDPPrecision's precision is one of its own
         upgraded.device_type = device_type
-        if upgraded.scaler is not None and getattr(upgraded.scaler, "_device", device_type) != device_type:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            upgraded.scaler = ShardedGradScaler(device=device_type)
+        upgraded.scaler = scaler_for(upgraded.scaler, device_type)
         return upgraded
 
     @override

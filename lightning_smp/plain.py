@@ -140,9 +140,8 @@ def _default_fsdp2_mesh() -> DeviceMesh | None:
     # FSDP2 has no sharding strategy to override: the degree alone decides (reshard_after_forward is the caller's)
     layout = resolve_layout(dist.get_world_size(), degree, HYBRID_SHARD)
     # fully_shard's own default: the accelerator's device type when there is one, else the CPU
-    only_gloo = all(part.split(":")[-1] == "gloo" for part in str(dist.get_backend()).split(","))
     accelerator = torch.accelerator.current_accelerator()
-    device_type = "cpu" if accelerator is None or only_gloo else accelerator.type
+    device_type = "cpu" if accelerator is None or _gloo_only() else accelerator.type
     _log_once(layout, "fully_shard(...) shards over")
     return FSDP2Engine().mesh_for(_mesh_for(layout, device_type), layout)
 
@@ -175,6 +174,11 @@ def _rewrite(arguments: dict[str, Any]) -> Any | None:
     return lambda wrapped: broadcast_across_replicas(wrapped, mesh, device)
 
 
+def _gloo_only() -> bool:
+    """Whether the default process group runs gloo alone (``"gloo"``, not ``"cuda:nccl,cpu:gloo"``): CPU tensors."""
+    return all(part.split(":")[-1] == "gloo" for part in str(dist.get_backend()).split(","))
+
+
 def _root_device(module: Module, device_id: Any) -> torch.device:
     """The device FSDP will compute on, as FSDP itself would pick it."""
     if isinstance(device_id, torch.device):
@@ -183,8 +187,7 @@ def _root_device(module: Module, device_id: Any) -> torch.device:
         if tensor.device.type not in ("cpu", "meta"):
             return tensor.device
     accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    only_gloo = all(part.split(":")[-1] == "gloo" for part in str(dist.get_backend()).split(","))
-    if accelerator is None or (only_gloo and device_id is None):
+    if accelerator is None or (_gloo_only() and device_id is None):
         return torch.device("cpu")
     index = device_id if isinstance(device_id, int) else torch.accelerator.current_device_index()
     return torch.device(accelerator.type, index)

@@ -124,14 +124,19 @@ def _fsdp1_rank(rank: int, units: Sequence[Sequence[Parameter]], shard: int, pos
     return RankState(rank, params, grads, optimizer)
 
 
+def _fsdp2_chunk(p: Parameter, shard: int) -> tuple[int, int, int]:
+    """``(rows, rows per rank after padding, elements per row)`` of ``p`` under FSDP2's ``Shard(0)`` over ``shard``."""
+    rows = p.shape[0] if p.dim() else 1
+    rest = math.prod(p.shape[1:]) if p.dim() else 1
+    return rows, math.ceil(rows / shard), rest
+
+
 def _fsdp2_rank(rank: int, units: Sequence[Sequence[Parameter]], shard: int, position: int, tensors: int,
                 fixed: int) -> RankState:
     params = grads = optimizer = 0
     for unit in units:
         for p in unit:
-            rows = p.shape[0] if p.dim() else 1
-            rest = math.prod(p.shape[1:]) if p.dim() else 1
-            chunk_rows = math.ceil(rows / shard)
+            rows, chunk_rows, rest = _fsdp2_chunk(p, shard)
             padded = chunk_rows * rest * p.element_size()
             local = max(0, min(chunk_rows, rows - position * chunk_rows)) * rest * p.element_size()
             params += padded
@@ -188,10 +193,12 @@ def _textbook_bytes(units: Sequence[Sequence[Parameter]], layout: Any, fsdp_vers
         if fsdp_version == 1:
             padded = flat_param_numel([p.numel() for p in unit], group, size)  # the flat gradient, frozen parts too
         else:
-            chunks = [(math.ceil((p.shape[0] if p.dim() else 1) / shard) * (math.prod(p.shape[1:]) if p.dim() else 1),
-                       p.requires_grad) for p in unit]
-            padded = sum(n for n, _ in chunks) * shard
-            reduced = sum(n for n, trainable in chunks if trainable) * shard  # FSDP2 reduces what has gradients
+            padded = reduced = 0
+            for p in unit:
+                _, per_rank, rest = _fsdp2_chunk(p, shard)
+                padded += per_rank * rest * shard
+                if p.requires_grad:  # FSDP2 reduces only what has gradients
+                    reduced += per_rank * rest * shard
         specs.append(FSDPUnitSpec(padded_numel=padded, is_root=index == len(units) - 1, gather_bytes=size,
                                   reduce_bytes=size, reduce_numel=reduced))
     scattered, synced = accumulation_passes(accumulation, micro_batches)

@@ -20,6 +20,16 @@ def autocast_context(precision: str, device_type: str) -> AbstractContextManager
     return torch.autocast(device_type, dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
 
 
+def scaler_for(scaler: Any, device_type: str) -> Any:
+    """``scaler``, or a new ``ShardedGradScaler`` for ``device_type`` when it was made for another device (Lightning's
+    default is CUDA's, which disables itself without CUDA). Shared by the Trainer's and Fabric's plugins."""
+    if scaler is None or getattr(scaler, "_device", device_type) == device_type:
+        return scaler
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device=device_type)
+
+
 class HybridShardPrecision(FSDPPrecision):
     """Lightning's :class:`FSDPPrecision` with two fixes that hybrid sharding on any device needs.
 
@@ -55,11 +65,7 @@ class HybridShardPrecision(FSDPPrecision):
         """Autocast on ``device_type``; a loss scaler made for another device (Lightning's default is CUDA's, which
         disables itself on a machine without CUDA) is replaced by one for ``device_type``."""
         self.device_type = device_type
-        scaler = self.scaler
-        if scaler is not None and getattr(scaler, "_device", device_type) != device_type:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            self.scaler = ShardedGradScaler(device=device_type)
+        self.scaler = scaler_for(self.scaler, device_type)
 
     @override
     def forward_context(self) -> AbstractContextManager:

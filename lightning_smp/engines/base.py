@@ -196,4 +196,23 @@ class Engine(Protocol):
         ...
 
 
-__all__ = ["Engine", "ShardingFacts", "ShardingPlan", "StorageUnit"]
+def replace_attribute(owner: Any, name: str, replacement: Any, what: str) -> Callable[[], None]:
+    """Set ``owner.name`` to ``replacement`` and return a function that puts the original back, unless something
+    else replaced it again in the meantime (that later patch is then left in place, with a warning naming
+    ``what``). The engines' patches of the plain-PyTorch API for :func:`lightning_smp.init` use it."""
+    import warnings
+
+    original = getattr(owner, name)
+    setattr(owner, name, replacement)
+
+    def restore() -> None:
+        if getattr(owner, name) is replacement:
+            setattr(owner, name, original)
+        else:
+            warnings.warn(f"lightning_smp.shutdown(): {what} was patched again after lightning_smp.init(); that later"
+                          " patch is left in place.", UserWarning, stacklevel=3)
+
+    return restore
+
+
+__all__ = ["Engine", "ShardingFacts", "ShardingPlan", "StorageUnit", "replace_attribute"]

@@ -22,7 +22,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_smp.degree import Layout
-from lightning_smp.engines.base import ShardingFacts, ShardingPlan, StorageUnit
+from lightning_smp.engines.base import ShardingFacts, ShardingPlan, StorageUnit, replace_attribute
 from lightning_smp.errors import GradientSyncError, UnsupportedOptionError
 from lightning_smp.names import EVERY_MICRO_BATCH, NO_SHARD, NO_SYNC, REPLICATE_AXIS, SHARD_AXIS, GradientAccumulation
 
@@ -288,8 +288,6 @@ class FSDP1Engine:
 
     def patch_wrapper(self, rewrite: Callable[[dict[str, Any]], Callable[[Module], None] | None]) -> Callable[[], None]:
         """Patch ``FullyShardedDataParallel.__init__`` (the only thing :func:`lightning_smp.init` changes in FSDP1)."""
-        import warnings
-
         cls = _fsdp()
         original = cls.__init__
         signature = inspect.signature(original)
@@ -302,16 +300,7 @@ class FSDP1Engine:
             if after is not None:
                 after(self)
 
-        cls.__init__ = __init__
-
-        def restore() -> None:
-            if cls.__init__ is __init__:
-                cls.__init__ = original
-            else:
-                warnings.warn("lightning_smp.shutdown(): FullyShardedDataParallel.__init__ was patched again after"
-                              " lightning_smp.init(); that later patch is left in place.", UserWarning, stacklevel=3)
-
-        return restore
+        return replace_attribute(cls, "__init__", __init__, "FullyShardedDataParallel.__init__")
 
 
 __all__ = ["FSDP1Engine", "full_state_dict_context"]

@@ -25,7 +25,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_smp.degree import Layout
-from lightning_smp.engines.base import ShardingFacts, ShardingPlan, StorageUnit
+from lightning_smp.engines.base import ShardingFacts, ShardingPlan, StorageUnit, replace_attribute
 from lightning_smp.errors import GradientSyncError, UnsupportedOptionError
 from lightning_smp.names import (
     DEFER_ALL_REDUCE,
@@ -526,8 +526,6 @@ class FSDP2Engine:
         ``fully_shard`` looks its default mesh up through a module-level function at every call, so replacing that
         function reaches every caller, however it imported ``fully_shard``.
         """
-        import warnings
-
         from torch.distributed.fsdp._fully_shard import _fully_shard
 
         original = _fully_shard._init_default_mesh
@@ -536,16 +534,8 @@ class FSDP2Engine:
             configured = mesh()
             return configured if configured is not None else original(*args, **kwargs)
 
-        _fully_shard._init_default_mesh = _init_default_mesh
-
-        def restore() -> None:
-            if _fully_shard._init_default_mesh is _init_default_mesh:
-                _fully_shard._init_default_mesh = original
-            else:
-                warnings.warn("lightning_smp: fully_shard's default mesh was patched again by someone else; that later"
-                              " patch is left in place.", UserWarning, stacklevel=3)
-
-        return restore
+        return replace_attribute(_fully_shard, "_init_default_mesh", _init_default_mesh,
+                                 "fully_shard's default mesh")
 
 
 __all__ = ["FSDP1_ONLY", "FSDP2Engine", "fsdp_modules", "wrap_targets"]
