@@ -7,8 +7,10 @@ steps they share and their messages are this mixin's.
 
 from __future__ import annotations
 
+import atexit
 from typing import TYPE_CHECKING, Any
 
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 
@@ -94,6 +96,7 @@ class HybridShardFrontEnd:
         """The mesh, once the process group exists; FSDP's own ``sharding_strategy`` attribute follows the layout."""
         from torch.distributed.fsdp import ShardingStrategy
 
+        _destroy_process_groups_at_exit()
         layout = self.core.build_mesh(num_nodes, devices, device_type)
         self.sharding_strategy = ShardingStrategy[layout.sharding_strategy]
         rank_zero_info(f"{type(self).__name__}: {layout.describe()}")
@@ -112,3 +115,20 @@ class HybridShardFrontEnd:
 
 
 __all__ = ["HybridShardFrontEnd"]
+
+
+_exit_hook_registered = False
+
+
+def _destroy_process_groups_at_exit() -> None:
+    """Destroy the process groups while the interpreter is still whole, for every backend.
+
+    Lightning registers this for NCCL only. A gloo process group left to interpreter finalization can abort the
+    process (``terminate called without an active exception``, exit code -6) after a run that finished: its worker
+    threads still hold work objects whose tensors need the GIL (pytorch/pytorch#190489). The mesh's extra groups
+    make this likelier. Destroying a group is local for gloo, so a peer that already exited cannot block it.
+    """
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        _exit_hook_registered = True
+        atexit.register(_destroy_dist_connection)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -223,3 +225,38 @@ def test_reports_match_callbacks_by_class_not_position() -> None:
     _set_callback_reports(main, _callback_reports(worker))
     assert [c.report for c in main[:2]] == ["a", "b"]
     assert not hasattr(main[2], "report")
+
+
+_EXIT_SCRIPT = """
+import atexit, sys
+import torch.distributed as dist
+import lightning as L
+import lightning_smp
+from lightning_smp.fabric import HybridShardFSDPStrategy as FabricStrategy
+
+# registered first, so it runs last (atexit is LIFO): the groups must be gone by then
+atexit.register(lambda: print(f"rank exit: initialized={dist.is_initialized()}", flush=True))
+if sys.argv[1] == "fabric":
+    fabric = L.Fabric(strategy=FabricStrategy(hybrid_shard_degree=2), accelerator="cpu", devices=2)
+    fabric.launch()
+    fabric.barrier()
+else:
+    import torch
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    trainer = L.Trainer(strategy=lightning_smp.HybridShardFSDPStrategy(hybrid_shard_degree=2), accelerator="cpu",
+                        devices=2, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(BoringModel())
+"""
+
+
+@pytest.mark.parametrize("front_end", ["trainer", "fabric"])
+def test_process_groups_are_destroyed_before_interpreter_exit(tmp_path, front_end):
+    """A gloo group left to interpreter finalization can abort a finished run (exit code -6); both front ends
+    destroy every group at exit, on every rank of Lightning's subprocess launcher."""
+    script = tmp_path / "exit_script.py"
+    script.write_text(_EXIT_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), front_end], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=PROCESS_TIMEOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.findall(r"rank exit: initialized=(\w+)", done.stdout) == ["False", "False"], done.stdout[-2000:]
