@@ -23,6 +23,7 @@ from lightning_smp.errors import (
 from lightning_smp.mesh import build_device_mesh
 from lightning_smp.names import MESH_AXES, REPLICATE_AXIS, SHARD_AXIS
 from lightning_smp.plain import init, is_initialized, shutdown
+from lightning_smp.planner import Plan, plan
 from lightning_smp.precision import HybridShardPrecision
 from lightning_smp.strategy import HybridShardFSDPStrategy
 
@@ -43,6 +44,7 @@ __all__ = [
     "Layout",
     "LightningSMPError",
     "MemorySavingsCallback",
+    "Plan",
     "SMPConfig",
     "UnsupportedOptionError",
     "__version__",
@@ -51,6 +53,7 @@ __all__ = [
     "init",
     "is_initialized",
     "memory_report",
+    "plan",
     "resolve_config",
     "resolve_layout",
     "shutdown",

@@ -38,7 +38,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, cast, get_type_hints
 
-from lightning_smp.degree import check_degree
+from lightning_smp.degree import check_degree_setting
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.names import FSDP_VERSIONS
 
@@ -68,16 +68,21 @@ class SMPConfig:
     Attributes:
         hybrid_shard_degree: 0 (native FSDP), 1 (no sharding, DDP-like) or the number of consecutive ranks
             that shard the model together; see :mod:`lightning_smp.degree`.
+            ``"auto"``: the planner chooses it when the model is set up (:mod:`lightning_smp.planner`).
         fsdp_version: this library's key (SMP has none): 1 shards with ``FullyShardedDataParallel``, 2 with
             ``fully_shard`` (see :mod:`lightning_smp.engines`).
+        memory_budget: this library's key: what one rank's training may use when ``hybrid_shard_degree`` is
+            ``"auto"``, in bytes (given as an int or a string such as ``"40GB"``); ``None``: the device's free memory
+            (on the CPU, the available RAM divided by the ranks of the node).
         tensor_parallel_degree, context_parallel_degree, expert_parallel_degree: SMP's other parallelisms; only 1.
         sm_activation_offloading: SMP's activation offloading; only ``false``.
         activation_loading_horizon, fsdp_cache_flush_warnings, allow_empty_shards, random_seed: accepted and
             ignored, with a warning.
     """
 
-    hybrid_shard_degree: int = 0
+    hybrid_shard_degree: int | str = 0
     fsdp_version: int = 1
+    memory_budget: int | str | None = None
     tensor_parallel_degree: int | None = None
     context_parallel_degree: int | None = None
     expert_parallel_degree: int | None = None
@@ -105,9 +110,23 @@ SMPSection = _optional_fields(
 )
 
 
-def _check_hybrid_shard_degree(value: Any, where: str) -> None:
+def _check_hybrid_shard_degree(value: Any, where: str) -> int | str:
     try:
-        check_degree(value)
+        return check_degree_setting(value)
+    except HybridShardConfigError as err:
+        raise HybridShardConfigError(f"{where}: {err}") from None
+
+
+def check_memory_budget(value: Any, parameter: str = "memory_budget") -> int | None:
+    """``value`` in bytes (``None`` stays ``None``: the device's free memory is used)."""
+    from lightning_smp.planner.budget import parse_bytes
+
+    return None if value is None else parse_bytes(value, parameter)
+
+
+def _check_memory_budget(value: Any, where: str) -> int | None:
+    try:
+        return check_memory_budget(value)
     except HybridShardConfigError as err:
         raise HybridShardConfigError(f"{where}: {err}") from None
 
@@ -122,17 +141,19 @@ def check_fsdp_version(value: Any, parameter: str = "fsdp_version") -> int:
     return int(value)
 
 
-def _check_fsdp_version(value: Any, where: str) -> None:
+def _check_fsdp_version(value: Any, where: str) -> int:
     try:
-        check_fsdp_version(value)
+        return check_fsdp_version(value)
     except HybridShardConfigError as err:
         raise HybridShardConfigError(f"{where}: {err}") from None
 
 
-#: The implemented keys and their checks (raise ``HybridShardConfigError`` naming ``where``).
-IMPLEMENTED_KEYS: dict[str, Callable[[Any, str], None]] = {
+#: The implemented keys and their checks (return the normalised value; raise ``HybridShardConfigError`` naming
+#: ``where``).
+IMPLEMENTED_KEYS: dict[str, Callable[[Any, str], Any]] = {
     "hybrid_shard_degree": _check_hybrid_shard_degree,
     "fsdp_version": _check_fsdp_version,
+    "memory_budget": _check_memory_budget,
 }
 
 
@@ -232,8 +253,7 @@ def check_config(values: Any, where: str) -> dict[str, Any]:
     checked: dict[str, Any] = {}
     for key, value in values.items():
         if key in IMPLEMENTED_KEYS:
-            IMPLEMENTED_KEYS[key](value, where)
-            checked[key] = int(value)
+            checked[key] = IMPLEMENTED_KEYS[key](value, where)
         elif key in UNIMPLEMENTED_KEYS:
             _check_unimplemented(key, value, where)
         else:
@@ -345,7 +365,7 @@ def config_source(key: str = "hybrid_shard_degree", explicit: dict[str, Any] | N
     return source
 
 
-def configured_degree(explicit: int | None = None) -> int:
+def configured_degree(explicit: int | str | None = None) -> int | str:
     """The ``hybrid_shard_degree`` in effect: ``explicit`` if not ``None``, else the highest configured source.
 
     ``HybridShardFSDPStrategy`` calls this at ``Trainer(...)`` and again in every rank's ``setup_environment``.
@@ -390,6 +410,7 @@ __all__ = [
     "SMPSection",
     "check_config",
     "check_fsdp_version",
+    "check_memory_budget",
     "config_layers",
     "config_source",
     "configured_degree",

@@ -17,7 +17,7 @@ module) and knows neither Lightning's Trainer nor Fabric. In order:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -25,10 +25,10 @@ from torch.nn import Module
 
 from lightning_smp.checkpoint import CheckpointRun, ShardedModel
 from lightning_smp.collectives import Collectives
-from lightning_smp.config import SMPConfig, check_fsdp_version, resolve_config
+from lightning_smp.config import SMPConfig, check_fsdp_version, check_memory_budget, resolve_config
 from lightning_smp.degree import (
     Layout,
-    check_degree,
+    check_degree_setting,
     check_sharding_strategy,
     reconcile_degree,
     resolve_strategy_layout,
@@ -37,6 +37,7 @@ from lightning_smp.engines import Engine, ShardingPlan, engine_for
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.mesh import build_device_mesh, check_device_mesh, process_group_degree
 from lightning_smp.names import (
+    AUTO,
     GRADIENT_ACCUMULATIONS,
     STATE_DICT_TYPES,
     GradientAccumulation,
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_smp.planner import Plan
 
 #: Names of the offload configs of FSDP2, which Lightning's FSDP strategies would turn into FSDP1's ``CPUOffload``.
 FSDP2_OFFLOAD_CONFIGS = ("CPUOffloadPolicy", "OffloadPolicy")
@@ -68,12 +71,15 @@ class HybridShardCore:
             end adds its defaults.
         mixed_precision_arg, cpu_offload_arg: those arguments as the user gave them.
         user_mesh: a ``DeviceMesh`` the user passed (used as is), and ``mesh_shape_arg`` a tuple they passed.
+        memory_budget_arg: the ``memory_budget`` argument in bytes, else ``None`` (the configuration sources, then
+            the device's free memory); ``chosen``: the planner's :class:`~lightning_smp.planner.Plan` once
+            ``hybrid_shard_degree="auto"`` has been resolved by :meth:`choose_degree`.
         engine: the engine in effect; config, layout, device_mesh: known after :meth:`configure` and
             :meth:`build_mesh`; checkpoint_run: who writes this run's checkpoints.
     """
 
     requested_strategy: ShardingStrategyName
-    degree_arg: int | None
+    degree_arg: int | str | None
     fsdp_version_arg: int | None
     accumulation_arg: GradientAccumulation | None
     state_dict_type: StateDictType
@@ -82,6 +88,8 @@ class HybridShardCore:
     cpu_offload_arg: Any = None
     user_mesh: DeviceMesh | None = None
     mesh_shape_arg: tuple[int, ...] | None = None
+    memory_budget_arg: int | None = None
+    chosen: Plan | None = None
     engine: Engine = field(default_factory=lambda: engine_for(1))
     config: SMPConfig | None = None
     layout: Layout | None = None
@@ -106,6 +114,7 @@ class HybridShardCore:
         cpu_offload: Any,
         auto_wrap_policy: Any,
         kwargs: dict[str, Any],
+        memory_budget: Any = None,
     ) -> HybridShardCore:
         """Check the arguments that need no world size and no process; raise :class:`HybridShardConfigError`."""
         requested = check_sharding_strategy(sharding_strategy)
@@ -120,21 +129,29 @@ class HybridShardCore:
                 f"state_dict_type={state_dict_type!r} is not supported. Valid values: "
                 + ", ".join(repr(t) for t in STATE_DICT_TYPES) + "."
             )
-        degree = None if hybrid_shard_degree is None else check_degree(hybrid_shard_degree)
+        degree = None if hybrid_shard_degree is None else check_degree_setting(hybrid_shard_degree)
+        budget = check_memory_budget(memory_budget)
         user_mesh, mesh_degree = check_device_mesh(device_mesh)
         if device_mesh is not None and kwargs.get("process_group") is not None:
             raise HybridShardConfigError(
                 "device_mesh and process_group were both given; they are mutually exclusive. Fix: pass only one."
             )
-        degree = reconcile_degree("device_mesh", mesh_degree, degree)
-        degree = reconcile_degree("process_group", process_group_degree(kwargs.get("process_group")), degree)
+        fixed = "device_mesh" if device_mesh is not None else "process_group" if kwargs.get("process_group") else None
+        if degree == AUTO and fixed:
+            raise HybridShardConfigError(
+                f"hybrid_shard_degree='auto' and {fixed} were both given: a {fixed} fixes the shard group, so there"
+                f" is nothing to choose. Fix: drop {fixed}, or pass the degree it implies."
+            )
+        if degree != AUTO:  # (with "auto", neither was given: checked above)
+            number = reconcile_degree("device_mesh", mesh_degree, cast("int | None", degree))
+            degree = reconcile_degree("process_group", process_group_degree(kwargs.get("process_group")), number)
         core = cls(
             requested_strategy=requested, degree_arg=degree, fsdp_version_arg=version,
             accumulation_arg=gradient_accumulation, state_dict_type=state_dict_type,
             engine_options={**kwargs, **({"auto_wrap_policy": auto_wrap_policy} if auto_wrap_policy else {})},
             mixed_precision_arg=mixed_precision, cpu_offload_arg=cpu_offload, user_mesh=user_mesh,
             mesh_shape_arg=tuple(device_mesh) if isinstance(device_mesh, (tuple, list)) else None,
-            engine=engine_for(version or 1),
+            memory_budget_arg=budget, engine=engine_for(version or 1),
         )
         if version is not None:
             core.check_engine()  # the engine is known already: refuse its wrong arguments now
@@ -160,26 +177,44 @@ class HybridShardCore:
             explicit["hybrid_shard_degree"] = self.degree_arg
         if self.fsdp_version_arg is not None:
             explicit["fsdp_version"] = self.fsdp_version_arg
+        if self.memory_budget_arg is not None:
+            explicit["memory_budget"] = self.memory_budget_arg
         return resolve_config(explicit or None)
 
-    def configure(self, num_nodes: int, devices: int) -> Layout:
+    def configure(self, num_nodes: int, devices: int) -> Layout | None:
         """Resolve the configuration once, choose the engine, check the arguments against it and resolve the layout
-        for ``num_nodes x devices`` ranks. Call it before any process starts."""
+        for ``num_nodes x devices`` ranks (``None`` while ``hybrid_shard_degree="auto"`` waits for the model). Call
+        it before any process starts."""
         self.config = config = self.resolve_config()
         self.engine = engine_for(config.fsdp_version)
         self.check_engine()
-        self.layout = self.resolve_layout(num_nodes, devices)
+        self.layout = None if self.auto and self.chosen is None else self.resolve_layout(num_nodes, devices)
         return self.layout
 
     def resolve_layout(self, num_nodes: int, devices: int) -> Layout:
         given = tuple(self.user_mesh.shape) if self.user_mesh is not None else self.mesh_shape_arg
-        degree = (self.config or self.resolve_config()).hybrid_shard_degree
-        return resolve_strategy_layout(num_nodes, devices, degree, self.requested_strategy, mesh_shape=given,
+        degree = self.hybrid_shard_degree
+        if degree == AUTO:
+            raise HybridShardConfigError(
+                "hybrid_shard_degree='auto' is chosen from the model when it is set up (Trainer.fit/validate/test/"
+                "predict, fabric.setup_module); the layout is not known before."
+            )
+        return resolve_strategy_layout(num_nodes, devices, int(degree), self.requested_strategy, mesh_shape=given,
                                        user_mesh=self.user_mesh is not None)
 
     @property
-    def hybrid_shard_degree(self) -> int:
+    def configured_degree(self) -> int | str:
+        """The degree as configured: a number, or ``"auto"``."""
         return (self.config or self.resolve_config()).hybrid_shard_degree
+
+    @property
+    def auto(self) -> bool:
+        return self.configured_degree == AUTO
+
+    @property
+    def hybrid_shard_degree(self) -> int | str:
+        """The degree in effect: the planner's choice once made, else the configured one (possibly ``"auto"``)."""
+        return self.chosen.degree if self.chosen is not None else self.configured_degree
 
     @property
     def gradient_accumulation(self) -> GradientAccumulation:
@@ -187,9 +222,11 @@ class HybridShardCore:
 
     # ------------------------------------------------------------------ 3. the mesh, once the process group exists
 
-    def build_mesh(self, num_nodes: int, devices: int, device_type: str) -> Layout:
+    def build_mesh(self, num_nodes: int, devices: int, device_type: str) -> Layout | None:
         """Check the world size against the layout (every rank fails alike, before any collective) and build the
         mesh once per layout and device type; none when the user passed a ``process_group``."""
+        if self.layout is None and self.auto and self.chosen is None:
+            return None  # the planner chooses once the model exists (choose_degree), and builds the mesh then
         layout = self.layout if self.layout is not None else self.resolve_layout(num_nodes, devices)
         self.layout = layout
         if dist.get_world_size() != layout.world_size:
@@ -205,6 +242,43 @@ class HybridShardCore:
                 self.device_mesh = build_device_mesh(layout, device_type)
                 self._mesh_key = (layout, device_type)
         return layout
+
+    def choose_degree(self, module: Module, *, num_nodes: int, devices: int, device: torch.device, precision: str,
+                      example_input: Any = None, checkpoint: Callable[[Module], None] | None = None,
+                      micro_batches: int = 1, optimizer: Any = None) -> Plan:
+        """``hybrid_shard_degree="auto"``: the planner's choice for ``module`` on ``num_nodes x devices`` ranks, then
+        the layout and the mesh (call it on every rank, once the process group exists, before sharding).
+
+        The budget is the configured ``memory_budget``, else :func:`~lightning_smp.planner.default_budget` of
+        ``device``; the smallest over the ranks is used, so that every rank plans the same and fails alike.
+        """
+        from lightning_smp.planner import default_budget, plan
+
+        if self.chosen is not None:
+            return self.chosen
+        if self.engine.is_sharded(module) or self.engine.holds_shards(module):
+            raise HybridShardConfigError(
+                "hybrid_shard_degree='auto' plans from the model before it is sharded, but this model is sharded"
+                " already (by configure_model or by hand). Fix: build the layers in configure_model without sharding"
+                " them (the strategy shards them), or pass a number as hybrid_shard_degree."
+            )
+        configured = (self.config or self.resolve_config()).memory_budget
+        local = default_budget(device, devices) if configured is None else int(configured)
+        budget = min(Collectives.current(device).all_gather(local))
+        self.chosen = plan(
+            module, world_size=num_nodes * devices, devices_per_node=devices, budget_bytes=budget,
+            fsdp_version=self.engine.version, auto_wrap_policy=self.engine_options.get("auto_wrap_policy"),
+            optimizer=optimizer, sharding_strategy=self.requested_strategy, precision=precision,
+            micro_batches=micro_batches, accumulation=self.gradient_accumulation, example_input=example_input,
+            checkpoint=checkpoint, device=device,
+        )
+        self.layout = self.resolve_layout(num_nodes, devices)
+        return self.chosen
+
+    def adopt(self, chosen: Plan, num_nodes: int, devices: int) -> None:
+        """Take the choice made in the launched ranks (the process that launched them made none)."""
+        self.chosen = chosen
+        self.layout = self.resolve_layout(num_nodes, devices)
 
     def plan(self, device: torch.device, *, mixed_precision: Any, cpu_offload: Any, options: dict[str, Any],
              precision: str) -> ShardingPlan:

@@ -26,6 +26,7 @@ from typing import Any, Literal, cast
 
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.names import (
+    AUTO,
     FULL_SHARD,
     HYBRID_SHARD,
     HYBRID_SHARD_ZERO2,
@@ -57,6 +58,18 @@ def check_degree(value: Any, parameter: str = "hybrid_shard_degree") -> int:
             " or the number of ranks in a shard group (>= 2)."
         )
     return int(value)
+
+
+def check_degree_setting(value: Any, parameter: str = "hybrid_shard_degree") -> int | str:
+    """A degree as it may be configured: :func:`check_degree`'s, or ``"auto"`` (any case) for the planner's choice."""
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    if isinstance(value, str):
+        raise HybridShardConfigError(
+            f"{parameter}={value!r} (str) is not a degree. Fix: pass a whole number (0 native FSDP, 1 no sharding,"
+            " >= 2 the ranks of a shard group) or 'auto' to let the planner choose from the memory budget."
+        )
+    return check_degree(value, parameter)
 
 
 def check_sharding_strategy(value: Any) -> ShardingStrategyName:

@@ -135,10 +135,11 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         sharding_strategy: Any | ShardingStrategyName = "HYBRID_SHARD",
         state_dict_type: StateDictType = "sharded",
         device_mesh: Any = None,
-        hybrid_shard_degree: int | None = None,
+        hybrid_shard_degree: int | str | None = None,
         start_method: StartMethod | None = None,
         fsdp_version: int | None = None,
         gradient_accumulation: GradientAccumulation | None = None,
+        memory_budget: int | str | None = None,
         **kwargs: Any,
     ) -> None:
         # static checks, before anything is built: the same on every rank (and the Trainer strategy's)
@@ -146,7 +147,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             sharding_strategy=sharding_strategy, hybrid_shard_degree=hybrid_shard_degree, device_mesh=device_mesh,
             fsdp_version=fsdp_version, gradient_accumulation=gradient_accumulation, state_dict_type=state_dict_type,
             mixed_precision=mixed_precision, cpu_offload=cpu_offload, auto_wrap_policy=auto_wrap_policy,
-            kwargs=kwargs,
+            kwargs=kwargs, memory_budget=memory_budget,
         )
         self._start_method: StartMethod = check_start_method_name(start_method) or (
             "fork" if _IS_INTERACTIVE else "popen")
@@ -227,10 +228,22 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
                 " an optimizer created before would update nothing. Fix: model = fabric.setup_module(model), then"
                 " create the optimizer from model.parameters() and call fabric.setup_optimizers(optimizer)."
             )
+        self._choose(module, optimizers)
         return super().setup_module_and_optimizers(module, optimizers, scheduler)
+
+    def _choose(self, module: Module, optimizers: list[Optimizer]) -> None:
+        """hybrid_shard_degree="auto": chosen from the module handed to Fabric, before it is sharded."""
+        if self.core.auto and self.core.chosen is None:
+            self._choose_degree(
+                module, num_nodes=self.num_nodes, devices=self.num_processes, device=self.root_device,
+                precision=str(self.precision.precision), example_input=getattr(module, "example_input_array", None),
+                checkpoint=lambda m: _setup_activation_checkpointing(m, self._activation_checkpointing_kwargs),
+                micro_batches=1, optimizer=self._optimizer_for_plan(module, optimizers),
+            )
 
     @override
     def setup_module(self, module: Module) -> Module:
+        self._choose(module, [])
         module = self.core.shard(
             module, self._plan(),
             checkpoint_activations=lambda m: _setup_activation_checkpointing(m, self._activation_checkpointing_kwargs),
@@ -245,7 +258,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
-        return self.engine.wrap_context(self._plan())
+        return self._sharded_context()
 
     # ------------------------------------------------------------------ backward, clipping and steps
 

@@ -8,6 +8,8 @@ steps they share and their messages are this mixin's.
 from __future__ import annotations
 
 import atexit
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
@@ -17,32 +19,43 @@ from torch.nn import Module
 from lightning_smp.checkpoint import CheckpointRun
 from lightning_smp.core import HybridShardCore
 from lightning_smp.degree import Layout
-from lightning_smp.engines import Engine
+from lightning_smp.engines import Engine, ShardingPlan
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.names import GradientAccumulation
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_smp.planner import Plan
 
 
 class HybridShardFrontEnd:
     """Mixin of the two strategies (listed before their Lightning base class)."""
 
     core: HybridShardCore
+    _plan: Callable[[], ShardingPlan]  # each strategy's: the layout on its root device, with the user's arguments
     #: who creates the strategy, and where its mesh is built, for messages
     _created_by = "the Trainer"
     _mesh_built_in = "inside Trainer.fit/validate/test/predict"
     _warned_override = False
+    _warned_budget = False
 
     @property
-    def hybrid_shard_degree(self) -> int:
+    def hybrid_shard_degree(self) -> int | str:
         """The degree in effect: the constructor argument, else a LightningCLI ``smp:`` section, else
         :func:`lightning_smp.init`, else ``LIGHTNING_SMP_CONFIG``/``SM_HP_MP_PARAMETERS``, else 0.
 
         Resolved once, when the strategy is configured; every source is checked even when a higher one wins (see
-        :mod:`lightning_smp.config`).
+        :mod:`lightning_smp.config`). ``"auto"`` until the planner has chosen (when the model is set up), then the
+        chosen degree; :attr:`plan` holds the planner's table.
         """
         return self.core.hybrid_shard_degree
+
+    @property
+    def plan(self) -> Plan | None:
+        """The planner's :class:`~lightning_smp.planner.Plan` when ``hybrid_shard_degree="auto"`` chose the degree."""
+        return self.core.chosen
 
     @property
     def engine(self) -> Engine:
@@ -68,9 +81,9 @@ class HybridShardFrontEnd:
     def layout(self) -> Layout:
         """Replicas, shard degree and the FSDP sharding strategy in effect (known once the strategy is configured)."""
         if self.core.layout is None:
-            raise HybridShardConfigError(
-                f"{type(self).__name__}.layout is not known yet: it is resolved when {self._created_by} is created."
-            )
+            when = (f"it is chosen by the planner when the model is set up ({self._mesh_built_in})" if self.core.auto
+                    else f"it is resolved when {self._created_by} is created")
+            raise HybridShardConfigError(f"{type(self).__name__}.layout is not known yet: {when}.")
         return self.core.layout
 
     @property
@@ -87,20 +100,63 @@ class HybridShardFrontEnd:
             )
         return self.core.device_mesh
 
-    def _warn_override_once(self, layout: Layout) -> None:
-        if layout.overridden and not self._warned_override:
+    def _warn_override_once(self, layout: Layout | None) -> None:
+        if layout is not None and layout.overridden and not self._warned_override:
             self._warned_override = True
             rank_zero_warn(layout.override_message())
+        if self.core.memory_budget_arg is not None and not self.core.auto and not self._warned_budget:
+            self._warned_budget = True
+            rank_zero_warn(f"memory_budget={self.core.memory_budget_arg} is used only with hybrid_shard_degree='auto';"
+                           f" hybrid_shard_degree={self.core.configured_degree} is in effect. Fix: drop memory_budget,"
+                           " or pass hybrid_shard_degree='auto'.")
 
-    def _set_up_mesh(self, num_nodes: int, devices: int, device_type: str) -> Layout:
-        """The mesh, once the process group exists; FSDP's own ``sharding_strategy`` attribute follows the layout."""
+    def _set_up_mesh(self, num_nodes: int, devices: int, device_type: str) -> Layout | None:
+        """The mesh, once the process group exists; FSDP's own ``sharding_strategy`` attribute follows the layout.
+        ``None`` while ``hybrid_shard_degree="auto"`` waits for the model (:meth:`_choose_degree`)."""
         from torch.distributed.fsdp import ShardingStrategy
 
         _destroy_process_groups_at_exit()
         layout = self.core.build_mesh(num_nodes, devices, device_type)
+        if layout is None:
+            return None
         self.sharding_strategy = ShardingStrategy[layout.sharding_strategy]
         rank_zero_info(f"{type(self).__name__}: {layout.describe()}")
         return layout
+
+    def _choose_degree(self, module: Module, *, num_nodes: int, devices: int, device: torch.device, precision: str,
+                       example_input: Any, checkpoint: Any, micro_batches: int, optimizer: Any) -> None:
+        """``hybrid_shard_degree="auto"``: plan on every rank from the real model (before it is sharded), log the
+        table, then build the mesh of the chosen degree."""
+        if not self.core.auto or self.core.chosen is not None:
+            return
+        chosen = self.core.choose_degree(module, num_nodes=num_nodes, devices=devices, device=device,
+                                         precision=precision, example_input=example_input, checkpoint=checkpoint,
+                                         micro_batches=micro_batches, optimizer=optimizer)
+        rank_zero_info(f"{type(self).__name__}: hybrid_shard_degree='auto' chose {chosen.degree}.\n{chosen.text()}")
+        layout = self._set_up_mesh(num_nodes, devices, device.type)
+        if layout is not None:
+            self._warn_override_once(layout)
+
+    def _sharded_context(self) -> AbstractContextManager:
+        """The engine's wrap context for modules built inside it; none while the planner has not chosen yet (nothing
+        may be sharded before ``hybrid_shard_degree="auto"`` is resolved from the finished model)."""
+        if self.core.layout is None and self.core.auto:
+            return nullcontext()
+        return self.engine.wrap_context(self._plan())
+
+    def _optimizer_for_plan(self, module: Module, optimizers: Sequence[Any] = ()) -> Any:
+        """The optimizer the planner assumes: the one given, else the LightningModule's ``configure_optimizers``
+        (best effort: it may need what does not exist yet), else AdamW, saying so."""
+        from lightning_smp.planner import optimizer_name
+
+        if optimizers:
+            return optimizers[0]
+        try:
+            return optimizer_name(module)
+        except Exception as err:  # noqa: BLE001  # a user hook run early; any failure only means "not known"
+            rank_zero_warn(f"hybrid_shard_degree='auto': the planner could not read the optimizer ({err}); it"
+                           " assumes AdamW (two state tensors per parameter).")
+            return "adamw"
 
     @staticmethod
     def _warn_already_sharded(module: Module, options: dict[str, Any]) -> None:

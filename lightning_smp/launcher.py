@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import shutil
 import tempfile
 from collections import Counter
@@ -247,6 +248,11 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
             torch.save({k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
                         for k, v in getattr(trainer, name).items()}, buffer)
             extra[f"{name}_bytes"] = buffer.getvalue()
+        core = getattr(trainer.strategy, "core", None)
+        if core is not None and core.chosen is not None:
+            # hybrid_shard_degree="auto": the main process learns the choice; as bytes, because Lightning's transfer
+            # walks into dataclasses and cannot rebuild a frozen one
+            extra["lightning_smp_plan"] = pickle.dumps(core.chosen)
         return extra
 
     # ------------------------------------------------------------------ back in the main process
@@ -296,6 +302,12 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
     @override
     def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
+        from lightning_smp.strategy import HybridShardFSDPStrategy
+
+        strategy = trainer.strategy
+        if extra.get("lightning_smp_plan") is not None and isinstance(strategy, HybridShardFSDPStrategy):
+            chosen = pickle.loads(extra["lightning_smp_plan"])  # noqa: S301  # written by this run's own rank 0
+            strategy.core.adopt(chosen, strategy.num_nodes, strategy.num_processes)
         for name in ("logged_metrics", "progress_bar_metrics"):
             if f"{name}_bytes" in extra:
                 getattr(trainer, name).update(torch.load(io.BytesIO(extra[f"{name}_bytes"]), weights_only=True))

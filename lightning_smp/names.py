@@ -45,6 +45,10 @@ FULL: Final[StateDictType] = "full"
 FSDPVersion = Literal[1, 2]
 FSDP_VERSIONS: Final[tuple[FSDPVersion, ...]] = get_args(FSDPVersion)
 
+#: ``hybrid_shard_degree="auto"``: the planner (:mod:`lightning_smp.planner`) chooses the degree from the real model,
+#: the world size and the memory budget, when the model is set up.
+AUTO: Final = "auto"
+
 #: What the micro-batches of gradient accumulation before the last one communicate:
 #: ``no_sync`` nothing (every rank holds the full, unsharded gradient until the last micro-batch reduces it),
 #: ``every_micro_batch`` a full reduction each (gradients stay sharded; ``k`` times the traffic),
@@ -77,6 +81,7 @@ STRATEGY_NAMES: Final[tuple[tuple[str, str, dict[str, Any]], ...]] = (
 )
 
 __all__ = [
+    "AUTO",
     "DEFER_ALL_REDUCE",
     "EVERY_MICRO_BATCH",
     "FSDP_VERSIONS",

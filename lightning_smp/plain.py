@@ -50,8 +50,9 @@ from torch.nn import Module
 from lightning_smp.config import configured_degree, load_config, set_init_config
 from lightning_smp.degree import Layout, resolve_layout
 from lightning_smp.engines import FSDP1Engine, FSDP2Engine
+from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.mesh import build_device_mesh, fsdp_mesh
-from lightning_smp.names import FULL_SHARD, HYBRID_SHARD
+from lightning_smp.names import AUTO, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, SHARD_GRAD_OP
 from lightning_smp.replicas import broadcast_across_replicas, broadcast_before_wrapping
 
 if TYPE_CHECKING:
@@ -65,6 +66,8 @@ _RESTORE: Callable[[], None] | None = None
 # FSDP calls that differ only in sharding strategy (FULL_SHARD vs SHARD_GRAD_OP units) share one mesh.
 _MESHES: dict[tuple[tuple[int, int], str], DeviceMesh] = {}
 _WARNED: set[str] = set()
+#: the planner's choice for hybrid_shard_degree="auto" in this process (plain FSDP(...) calls), once made
+_AUTO_DEGREE: int | None = None
 
 
 def init(config: Mapping[str, Any] | str | os.PathLike | None = None) -> None:
@@ -97,10 +100,11 @@ def shutdown() -> None:
     Process groups built for the meshes are left to ``torch.distributed.destroy_process_group()``. Harmless
     when :func:`init` was never called.
     """
-    global _RESTORE
+    global _RESTORE, _AUTO_DEGREE
     if _RESTORE is not None:
         _RESTORE()
         _RESTORE = None
+    _AUTO_DEGREE = None
     set_init_config(None)
     _MESHES.clear()
     _WARNED.clear()
@@ -137,8 +141,15 @@ def _default_fsdp2_mesh() -> DeviceMesh | None:
     degree = configured_degree()
     if degree == 0:
         return None
+    if degree == AUTO:
+        raise HybridShardConfigError(
+            "hybrid_shard_degree='auto' cannot be chosen inside a plain fully_shard(...) call: fully_shard is called"
+            " block by block, so no call sees the whole model. Fix: choose with"
+            " lightning_smp.plan(model, world_size=..., budget_bytes=...) and configure its .degree, or pass mesh=,"
+            " or train with HybridShardFSDPStrategy(hybrid_shard_degree='auto', fsdp_version=2)."
+        )
     # FSDP2 has no sharding strategy to override: the degree alone decides (reshard_after_forward is the caller's)
-    layout = resolve_layout(dist.get_world_size(), degree, HYBRID_SHARD)
+    layout = resolve_layout(dist.get_world_size(), int(degree), HYBRID_SHARD)
     # fully_shard's own default: the accelerator's device type when there is one, else the CPU
     accelerator = torch.accelerator.current_accelerator()
     device_type = "cpu" if accelerator is None or _gloo_only() else accelerator.type
@@ -159,8 +170,10 @@ def _rewrite(arguments: dict[str, Any]) -> Any | None:
 
     module: Module = arguments["module"]
     requested = arguments.get("sharding_strategy") or FULL_SHARD  # FSDP's own default
-    layout = resolve_layout(dist.get_world_size(), degree, requested)
     device = _root_device(module, arguments.get("device_id"))
+    if degree == AUTO:
+        degree = _auto_degree(module, arguments, requested, device)
+    layout = resolve_layout(dist.get_world_size(), int(degree), requested)
     mesh = _mesh_for(layout, device.type)
     _log_once(layout)
 
@@ -172,6 +185,31 @@ def _rewrite(arguments: dict[str, Any]) -> Any | None:
     if broadcast_before_wrapping(module, device):
         return None
     return lambda wrapped: broadcast_across_replicas(wrapped, mesh, device)
+
+
+def _auto_degree(module: Module, arguments: dict[str, Any], requested: Any, device: torch.device) -> int:
+    """``hybrid_shard_degree="auto"`` in a plain ``FSDP(model, ...)`` call: planned once, from the outermost call's
+    module (inner units that ``auto_wrap_policy`` wraps run inside it and reuse the choice), with the smallest
+    budget over the ranks so that every rank chooses the same."""
+    global _AUTO_DEGREE
+    if _AUTO_DEGREE is None:
+        from lightning_smp.collectives import Collectives
+        from lightning_smp.config import resolve_config
+        from lightning_smp.planner import default_budget, plan
+
+        configured = resolve_config().memory_budget
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        local = default_budget(device, local_ranks) if configured is None else int(configured)
+        budget = min(Collectives.current(device).all_gather(local))
+        name = getattr(requested, "name", requested)
+        chosen = plan(module, world_size=dist.get_world_size(), devices_per_node=local_ranks, budget_bytes=budget,
+                      fsdp_version=1, auto_wrap_policy=arguments.get("auto_wrap_policy"),
+                      sharding_strategy=HYBRID_SHARD_ZERO2 if name in (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2) else HYBRID_SHARD,
+                      device=device)
+        if dist.get_rank() == 0:
+            log.info("lightning_smp.init: hybrid_shard_degree='auto' chose %d.\n%s", chosen.degree, chosen.text())
+        _AUTO_DEGREE = chosen.degree
+    return _AUTO_DEGREE
 
 
 def _gloo_only() -> bool:

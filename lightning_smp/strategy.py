@@ -160,10 +160,11 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         sharding_strategy: ShardingStrategy | ShardingStrategyName = "HYBRID_SHARD",
         state_dict_type: StateDictType = "sharded",
         device_mesh: tuple[int, int] | DeviceMesh | None = None,
-        hybrid_shard_degree: int | None = None,
+        hybrid_shard_degree: int | str | None = None,
         start_method: StartMethod | None = None,
         fsdp_version: int | None = None,
         gradient_accumulation: GradientAccumulation | None = None,
+        memory_budget: int | str | None = None,
         **kwargs: Any,
     ) -> None:
         # static checks, before anything is built: the same on every rank
@@ -172,7 +173,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             sharding_strategy=sharding_strategy, hybrid_shard_degree=hybrid_shard_degree, device_mesh=device_mesh,
             fsdp_version=fsdp_version, gradient_accumulation=gradient_accumulation, state_dict_type=state_dict_type,
             mixed_precision=mixed_precision, cpu_offload=cpu_offload, auto_wrap_policy=auto_wrap_policy,
-            kwargs=kwargs,
+            kwargs=kwargs, memory_budget=memory_budget,
         )
         start_method = check_start_method_name(start_method)
         self._start_method: StartMethod = start_method or ("fork" if _IS_INTERACTIVE else "popen")
@@ -255,6 +256,16 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             problem = self.broadcast(problem if self.global_rank == 0 else None)
             if problem is not None:
                 raise CheckpointError(f"ModelCheckpoint could not save this run: {problem}")
+        module = trainer.lightning_module
+        if module is not None:  # hybrid_shard_degree="auto": chosen from the finished model, before sharding
+            self._choose_degree(
+                module, num_nodes=self.num_nodes, devices=self.num_processes, device=self.root_device,
+                precision=str(self.precision_plugin.precision),
+                example_input=getattr(module, "example_input_array", None),
+                checkpoint=lambda m: _setup_activation_checkpointing(m, self._activation_checkpointing_kwargs),
+                micro_batches=trainer.accumulate_grad_batches if trainer.state.fn == TrainerFn.FITTING else 1,
+                optimizer=self._optimizer_for_plan(module) if self.core.auto and self.core.chosen is None else None,
+            )
         super().setup(trainer)
         self.precision_plugin.fsdp_module = self.model
         if trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches > 1:
@@ -332,7 +343,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        with self.engine.wrap_context(self._plan()):
+        with self._sharded_context():
             yield
 
     # ------------------------------------------------------------------ precision

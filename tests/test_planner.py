@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, MemorySavingsCallback
-from lightning_smp.planner import model_state, optimizer_state_layout
+from lightning_smp.planner import model_state, optimizer_state_layout, plan
 from tests.helpers import GLOO_TIMEOUT, TinyModel, cpu_trainer, make_loader
 from tests.test_fsdp2 import FeatureModel, LoRABlock, token_loader
 
@@ -41,12 +41,11 @@ def test_predicted_model_state_equals_the_measured_one(tmp_path, model_key, vers
         assert state.total_bytes == record["total_bytes"]
     if degree == 2:  # (an axis spanning the world also carries Lightning's own reductions: compare the hybrid case)
         from lightning_smp.names import REPLICATE_AXIS, SHARD_AXIS
-        from lightning_smp.planner import plan
+
 
         with torch.device("meta"):
-            _, rows, _ = plan(cls(), world_size=WORLD, budget_bytes=10**12, fsdp_version=version,
-                              auto_wrap_policy=policy, optimizer=optimizer)
-        row = next(r for r in rows if r.degree == degree)
+            row = plan(cls(), world_size=WORLD, budget_bytes=10**12, fsdp_version=version,
+                       auto_wrap_policy=policy, optimizer=optimizer).row(degree)
         for record in measured:
             assert row.shard_bytes == sum(e["bytes"] for e in record["comm"][SHARD_AXIS].values())
             assert row.replicate_bytes == sum(e["bytes"] for e in record["comm"][REPLICATE_AXIS].values())
@@ -62,33 +61,33 @@ def test_optimizer_state_layouts():
 
 
 def test_the_smallest_fitting_degree_is_recommended_on_both_sides_of_each_threshold():
-    from lightning_smp.planner import plan
+
 
     with torch.device("meta"):
         model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
-    _, rows, _ = plan(model, world_size=8, budget_bytes=10**12, auto_wrap_policy={torch.nn.Linear})
-    peaks = {r.degree: r.peak_bytes for r in rows}
+    peaks = {r.degree: r.peak_bytes for r in plan(model, world_size=8, budget_bytes=10**12,
+                                                  auto_wrap_policy={torch.nn.Linear}).rows}
     assert list(peaks) == [1, 2, 4, 8] and peaks[1] > peaks[2] > peaks[4] > peaks[8]
     for degree in (1, 2, 4, 8):
         # a budget just large enough for this degree (with 10% headroom) picks it; a byte less picks the next
         budget = math.ceil(peaks[degree] * 1.1)
-        chosen, _, reason = plan(model, world_size=8, budget_bytes=budget, auto_wrap_policy={torch.nn.Linear})
-        assert chosen == degree and reason.startswith(f"degree {degree} is the smallest that fits")
+        chosen = plan(model, world_size=8, budget_bytes=budget, auto_wrap_policy={torch.nn.Linear})
+        assert chosen.degree == degree and chosen.reason.startswith(f"degree {degree} is the smallest that fits")
         if degree < 8:
-            below, _, _ = plan(model, world_size=8, budget_bytes=budget - 2, auto_wrap_policy={torch.nn.Linear})
-            assert below > degree
-    with pytest.raises(HybridShardConfigError, match="no hybrid_shard_degree fits budget_bytes=1000"):
+            below = plan(model, world_size=8, budget_bytes=budget - 2, auto_wrap_policy={torch.nn.Linear})
+            assert below.degree > degree
+    with pytest.raises(HybridShardConfigError, match="no hybrid_shard_degree fits memory_budget=1000 bytes"):
         plan(model, world_size=8, budget_bytes=1000)
 
 
 def test_accumulation_costs_in_the_plan():
-    from lightning_smp.planner import plan
+
 
     with torch.device("meta"):
         model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
     kwargs = {"world_size": 4, "budget_bytes": 10**12, "auto_wrap_policy": {torch.nn.Linear}, "micro_batches": 4}
-    fsdp1 = {r.degree: r for r in plan(model, fsdp_version=1, **kwargs)[1]}
-    fsdp2 = {r.degree: r for r in plan(model, fsdp_version=2, **kwargs)[1]}
+    fsdp1 = {r.degree: r for r in plan(model, fsdp_version=1, **kwargs).rows}
+    fsdp2 = {r.degree: r for r in plan(model, fsdp_version=2, **kwargs).rows}
     full = sum(p.numel() * 4 for p in model.parameters())
     # FSDP1 no_sync holds the unsharded gradient on top; FSDP2 a 1/degree partial buffer
     assert fsdp1[2].transient_bytes - fsdp2[2].transient_bytes == full - full // 2

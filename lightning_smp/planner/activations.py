@@ -1,0 +1,123 @@
+"""Activation memory of one micro-batch: measured by tracing it without real memory, or estimated analytically.
+
+:func:`measure_activations` runs one forward and backward of a meta-device copy of the model on fake tensors
+(``FakeTensorMode``), under torch's memory tracker (``torch.distributed._tools.mem_tracker.MemTracker``), and takes
+the largest sum of what the tracker calls activations and temporaries (saved tensors, gradients of activations,
+recomputation under activation checkpointing) at any moment. Nothing is allocated, so a 70B model's micro-batch is
+traced on a laptop; the model itself is never copied with its data (the copy's tensors are meta). Activations do not
+depend on the degree (every rank runs its own micro-batch on the whole model, unit by unit), so one trace serves
+every candidate.
+
+:func:`transformer_activation_bytes` is the analytic estimate for a transformer given only its shape, from
+Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (MLSys 2023), section 4:
+``s * b * h * (34 + 5 * a * s / h)`` bytes per layer with 16-bit activations, and ``2 * s * b * h`` per layer
+(the layer's input) under full activation checkpointing, plus one layer's worth recomputed in backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn import Module
+
+from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.precision import autocast_context
+
+
+def _meta_copy(model: Module) -> Module:
+    """A structural copy of ``model`` whose parameters and buffers are meta tensors (no data is copied)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _default_step(model: Module, batch: Any) -> torch.Tensor:
+    out = model(*batch) if isinstance(batch, tuple) else model(batch)
+    if isinstance(out, dict):
+        out = out.get("loss", next(iter(out.values())))
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return out.float().sum()
+
+
+def _fake_like(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.zeros(value.shape, dtype=value.dtype, device=device)  # inside FakeTensorMode: fake
+    if isinstance(value, (tuple, list)):
+        return type(value)(_fake_like(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _fake_like(v, device) for k, v in value.items()}
+    return value
+
+
+def measure_activations(model: Module, example_input: Any, *, step: Callable[[Module, Any], torch.Tensor] | None = None,
+                        device: torch.device | str = "cpu", precision: str = "32-true",
+                        checkpoint: Callable[[Module], None] | None = None) -> int:
+    """Peak bytes of activations and temporaries of one forward and backward of ``example_input`` (one rank's
+    micro-batch: a tensor, a tuple of positional inputs, or whatever ``step`` takes).
+
+    Args:
+        model: the model, on any device (the meta device included); it is neither copied with data nor changed.
+        step: ``step(model, batch) -> loss``; default: the model's output summed (the first element of a tuple, the
+            ``"loss"`` of a dict).
+        device: the device the activations will live on (its type matters for autocast).
+        precision: a Lightning precision string; ``*-mixed`` traces under autocast of ``device``'s type.
+        checkpoint: applied to the copy before tracing, e.g. the strategy's activation checkpointing.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    device = torch.device(device)
+    copy_ = _meta_copy(model)
+    if checkpoint is not None:
+        checkpoint(copy_)
+    categories = (_MemRefType.ACT, _MemRefType.TEMP)
+
+    class _PeakOfActivations(MemTracker):
+        """The tracker, also keeping the largest activations + temporaries seen (its own peak is of the total)."""
+
+        peak = 0
+
+        def _update_snap(self, *args: Any, **kwargs: Any) -> None:  # every allocation and free passes here
+            super()._update_snap(*args, **kwargs)
+            for snap in self._curr_mem_snap.values():
+                self.peak = max(self.peak, sum(snap.get(c, 0) for c in categories))
+
+    with FakeTensorMode():
+        # factory calls take shapes only, so the meta tensors never meet the fake mode
+        copy_._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+        batch = _fake_like(example_input, device)
+        tracker = _PeakOfActivations()
+        tracker.track_external(copy_)
+        try:
+            with tracker, autocast_context(precision, device.type) or contextlib.nullcontext():
+                loss = (step or _default_step)(copy_, batch)
+                loss.backward()
+        except (RuntimeError, TypeError, ValueError) as err:
+            raise HybridShardConfigError(
+                f"example_input could not be traced through {type(model).__name__} on fake tensors: {err}. Fix: pass"
+                " an example input (or a step function) the model accepts, or activation_bytes= instead."
+            ) from err
+    return int(tracker.peak)
+
+
+def transformer_activation_bytes(*, layers: int, hidden: int, heads: int, seq_len: int, micro_batch: int,
+                                 checkpointing: bool = False, bytes_per_value: int = 2) -> int:
+    """Korthikanti et al.'s activation memory of a transformer for one micro-batch (see the module docstring),
+    scaled from 16-bit to ``bytes_per_value``."""
+    s, b, h, a = seq_len, micro_batch, hidden, heads
+    per_layer = s * b * h * (34 + 5 * a * s / h)
+    scale = bytes_per_value / 2
+    if checkpointing:
+        return int((layers * 2 * s * b * h + per_layer) * scale)  # the layer inputs, and one layer recomputed
+    return int(layers * per_layer * scale)
+
+
+__all__ = ["measure_activations", "transformer_activation_bytes"]

@@ -1,0 +1,295 @@
+"""Choosing the degree: every valid degree's memory and communication, and the recommendation.
+
+For each candidate the per-rank peak is the fullest rank's model state (:func:`~.state.model_state`, exact), the
+transient state of a step (the units gathered at once, the unsharded gradient of the unit being reduce-scattered,
+gradient-accumulation buffers), the buffers (never sharded) and one micro-batch's activations (measured on fake
+tensors, given, or estimated). The traffic of one optimizer step per axis is the textbook figure the memory report
+compares against (equal to what is measured), and its time on the links the alpha-beta model of :mod:`.links`.
+
+The recommendation is the smallest degree that fits the budget with the headroom to spare: the fewer ranks in a shard
+group, the cheaper and more local its all-gathers (SMP's own guidance: start from the lowest degree that fits). Among
+those that fit, a divisor of the devices per node comes first (the frequent collectives stay on the intra-node
+links), then whole nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch.nn import Module, Parameter
+
+from lightning_smp.degree import resolve_layout, valid_degrees
+from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.names import (
+    DEFER_ALL_REDUCE,
+    HYBRID_SHARD,
+    HYBRID_SHARD_ZERO2,
+    NO_SHARD,
+    NO_SYNC,
+    SHARD_GRAD_OP,
+)
+from lightning_smp.planner.budget import parse_bytes
+from lightning_smp.planner.links import Links, collective_seconds, group_spans_nodes, links_for
+from lightning_smp.planner.state import _fsdp2_chunk, fsdp_units, model_state, optimizer_name
+
+#: Where the activation figure of a plan comes from.
+MEASURED, GIVEN, NOT_INCLUDED = "measured on fake tensors", "given", "not included"
+
+
+@dataclass(frozen=True)
+class DegreePlan:
+    """One candidate degree: the figures of its fullest rank, and whether it fits.
+
+    Attributes:
+        degree, sharding_strategy, shard, replicas: the ``hybrid_shard_degree``, what FSDP runs, the group sizes.
+        model_state_bytes: parameters + gradients + optimizer state (exact, padding included).
+        transient_bytes: on top during a step: the units gathered at once (two: the one computing and the one
+            prefetched; every unit under ZeRO-2, which keeps them from forward to backward), the largest unit's
+            unsharded gradient before its reduce-scatter, and between micro-batches FSDP1 ``no_sync``'s unsharded
+            gradients or FSDP2's 1/shard partial buffer.
+        buffer_bytes: the model's buffers (replicated). activation_bytes: one micro-batch.
+        peak_bytes: the sum; fits: ``peak_bytes * (1 + headroom) <= budget``.
+        shard_bytes, replicate_bytes: logical bytes of one optimizer step inside the shard group and across replicas.
+        shard_seconds, replicate_seconds: their time on the links (alpha-beta ring model, no overlap).
+        shard_link, replicate_link: ``"intra-node"``, ``"inter-node"`` or ``"-"`` (a group of one rank).
+    """
+
+    degree: int
+    sharding_strategy: str
+    shard: int
+    replicas: int
+    model_state_bytes: int
+    transient_bytes: int
+    buffer_bytes: int
+    activation_bytes: int
+    peak_bytes: int
+    fits: bool
+    shard_bytes: int
+    replicate_bytes: int
+    shard_seconds: float
+    replicate_seconds: float
+    shard_link: str
+    replicate_link: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer: the recommended ``degree``, why, and every candidate's figures."""
+
+    degree: int
+    reason: str
+    rows: tuple[DegreePlan, ...]
+    budget_bytes: int
+    headroom: float
+    world_size: int
+    devices_per_node: int
+    fsdp_version: int
+    optimizer: str
+    activations: str
+    links: Links
+
+    def row(self, degree: int) -> DegreePlan:
+        return next(r for r in self.rows if r.degree == degree)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (for JSON)."""
+        return {**asdict(self), "rows": [asdict(r) for r in self.rows], "links": asdict(self.links)}
+
+    def table_rows(self) -> tuple[list[str], list[list[str]]]:
+        from lightning_smp.accounting.render import fmt_bytes
+
+        header = ["degree", "mesh", "model state", "transient", "activations", "peak / rank", "fits",
+                  "shard bytes", "replica bytes", "comm time"]
+        rows = []
+        for r in self.rows:
+            mark = "<- chosen" if r.degree == self.degree else ("yes" if r.fits else "no")
+            rows.append([str(r.degree), f"{r.replicas} x {r.shard}", fmt_bytes(r.model_state_bytes),
+                         fmt_bytes(r.transient_bytes), fmt_bytes(r.activation_bytes), fmt_bytes(r.peak_bytes), mark,
+                         f"{fmt_bytes(r.shard_bytes)} ({r.shard_link})",
+                         f"{fmt_bytes(r.replicate_bytes)} ({r.replicate_link})",
+                         f"{(r.shard_seconds + r.replicate_seconds) * 1e3:.1f} ms"])
+        return header, rows
+
+    def title(self) -> str:
+        from lightning_smp.accounting.render import fmt_bytes
+
+        return (f"Degree plan: {self.world_size} rank(s), {self.devices_per_node} per node, FSDP{self.fsdp_version},"
+                f" {self.optimizer}, budget {fmt_bytes(self.budget_bytes)} per rank, {self.headroom:.0%} headroom,"
+                f" activations {self.activations}")
+
+    def text(self, width: int | None = 200) -> str:
+        """The table and the reason, as plain text (for logs)."""
+        from lightning_smp.accounting.render import tables_text
+
+        header, rows = self.table_rows()
+        return tables_text([(self.title(), header, rows)], width=width) + f"\n{self.reason}"
+
+    def print(self) -> None:
+        """The table and the reason on the terminal or in the notebook (rich)."""
+        from lightning_smp.accounting.render import print_tables
+
+        header, rows = self.table_rows()
+        print_tables([(self.title(), header, rows)], footer=self.reason)
+
+
+def _dtype_bytes(precision: str, element_size: int) -> tuple[int, int]:
+    """Bytes per element of (gathered parameters, reduced gradients) under a Lightning precision: mixed precision
+    keeps float32 parameters and reduces in 16 bits (Lightning's FSDP mixed-precision config)."""
+    if "mixed" in precision:
+        return element_size, 2
+    return element_size, element_size
+
+
+def _textbook(units: Sequence[Sequence[Parameter]], layout: Any, fsdp_version: int, micro_batches: int,
+              accumulation: str, precision: str) -> dict[str, dict[str, dict[str, float]]]:
+    from lightning_smp.accounting.comm import FSDPUnitSpec, accumulation_passes, fsdp_step_textbook
+    from lightning_smp.accounting.shards import flat_param_numel
+
+    shard = layout.shard
+    group = layout.world_size if layout.sharding_strategy == NO_SHARD else shard
+    specs = []
+    for index, unit in enumerate(units):
+        gather, reduce = _dtype_bytes(precision, unit[0].element_size())
+        reduced: int | None = None
+        if fsdp_version == 1:
+            padded = flat_param_numel([p.numel() for p in unit], group, unit[0].element_size())
+        else:
+            padded = reduced = 0
+            for p in unit:
+                _, per_rank, rest = _fsdp2_chunk(p, shard)
+                padded += per_rank * rest * shard
+                if p.requires_grad:  # FSDP2 reduces only what has gradients
+                    reduced += per_rank * rest * shard
+        specs.append(FSDPUnitSpec(padded_numel=padded, is_root=index == len(units) - 1, gather_bytes=gather,
+                                  reduce_bytes=reduce, reduce_numel=reduced))
+    scattered, synced = accumulation_passes(accumulation, micro_batches)
+    replicas = layout.world_size if layout.sharding_strategy == NO_SHARD else layout.replicate
+    return fsdp_step_textbook(specs, layout.sharding_strategy, shard, replicas, micro_batches, synced_passes=synced,
+                              reduce_scatter_passes=scattered, keep_gathered_unsynced=fsdp_version == 1)
+
+
+def _transient(units: Sequence[Sequence[Parameter]], layout: Any, fsdp_version: int, micro_batches: int,
+               accumulation: str, precision: str) -> int:
+    if layout.shard <= 1 or layout.sharding_strategy == NO_SHARD:
+        return 0
+    gathered = sorted((sum(p.numel() for p in unit) * _dtype_bytes(precision, unit[0].element_size())[0]
+                       for unit in units), reverse=True)
+    held = sum(gathered) if layout.sharding_strategy in (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2) else sum(gathered[:2])
+    unit_grads = [sum(p.numel() * p.element_size() for p in unit if p.requires_grad) for unit in units]
+    transient = held + max(unit_grads, default=0)
+    full_grads = sum(unit_grads)
+    if micro_batches > 1 and accumulation == NO_SYNC:
+        transient += full_grads  # every rank holds the unsharded gradient between micro-batches
+    elif micro_batches > 1 and accumulation == DEFER_ALL_REDUCE:
+        transient += full_grads // layout.shard  # FSDP2's partial-reduce buffer
+    return transient
+
+
+def plan(model: Module, *, world_size: int, devices_per_node: int | None = None, budget_bytes: int | str,
+         fsdp_version: int = 1, auto_wrap_policy: Any = None, optimizer: Any = None,
+         sharding_strategy: str = HYBRID_SHARD, precision: str = "32-true", micro_batches: int = 1,
+         accumulation: str | None = None, example_input: Any = None, step: Callable | None = None,
+         checkpoint: Callable[[Module], None] | None = None, activation_bytes: int | None = None,
+         headroom: float = 0.1, links: str | Links | None = None, device: Any = "cpu",
+         degrees: Sequence[int] | None = None) -> Plan:
+    """Every valid degree's figures for ``model`` on ``world_size`` ranks, and the recommended degree.
+
+    Args:
+        model: an ``nn.Module`` or ``LightningModule``, best built on the meta device (nothing is allocated).
+        devices_per_node: ranks per node (default: all ranks in one node).
+        budget_bytes: what one rank's training may use: bytes, or a string such as ``"40GB"``.
+        optimizer: a name (``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"``), an optimizer, or ``None``:
+            the LightningModule's ``configure_optimizers``, else AdamW.
+        sharding_strategy: ``HYBRID_SHARD`` or ``_HYBRID_SHARD_ZERO2`` (what degrees >= 2 run).
+        precision: a Lightning precision string (mixed precision reduces in 16 bits).
+        micro_batches, accumulation: gradient accumulation per optimizer step and its mode (default: the engine's).
+        example_input, step, checkpoint: one rank's micro-batch, traced on fake tensors to measure activations
+            (:func:`~.activations.measure_activations`); ``activation_bytes`` gives them instead.
+        headroom: kept free on top of the peak, as a fraction of it.
+        links: a preset name (:data:`~.links.LINK_PRESETS`) or :class:`~.links.Links`, for the time estimate.
+        degrees: the candidates (default: every valid degree >= 1 of ``world_size``).
+
+    Raises:
+        HybridShardConfigError: no degree fits; the message says what would help.
+    """
+    from lightning_smp.planner.activations import measure_activations
+
+    budget = parse_bytes(budget_bytes, "memory_budget")
+    per_node = devices_per_node or world_size
+    mode = accumulation or (NO_SYNC if fsdp_version == 1 else DEFER_ALL_REDUCE)
+    name = optimizer_name(model if optimizer is None else optimizer)
+    link = links_for(links)
+    units = fsdp_units(model, auto_wrap_policy)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    if activation_bytes is not None:
+        activations, source = int(activation_bytes), GIVEN
+    elif example_input is not None:
+        activations, source = measure_activations(model, example_input, step=step, device=device,
+                                                  precision=precision, checkpoint=checkpoint), MEASURED
+    else:
+        activations, source = 0, NOT_INCLUDED
+    rows = []
+    for degree in degrees or [d for d in valid_degrees(world_size) if d >= 1]:
+        layout = resolve_layout(world_size, degree, sharding_strategy)
+        state = max(s.total_bytes for s in model_state(
+            model, world_size=world_size, hybrid_shard_degree=degree, fsdp_version=fsdp_version,
+            auto_wrap_policy=auto_wrap_policy, optimizer=name, sharding_strategy=sharding_strategy))
+        transient = _transient(units, layout, fsdp_version, micro_batches, mode, precision)
+        peak = state + transient + buffers + activations
+        figure = _textbook(units, layout, fsdp_version, micro_batches, mode, precision)
+        replicas = world_size if layout.sharding_strategy == NO_SHARD else layout.replicate
+        shard_inter = group_spans_nodes(world_size, layout.shard, True, per_node)
+        replica_inter = group_spans_nodes(world_size, layout.shard, False, per_node)
+        shard_s = collective_seconds(figure["shard"], layout.shard, *(
+            (link.inter_bandwidth, link.inter_latency) if shard_inter else (link.intra_bandwidth, link.intra_latency)))
+        replica_s = collective_seconds(figure["replicate"], replicas, *(
+            (link.inter_bandwidth, link.inter_latency) if replica_inter else (link.intra_bandwidth, link.intra_latency)))
+        rows.append(DegreePlan(
+            degree=degree, sharding_strategy=layout.sharding_strategy, shard=layout.shard, replicas=replicas,
+            model_state_bytes=state, transient_bytes=transient, buffer_bytes=buffers, activation_bytes=activations,
+            peak_bytes=peak, fits=peak * (1 + headroom) <= budget,
+            shard_bytes=int(sum(e["bytes"] for e in figure["shard"].values())),
+            replicate_bytes=int(sum(e["bytes"] for e in figure["replicate"].values())),
+            shard_seconds=shard_s, replicate_seconds=replica_s,
+            shard_link="-" if layout.shard <= 1 else ("inter-node" if shard_inter else "intra-node"),
+            replicate_link="-" if replicas <= 1 else ("inter-node" if replica_inter else "intra-node")))
+    fitting = [r for r in rows if r.fits]
+    if not fitting:
+        raise HybridShardConfigError(_no_fit_message(rows, budget, headroom, world_size, source, fsdp_version, mode,
+                                                     micro_batches))
+    inside = [r for r in fitting if per_node % r.degree == 0]
+    chosen = min(inside or fitting, key=lambda r: r.degree)
+    where = "stay inside one node" if per_node % chosen.degree == 0 else "span whole nodes"
+    from lightning_smp.accounting.render import fmt_bytes
+
+    reason = (f"degree {chosen.degree} is the smallest that fits: {fmt_bytes(chosen.peak_bytes)} of"
+              f" {fmt_bytes(budget)} per rank with {headroom:.0%} headroom; its shard groups {where}")
+    if source == NOT_INCLUDED:
+        reason += " (activations not included: pass an example input or activation_bytes)"
+    return Plan(degree=chosen.degree, reason=reason, rows=tuple(rows), budget_bytes=budget, headroom=headroom,
+                world_size=world_size, devices_per_node=per_node, fsdp_version=fsdp_version, optimizer=name,
+                activations=source, links=link)
+
+
+def _no_fit_message(rows: Sequence[DegreePlan], budget: int, headroom: float, world_size: int, source: str,
+                    fsdp_version: int, mode: str, micro_batches: int) -> str:
+    from lightning_smp.accounting.render import fmt_bytes
+
+    least = min(rows, key=lambda r: r.peak_bytes)
+    helps = []
+    if least.activation_bytes:
+        helps.append(f"activation checkpointing or a smaller micro-batch (activations are"
+                     f" {fmt_bytes(least.activation_bytes)} per rank)")
+    helps.append("CPU offload (cpu_offload=True; FSDP2: CPUOffloadPolicy())")
+    helps.append(f"more devices (the model state at degree {least.degree} is {fmt_bytes(least.model_state_bytes)} per"
+                 " rank and shrinks with the shard group)")
+    if fsdp_version == 1 and mode == NO_SYNC and micro_batches > 1:
+        helps.append("fsdp_version=2 (gradient accumulation without unsharded gradients)")
+    return (f"no hybrid_shard_degree fits memory_budget={budget} bytes ({fmt_bytes(budget)}) with {headroom:.0%}"
+            f" headroom on {world_size} rank(s): the least is {fmt_bytes(least.peak_bytes)} ({least.peak_bytes} bytes)"
+            f" per rank at degree {least.degree} (activations {source}). What would help: " + "; ".join(helps) + ".")
+
+
+__all__ = ["DegreePlan", "GIVEN", "MEASURED", "NOT_INCLUDED", "Plan", "plan"]

@@ -1,0 +1,90 @@
+"""The links between ranks, and how long a step's collectives take on them (an alpha-beta model of ring collectives).
+
+A ring all-gather or reduce-scatter over ``p`` ranks takes ``p - 1`` steps, an all-reduce ``2 (p - 1)``; each step
+costs the link's latency (alpha), and every rank sends :func:`~lightning_smp.accounting.comm.ring_bytes` in all at
+the link's bandwidth (beta: bytes per second, one direction, per rank). A group whose ranks all sit in one node uses
+the intra-node link; a group that spans nodes is as fast as its slowest hop, the inter-node link (every rank of a
+node sends through its share of the node's network at once, so the per-rank share is the figure that matters).
+
+The presets are vendor figures per direction and per GPU, sourced in ``docs/planner.md``; latencies are the
+order of magnitude of one NCCL ring step. The model ignores overlap with compute: it is the time the collectives
+would take if nothing hid them, a figure for comparing degrees, not a step-time prediction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_smp.errors import HybridShardConfigError
+
+_US = 1e-6
+_GB = 1e9
+
+
+@dataclass(frozen=True)
+class Links:
+    """Bandwidths (bytes/s, one direction, per rank) and latencies (s, per ring step) inside a node and across."""
+
+    intra_bandwidth: float
+    intra_latency: float
+    inter_bandwidth: float
+    inter_latency: float
+    description: str = ""
+
+
+#: Named presets (see ``docs/planner.md`` for the sources).
+LINK_PRESETS: dict[str, Links] = {
+    "h100-nvlink-ib400": Links(450 * _GB, 3 * _US, 50 * _GB, 10 * _US,
+                               "8x H100 SXM per node, NVLink 4 (900 GB/s both directions), one 400 Gb/s NIC per GPU"),
+    "a100-nvlink-ib200": Links(300 * _GB, 3 * _US, 25 * _GB, 10 * _US,
+                               "8x A100 SXM per node, NVLink 3 (600 GB/s both directions), one 200 Gb/s NIC per GPU"),
+    "aws-p5": Links(450 * _GB, 3 * _US, 50 * _GB, 15 * _US,
+                    "p5.48xlarge: 8x H100, NVLink 4, 3200 Gb/s EFA per node"),
+    "aws-p4d": Links(300 * _GB, 3 * _US, 6.25 * _GB, 15 * _US,
+                     "p4d.24xlarge: 8x A100, NVLink 3, 400 Gb/s EFA per node"),
+    "pcie-ethernet": Links(25 * _GB, 5 * _US, 12.5 * _GB / 8, 20 * _US,
+                           "8 GPUs on PCIe 4.0 x16, one 100 Gb/s Ethernet NIC per node"),
+}
+DEFAULT_PRESET = "h100-nvlink-ib400"
+
+
+def links_for(preset: str | Links | None) -> Links:
+    """A preset by name (``None``: :data:`DEFAULT_PRESET`), or ``Links`` as given."""
+    if isinstance(preset, Links):
+        return preset
+    name = DEFAULT_PRESET if preset is None else preset
+    if name not in LINK_PRESETS:
+        raise HybridShardConfigError(
+            f"links={preset!r} is not a link preset. Valid presets: {', '.join(LINK_PRESETS)}; or pass"
+            " lightning_smp.planner.Links(intra_bandwidth=..., intra_latency=..., inter_bandwidth=..., inter_latency=...)."
+        )
+    return LINK_PRESETS[name]
+
+
+#: Ring steps of each collective over ``p`` ranks.
+_STEPS = {"all_gather": lambda p: p - 1, "reduce_scatter": lambda p: p - 1, "all_reduce": lambda p: 2 * (p - 1),
+          "broadcast": lambda p: p - 1}
+
+
+def collective_seconds(figure_axis: dict[str, dict[str, float]], group_size: int, bandwidth: float,
+                       latency: float) -> float:
+    """Seconds of one axis of a textbook figure (``{op: {"count", "ring_bytes"}}``) on one link."""
+    if group_size <= 1:
+        return 0.0
+    seconds = 0.0
+    for op, entry in figure_axis.items():
+        if entry["count"]:
+            seconds += entry["count"] * _STEPS[op](group_size) * latency + entry["ring_bytes"] / bandwidth
+    return seconds
+
+
+def group_spans_nodes(world_size: int, shard: int, axis_is_shard: bool, devices_per_node: int) -> bool:
+    """Whether any group of the axis leaves the node of its first rank (ranks numbered node by node): the shard
+    groups are ``shard`` consecutive ranks, the replica groups the ranks ``shard`` apart."""
+    def first(rank: int) -> int:
+        return rank // shard * shard if axis_is_shard else rank % shard
+
+    return any(rank // devices_per_node != first(rank) // devices_per_node for rank in range(world_size))
+
+
+__all__ = ["DEFAULT_PRESET", "LINK_PRESETS", "Links", "collective_seconds", "group_spans_nodes", "links_for"]

@@ -1,0 +1,170 @@
+"""The model state every rank will hold, predicted before anything is built.
+
+Pure arithmetic over a model's parameter shapes (build it on the meta device: a 70B model costs nothing to plan),
+for both engines, with the engines' own padding rules, so that the prediction equals what the memory report measures
+to the byte:
+
+- FSDP1 (:mod:`lightning_smp.accounting.shards`): the parameters of each unit are flattened (16-byte aligned) and
+  padded to a multiple of the shard group; every rank holds an equal chunk of each unit, its gradient too, and the
+  optimizer state of the parts of the original parameters that fall into its chunk;
+- FSDP2: each parameter is split along dim 0 by ``torch.chunk`` and padded to ``ceil(rows / shard)`` rows per rank;
+  the gradient is padded the same way, the optimizer state is the unpadded local chunk.
+
+The units are the ones the engines build: the modules ``auto_wrap_policy`` selects (:func:`wrap_targets`, the same
+walk for both engines) and the root with what is left.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn import Module, Parameter
+
+from lightning_smp.accounting.shards import local_param_numels, local_shard_numel
+from lightning_smp.degree import resolve_layout
+from lightning_smp.engines.fsdp2 import wrap_targets
+from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.names import NO_SHARD
+
+#: Optimizer state per trainable parameter: (state tensors shaped like the parameter, bytes of 0-d state).
+OPTIMIZER_STATE = {
+    "adam": (2, 4),      # exp_avg, exp_avg_sq; a float32 ``step``
+    "adamw": (2, 4),
+    "sgd": (0, 0),
+    "sgd_momentum": (1, 0),  # momentum_buffer
+}
+
+
+def _first_optimizer(configured: Any) -> Any:
+    """The first optimizer of whatever ``configure_optimizers`` may return (Lightning's accepted forms)."""
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured
+    if isinstance(configured, dict):
+        return _first_optimizer(configured.get("optimizer"))
+    if isinstance(configured, (list, tuple)) and configured:
+        return _first_optimizer(configured[0])
+    return None
+
+
+def optimizer_name(optimizer: Any) -> str:
+    """The :data:`OPTIMIZER_STATE` name of an optimizer given by name or as an instance, or of the first optimizer a
+    LightningModule's ``configure_optimizers`` returns (AdamW for a plain module, or when it returns none)."""
+    if isinstance(optimizer, Module):
+        configure = getattr(optimizer, "configure_optimizers", None)
+        found = _first_optimizer(configure()) if callable(configure) else None
+        return "adamw" if found is None else optimizer_name(found)
+    if isinstance(optimizer, str):
+        name = optimizer.lower()
+    elif isinstance(optimizer, torch.optim.SGD):
+        name = "sgd_momentum" if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd"
+    elif isinstance(optimizer, torch.optim.AdamW):
+        name = "adamw"
+    elif isinstance(optimizer, torch.optim.Adam):
+        name = "adam"
+    else:
+        name = type(optimizer).__name__
+    if name not in OPTIMIZER_STATE:
+        raise HybridShardConfigError(
+            f"optimizer={optimizer!r} is not one the planner knows. Valid names: {', '.join(OPTIMIZER_STATE)}"
+            " (or an instance of torch.optim.Adam, AdamW or SGD)."
+        )
+    return name
+
+
+def optimizer_state_layout(optimizer: Any) -> tuple[int, int]:
+    """``(tensors shaped like the parameter, fixed bytes)`` of an optimizer given by name or as an instance."""
+    return OPTIMIZER_STATE[optimizer_name(optimizer)]
+
+
+def fsdp_units(model: Module, auto_wrap_policy: Any = None) -> list[list[Parameter]]:
+    """The parameters of every unit the engines build, innermost first and the root last, each in the order FSDP
+    flattens them (``named_parameters`` order, a shared parameter once, in the first unit that reaches it)."""
+    seen: set[int] = set()
+    units: list[list[Parameter]] = []
+    for module in [*wrap_targets(model, auto_wrap_policy), model]:
+        params = [p for p in module.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        if params:
+            units.append(params)
+    return units
+
+
+@dataclass(frozen=True)
+class RankState:
+    """What one rank holds of the model state (bytes), as the memory report measures it."""
+
+    rank: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+def model_state(model: Module, *, world_size: int, hybrid_shard_degree: int, fsdp_version: int = 1,
+                auto_wrap_policy: Any = None, optimizer: Any = "adamw",
+                sharding_strategy: str = "HYBRID_SHARD") -> list[RankState]:
+    """The model state of every rank of ``world_size`` at ``hybrid_shard_degree``, at the optimizer step.
+
+    Parameters, gradients and optimizer state are taken in the dtype the model's parameters have (``bf16-true``:
+    build the model in bf16). Every parameter that requires a gradient is assumed to get one.
+    """
+    layout = resolve_layout(world_size, hybrid_shard_degree, sharding_strategy)
+    shard = layout.shard
+    group = world_size if layout.sharding_strategy == NO_SHARD else shard
+    tensors, fixed = optimizer_state_layout(optimizer)
+    units = fsdp_units(model, auto_wrap_policy)
+    states = []
+    for rank in range(world_size):
+        position = rank % shard
+        if fsdp_version == 1:
+            states.append(_fsdp1_rank(rank, units, shard, position, group, tensors, fixed))
+        else:
+            states.append(_fsdp2_rank(rank, units, shard, position, tensors, fixed))
+    return states
+
+
+def _fsdp1_rank(rank: int, units: Sequence[Sequence[Parameter]], shard: int, position: int, group: int,
+                tensors: int, fixed: int) -> RankState:
+    params = grads = optimizer = 0
+    for unit in units:
+        size = unit[0].element_size()
+        numels = [p.numel() for p in unit]
+        chunk = local_shard_numel(numels, shard, group, size) * size
+        params += chunk
+        if any(p.requires_grad for p in unit):
+            grads += chunk  # one flat gradient per unit
+        local = local_param_numels(numels, shard, position, group, size)
+        optimizer += sum(n * tensors * size + fixed for p, n in zip(unit, local) if n and p.requires_grad)
+    return RankState(rank, params, grads, optimizer)
+
+
+def _fsdp2_chunk(p: Parameter, shard: int) -> tuple[int, int, int]:
+    """``(rows, rows per rank after padding, elements per row)`` of ``p`` under FSDP2's ``Shard(0)`` over ``shard``."""
+    rows = p.shape[0] if p.dim() else 1
+    rest = math.prod(p.shape[1:]) if p.dim() else 1
+    return rows, math.ceil(rows / shard), rest
+
+
+def _fsdp2_rank(rank: int, units: Sequence[Sequence[Parameter]], shard: int, position: int, tensors: int,
+                fixed: int) -> RankState:
+    params = grads = optimizer = 0
+    for unit in units:
+        for p in unit:
+            rows, chunk_rows, rest = _fsdp2_chunk(p, shard)
+            padded = chunk_rows * rest * p.element_size()
+            local = max(0, min(chunk_rows, rows - position * chunk_rows)) * rest * p.element_size()
+            params += padded
+            if p.requires_grad:
+                grads += padded  # the reduce-scatter output, padded like the parameter
+                optimizer += local * tensors + fixed  # state of the unpadded chunk; a 0-d step even when empty
+    return RankState(rank, params, grads, optimizer)
+
+
+__all__ = ["OPTIMIZER_STATE", "RankState", "fsdp_units", "model_state", "optimizer_name", "optimizer_state_layout"]

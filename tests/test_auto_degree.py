@@ -1,0 +1,233 @@
+"""``hybrid_shard_degree="auto"``: the planner's choice in real multi-process runs (Trainer, Fabric, plain FSDP),
+for budgets on both sides of every threshold, the error when nothing fits, and every configuration source."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+import lightning_smp
+from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy
+from lightning_smp.config import ENV_CONFIG, ENV_SAGEMAKER, resolve_config, set_cli_config
+from lightning_smp.names import AUTO, SHARD_AXIS
+from lightning_smp.testing import run_distributed
+from tests.helpers import GLOO_TIMEOUT, cpu_trainer
+
+WORLD = 4
+WIDTH, HIDDEN, BLOCKS = 1024, 4096, 3  # 3 x 8.4 M = 25 M parameters
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(WIDTH, HIDDEN), torch.nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class WideModel(L.LightningModule):
+    """Tens of millions of parameters in three FSDP units; ``example_input_array`` lets the planner trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*[Block() for _ in range(BLOCKS)])
+        self.example_input_array = torch.zeros(2, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def _loader() -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, WIDTH)), batch_size=2)
+
+
+def _plan(version: int, traced: bool = True) -> lightning_smp.Plan:
+    """What the strategy will plan (``traced``: with the model's example input, as the strategies do; plain FSDP
+    calls have none), computed here on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        model = WideModel()
+    return lightning_smp.plan(model, world_size=WORLD, devices_per_node=WORLD, budget_bytes=10**15,
+                              fsdp_version=version, auto_wrap_policy={Block},
+                              example_input=torch.zeros(2, WIDTH) if traced else None)
+
+
+class ChoiceRecorder(Callback):
+    """Each rank's degree, shard group and plan, written to ``<folder>/rank<k>.json``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        record = {"degree": strategy.layout.degree, "property": strategy.hybrid_shard_degree,
+                  "shard_group": dist.get_process_group_ranks(strategy.device_mesh.get_group(SHARD_AXIS))
+                  if strategy.layout.replicate > 1 else list(range(WORLD)),
+                  "budget": strategy.plan.budget_bytes, "activations": strategy.plan.activations}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def _thresholds(version: int, traced: bool = True) -> list[tuple[int, int | None]]:
+    """(budget, expected degree) on both sides of every threshold: a budget that just fits degree d with the 10%
+    headroom picks d; a byte less picks the next degree, and below degree 4 nothing fits (``None``)."""
+    peaks = {r.degree: r.peak_bytes for r in _plan(version, traced).rows}
+    assert list(peaks) == [1, 2, 4] and peaks[1] > peaks[2] > peaks[4]
+    cases: list[tuple[int, int | None]] = []
+    for degree, below in ((1, 2), (2, 4), (4, None)):
+        budget = math.ceil(peaks[degree] * 1.1)
+        cases += [(budget, degree), (budget - 1, below)]
+    return cases
+
+
+@pytest.mark.timeout(4 * GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", [1, 2])
+def test_trainer_chooses_the_smallest_degree_that_fits_on_both_sides_of_each_threshold(tmp_path, version):
+    cases = _thresholds(version)
+    assert [expected for _, expected in cases] == [1, 2, 2, 4, 4, None]
+    for index, (budget, expected) in enumerate(cases):
+        folder = tmp_path / str(index)
+        strategy = HybridShardFSDPStrategy(hybrid_shard_degree="auto", memory_budget=budget, fsdp_version=version,
+                                           auto_wrap_policy={Block}, start_method="fork")
+        trainer = cpu_trainer(strategy, folder, WORLD, max_steps=1, callbacks=[ChoiceRecorder(folder)])
+        if expected is None:
+            with pytest.raises(HybridShardConfigError, match=rf"no hybrid_shard_degree fits memory_budget={budget} "
+                                                             r"bytes .* at degree 4 .*What would help"):
+                trainer.fit(WideModel(), _loader())
+            continue
+        trainer.fit(WideModel(), _loader())
+        records = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(WORLD)]
+        assert {r["degree"] for r in records} == {expected} and {r["property"] for r in records} == {expected}
+        assert records[0]["shard_group"] == list(range(expected)) and records[0]["budget"] == budget
+        assert records[0]["activations"] == "measured on fake tensors"
+        # the launching process learns the choice too
+        assert trainer.strategy.layout.degree == expected and trainer.strategy.plan.degree == expected
+
+
+def _fabric_auto(fabric: L.Fabric) -> dict[str, Any]:
+    model = fabric.setup_module(WideModel())
+    strategy = fabric.strategy
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-3))
+    loss = model(torch.randn(2, WIDTH, device=fabric.device)).pow(2).mean()
+    fabric.backward(loss)
+    optimizer.step()
+    return {"degree": strategy.layout.degree, "plan": strategy.plan.degree, "optimizer": strategy.plan.optimizer}
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_fabric_chooses_from_the_module_it_sets_up():
+    from lightning_smp.fabric import HybridShardFSDPStrategy as FabricStrategy
+
+    budget, expected = _thresholds(1)[3]  # just fits degree 4, not 2
+    strategy = FabricStrategy(hybrid_shard_degree="auto", memory_budget=budget, auto_wrap_policy={Block},
+                              start_method="fork")
+    result = L.Fabric(strategy=strategy, accelerator="cpu", devices=WORLD).launch(_fabric_auto)
+    # Fabric's fork launcher returns rank 0's result; the optimizer is read from the module's configure_optimizers
+    assert result == {"degree": expected, "plan": expected, "optimizer": "adam"}
+
+
+def _plain_fsdp_auto(rank: int, world_size: int, budget: int) -> int:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    lightning_smp.init({"hybrid_shard_degree": "auto", "memory_budget": budget})
+    try:
+        torch.manual_seed(rank)
+        model = FSDP(WideModel(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)
+        return len(dist.get_process_group_ranks(model.process_group))
+    finally:
+        lightning_smp.shutdown()
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_plain_fsdp_call_under_init_chooses_from_the_outermost_module():
+    budget, expected = _thresholds(1, traced=False)[1]  # just too little for degree 1: degree 2
+    assert run_distributed(_plain_fsdp_auto, WORLD, budget) == [expected] * WORLD
+
+
+# ------------------------------------------------------------------ every configuration source, and bad input
+
+
+@pytest.fixture
+def clean_sources(monkeypatch):
+    for name in (ENV_CONFIG, ENV_SAGEMAKER):
+        monkeypatch.delenv(name, raising=False)
+    yield monkeypatch
+    set_cli_config(None)
+    lightning_smp.shutdown()
+
+
+@pytest.mark.parametrize("source", ["argument", "cli", "init", "env_json", "env_file", "sagemaker"])
+def test_every_configuration_source_accepts_auto_and_a_budget(clean_sources, tmp_path, source):
+    values = {"hybrid_shard_degree": "auto", "memory_budget": "1.5GB"}
+    kwargs: dict[str, Any] = {}
+    if source == "argument":
+        kwargs = {"hybrid_shard_degree": "AUTO", "memory_budget": "1.5GB"}
+    elif source == "cli":
+        set_cli_config(values)
+    elif source == "init":
+        lightning_smp.init(values)
+    elif source == "env_json":
+        clean_sources.setenv(ENV_CONFIG, json.dumps(values))
+    elif source == "env_file":
+        (tmp_path / "smp.yaml").write_text("hybrid_shard_degree: auto\nmemory_budget: 1.5GB\n")
+        clean_sources.setenv(ENV_CONFIG, str(tmp_path / "smp.yaml"))
+    else:
+        clean_sources.setenv(ENV_SAGEMAKER, json.dumps(values))
+    assert (resolve_config(None if source != "argument" else {"hybrid_shard_degree": "auto"}).hybrid_shard_degree
+            == AUTO)
+    strategy = cpu_trainer(HybridShardFSDPStrategy(**kwargs), devices=WORLD).strategy
+    assert strategy.hybrid_shard_degree == AUTO and strategy.plan is None
+    assert strategy.core.config.memory_budget == 1_500_000_000
+    with pytest.raises(HybridShardConfigError, match="layout is not known yet: it is chosen by the planner"):
+        strategy.layout  # noqa: B018
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"hybrid_shard_degree": "automatic"}, r"hybrid_shard_degree='automatic' \(str\) is not a degree"),
+    ({"hybrid_shard_degree": "auto", "memory_budget": "40 potatoes"},
+     r"memory_budget='40 potatoes' is not an amount of memory. Fix: .*'40GB'"),
+    ({"hybrid_shard_degree": "auto", "memory_budget": 0}, r"memory_budget=0 is not positive"),
+    ({"hybrid_shard_degree": "auto", "device_mesh": (2, 2)}, r"'auto' and device_mesh were both given"),
+])
+def test_bad_auto_settings_fail_at_construction(kwargs, match):
+    with pytest.raises(HybridShardConfigError, match=match):
+        HybridShardFSDPStrategy(**kwargs)
+
+
+def test_a_budget_without_auto_warns_that_it_is_unused(clean_sources):
+    with pytest.warns(UserWarning, match=r"memory_budget=1000000000 is used only with hybrid_shard_degree='auto'"):
+        cpu_trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2, memory_budget="1GB"), devices=WORLD)
+
+
+def _plain_fully_shard_auto(rank: int, world_size: int) -> str:
+    from torch.distributed.fsdp import fully_shard
+
+    lightning_smp.init({"hybrid_shard_degree": "auto"})
+    try:
+        fully_shard(torch.nn.Linear(4, 4))
+    except HybridShardConfigError as err:
+        return str(err)
+    finally:
+        lightning_smp.shutdown()
+    return "no error"
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_plain_fully_shard_refuses_auto_on_every_rank():
+    messages = run_distributed(_plain_fully_shard_auto, 2)
+    assert len(set(messages)) == 1 and "cannot be chosen inside a plain fully_shard(...) call" in messages[0]
