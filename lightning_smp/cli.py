@@ -146,7 +146,14 @@ def _explicit_degree(section: Any) -> int | None:
 
 
 def main(args: ArgsType = None) -> None:
-    """Entry point of ``lightning-smp`` and ``python -m lightning_smp``: ``fit``, ``validate``, ``test``, ``predict``."""
+    """Entry point of ``lightning-smp`` and ``python -m lightning_smp``: ``fit``, ``validate``, ``test``, ``predict``,
+    and ``plan`` (:mod:`lightning_smp.planner.cli`: choose the degree without training)."""
+    argv = list(sys.argv[1:] if args is None else args) if args is None or isinstance(args, (list, tuple)) else None
+    if argv and argv[0] == "plan":
+        from lightning_smp.planner.cli import main as plan_main
+
+        plan_main(argv[1:])
+        return
     previous = os.environ.get(ENV_CLI)
     try:
         HybridShardCLI(args=args)

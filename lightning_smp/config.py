@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, make_dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, cast, get_type_hints
+from typing import Any, Literal, cast, get_type_hints
 
 from lightning_smp.degree import check_degree_setting
 from lightning_smp.errors import HybridShardConfigError
@@ -93,9 +93,10 @@ class SMPConfig:
     random_seed: int | None = None
 
 
-def _optional_fields(cls: type, name: str, doc: str) -> type:
-    """``cls`` with every field optional and ``None`` by default: a section in which a key left out is not set."""
-    hints = get_type_hints(cls)
+def _optional_fields(cls: type, name: str, doc: str, types: Mapping[str, Any] | None = None) -> type:
+    """``cls`` with every field optional and ``None`` by default: a section in which a key left out is not set.
+    ``types`` narrows fields for the parser (OmegaConf, which merges :class:`SMPConfig`, knows no ``Literal``)."""
+    hints = {**get_type_hints(cls), **(types or {})}
     section = make_dataclass(name, [(f.name, hints[f.name] | None, None) for f in fields(cls)])
     section.__doc__ = doc
     section.__module__ = __name__
@@ -107,6 +108,7 @@ def _optional_fields(cls: type, name: str, doc: str) -> type:
 SMPSection = _optional_fields(
     SMPConfig, "SMPSection",
     "SMP v2 config keys for the LightningCLI `smp:` section (see SMPConfig); a key left out is not set here.",
+    {"hybrid_shard_degree": int | Literal["auto"]},
 )
 
 

@@ -25,8 +25,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "examples" / "configs"
 
-#: what each example must resolve to on 4 CPU ranks: (mesh shape, FSDP sharding strategy, fsdp_version)
-EXPECTED = {
+#: what each example must resolve to on 4 CPU ranks: (mesh shape, FSDP sharding strategy, fsdp_version); ``None``:
+#: the planner chooses in the ranks (hybrid_shard_degree="auto", see test_auto_config_fits_what_plan_predicts)
+EXPECTED: dict[str, tuple | None] = {
+    "hybrid_auto.yaml": None,
     "hybrid_cpu.yaml": ((2, 2), HYBRID_SHARD, 1),
     "hybrid_class_path.yaml": ((2, 2), HYBRID_SHARD, 1),
     "hybrid_zero2_notebook.yaml": ((1, 4), SHARD_GRAD_OP, 1),
@@ -49,7 +51,11 @@ def test_example_config_parses_to_the_documented_layout(name, tmp_path):
     cli = _cli("--config", str(CONFIGS / name), tmp_path=tmp_path)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, HybridShardFSDPStrategy)
-    mesh_shape, fsdp_strategy, version = EXPECTED[name]
+    expected = EXPECTED[name]
+    if expected is None:
+        assert strategy.hybrid_shard_degree == "auto" and strategy.core.config.memory_budget == 1_700_000
+        return
+    mesh_shape, fsdp_strategy, version = expected
     assert strategy.layout.mesh_shape == mesh_shape
     assert strategy.layout.sharding_strategy == fsdp_strategy
     assert strategy.fsdp_version == version
@@ -207,6 +213,25 @@ def test_console_script_trains_on_four_cpu_ranks(tmp_path):
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())["smp"]
     assert {k: v for k, v in saved.items() if v is not None} == {"hybrid_shard_degree": 2}
     assert set(saved) == {f.name for f in dataclasses.fields(SMPConfig)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(PROCESS_TIMEOUT)
+def test_auto_config_fits_what_plan_predicts(tmp_path):
+    """`lightning-smp plan --config hybrid_auto.yaml` predicts the degree `lightning-smp fit` then chooses in every
+    rank (script launcher: 4 processes, each planning alone from the same model, world and budget)."""
+    script = str(Path(sys.executable).parent / "lightning-smp")
+    planned = _run([script, "plan", "--config", str(CONFIGS / "hybrid_auto.yaml"), "--json", str(tmp_path / "p.json")],
+                   cwd=tmp_path)
+    degree = yaml.safe_load((tmp_path / "p.json").read_text())["degree"]
+    assert degree == 2 and "degree 2 is the smallest that fits" in planned.stdout
+    out = _run([script, "fit", "--config", str(CONFIGS / "hybrid_auto.yaml"), "--trainer.enable_progress_bar=false",
+                f"--trainer.default_root_dir={tmp_path}"], cwd=tmp_path)
+    text = out.stdout + out.stderr
+    assert "hybrid_shard_degree='auto' chose 2." in text and "Degree plan: 4 rank(s)" in text
+    assert "hybrid_shard_degree=2: 2 replica(s) x 2 shard(s) over 4 rank(s)" in text
+    with open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") as f:
+        assert len([row for row in csv.DictReader(f) if row.get("train_loss")]) == 4
 
 
 @pytest.mark.slow

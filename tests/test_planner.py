@@ -3,7 +3,9 @@ for both engines, several degrees and models (tied and frozen parameters, wrappe
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from tests.helpers import GLOO_TIMEOUT, TinyModel, cpu_trainer, make_loader
 from tests.test_fsdp2 import FeatureModel, LoRABlock, token_loader
 
 WORLD = 4
+REPO = Path(__file__).resolve().parents[1]
 MODELS = {
     "tiny_adam": (TinyModel, make_loader, None, "adam"),
     "features_sgd_momentum": (FeatureModel, token_loader, {LoRABlock}, "sgd_momentum"),
@@ -93,3 +96,130 @@ def test_accumulation_costs_in_the_plan():
     assert fsdp1[2].transient_bytes - fsdp2[2].transient_bytes == full - full // 2
     # both cross the replicas once per optimizer step
     assert fsdp1[2].replicate_bytes == fsdp2[2].replicate_bytes > 0
+
+
+# ---------------------------------------------------------------------------------------------- activations, budgets
+
+
+def test_activations_traced_on_fake_tensors_equal_the_real_ones():
+    """The fake trace of a meta-device copy sees the same activation peak as a real forward and backward."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    from lightning_smp.planner import measure_activations
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                                         torch.nn.Linear(256, 64)) for _ in range(3)])
+
+    torch.manual_seed(0)
+    real, batch = build(), torch.randn(8, 64)
+    with torch.device("meta"):
+        meta = build()
+
+    class Peak(MemTracker):
+        peak = 0
+
+        def _update_snap(self, *args, **kwargs):
+            super()._update_snap(*args, **kwargs)
+            for snap in self._curr_mem_snap.values():
+                self.peak = max(self.peak, snap.get(_MemRefType.ACT, 0) + snap.get(_MemRefType.TEMP, 0))
+
+    tracker = Peak()
+    tracker.track_external(real)
+    with tracker:
+        real(batch).float().sum().backward()
+    assert measure_activations(meta, batch) == measure_activations(real, batch) == tracker.peak > 0
+    assert all(p.grad is None for p in meta.parameters())  # the model itself is untouched
+
+
+@pytest.mark.parametrize(("text", "expected"), [("40GB", 40 * 10**9), ("400MB", 400 * 10**6), ("1.5GiB", 3 * 2**29),
+                                                ("123", 123), (2**30, 2**30), (" 2 tb ", 2 * 10**12)])
+def test_budgets_parse(text, expected):
+    from lightning_smp.planner import parse_bytes
+
+    assert parse_bytes(text) == expected
+
+
+def test_the_cpu_default_budget_shares_the_available_ram():
+    import psutil
+
+    from lightning_smp.planner import default_budget
+
+    whole = default_budget(torch.device("cpu"), 1)
+    assert 0 < default_budget(torch.device("cpu"), 4) <= whole // 4 + psutil.virtual_memory().total // 100
+
+
+def test_link_presets_time_ring_collectives():
+    from lightning_smp.planner.links import LINK_PRESETS, collective_seconds, group_spans_nodes
+
+    link = LINK_PRESETS["h100-nvlink-ib400"]
+    # one all-reduce of 8 GB over 8 ranks: 2 * 7 ring steps and 2 * 7/8 of the bytes sent per rank
+    axis = {"all_reduce": {"count": 1, "ring_bytes": 2 * 7 / 8 * 8e9}}
+    assert collective_seconds(axis, 8, link.inter_bandwidth, link.inter_latency) == pytest.approx(
+        14 * link.inter_latency + 14e9 / link.inter_bandwidth)
+    # 16 ranks on 2 nodes of 8: shard groups of 4 stay inside a node, of 16 span; replicas of degree 8 span
+    assert not group_spans_nodes(16, 4, True, 8) and group_spans_nodes(16, 16, True, 8)
+    assert group_spans_nodes(16, 8, False, 8) and not group_spans_nodes(8, 2, False, 8)
+    # shard groups of 3 on nodes of 4 cross a node boundary
+    assert group_spans_nodes(12, 3, True, 4)
+
+
+def test_the_plan_prefers_a_divisor_of_the_node_and_reports_both_axes():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+    result = plan(model, world_size=16, devices_per_node=8, budget_bytes="1TB", auto_wrap_policy={torch.nn.Linear},
+                  links="aws-p4d")
+    assert result.degree == 1 and [r.degree for r in result.rows] == [1, 2, 4, 8, 16]
+    row = result.row(16)
+    assert (row.shard_link, row.replicate_link) == ("inter-node", "-") and row.replicate_bytes == 0
+    assert result.row(8).shard_link == "intra-node" and result.row(8).replicate_link == "inter-node"
+    assert result.row(8).shard_seconds < row.shard_seconds  # the same bytes, on the faster link
+
+
+# ---------------------------------------------------------------------------------------------- lightning-smp plan
+
+
+def _cli(capsys, *argv: str) -> str:
+    from lightning_smp.cli import main
+
+    main(["plan", *argv])
+    return capsys.readouterr().out
+
+
+def test_cli_plans_from_a_parameter_count(capsys, tmp_path):
+    out = _cli(capsys, "--params", "7B", "--layers", "32", "--hidden", "4096", "--heads", "32", "--seq_len", "4096",
+               "--nodes", "1", "--devices", "8", "--memory_budget", "40GB", "--preset", "aws-p4d",
+               "--precision", "bf16-mixed", "--activation_checkpointing", "true", "--json", str(tmp_path / "p.json"),
+               "--plot", str(tmp_path / "p.png"))
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["degree"] == 4 and [r["degree"] for r in data["rows"]] == [1, 2, 4, 8]
+    assert "Degree plan: 8 rank(s), 8 per node" in out and f"degree {data['degree']} is the smallest" in out
+    # a 7B model's parameters: within 1% of the count asked for
+    params = data["rows"][0]["model_state_bytes"] / 16  # fp32 parameters, gradients and two Adam moments
+    assert abs(params - 7e9) / 7e9 < 0.01
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_cli_plans_from_a_lightning_cli_config(capsys, tmp_path):
+    from lightning_smp.demo import TinyGPT
+
+    config = REPO / "examples" / "configs" / "hybrid_cpu.yaml"
+    out = _cli(capsys, "--config", str(config), "--memory_budget", "3MB", "--wrap", "[lightning_smp.demo.Block]",
+               "--json", str(tmp_path / "p.json"))
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["world_size"] == 4 and data["optimizer"] == "adamw" and data["budget_bytes"] == 3_000_000
+    with torch.device("meta"):
+        expected = plan(TinyGPT(dim=64, layers=2), world_size=4, budget_bytes="3MB",
+                        auto_wrap_policy={__import__("lightning_smp.demo", fromlist=["Block"]).Block})
+    assert data["degree"] == expected.degree and "Degree plan: 4 rank(s)" in out
+    assert [r["peak_bytes"] for r in data["rows"]] == [r.peak_bytes for r in expected.rows]
+
+
+def test_cli_says_when_nothing_fits():
+    from lightning_smp.cli import main
+
+    with pytest.raises(SystemExit, match=r"lightning-smp plan: error: no hybrid_shard_degree fits"):
+        main(["plan", "--params", "70B", "--layers", "80", "--hidden", "8192", "--heads", "64", "--devices", "8",
+              "--memory_budget", "40GB"])
+    with pytest.raises(SystemExit, match=r"needs a model"):
+        main(["plan", "--devices", "8", "--memory_budget", "40GB"])

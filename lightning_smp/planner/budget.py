@@ -9,7 +9,6 @@ the node: the memory that is really there when the plan is made.
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any
 
@@ -44,18 +43,6 @@ def parse_bytes(value: Any, parameter: str = "memory_budget") -> int:
     return number
 
 
-def _available_ram() -> int:
-    """``MemAvailable`` of ``/proc/meminfo`` (what can be allocated without swapping), else the free pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def default_budget(device: torch.device, local_ranks: int) -> int:
     """The free memory of ``device`` (an accelerator), or on the CPU the available RAM shared by ``local_ranks``."""
     if device.type != "cpu":
@@ -67,7 +54,9 @@ def default_budget(device: torch.device, local_ranks: int) -> int:
                 " memory_budget (e.g. '40GB') with hybrid_shard_degree='auto'."
             )
         return int(mem_get_info(device)[0])
-    return _available_ram() // max(1, local_ranks)
+    import psutil
+
+    return int(psutil.virtual_memory().available) // max(1, local_ranks)
 
 
 __all__ = ["UNITS", "default_budget", "parse_bytes"]

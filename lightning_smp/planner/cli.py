@@ -1,0 +1,224 @@
+"""``lightning-smp plan``: the planner from the command line.
+
+The model comes from a LightningCLI config (``--config fit.yaml``, with ``--model.class_path``/``--model.init_args.*``
+overrides; it is built on the meta device, so a 70B model costs nothing) or, for quick what-ifs, from a parameter
+count and a transformer shape (``--params 7B --layers 32 --hidden 4096 --heads 32``). The world, the budget and the
+links come from flags (``--nodes``, ``--devices``, ``--memory_budget``, ``--preset``), else from the config's
+``trainer:`` and ``smp:`` sections. Prints the table, and writes JSON (``--json``) and a plot (``--plot``)::
+
+    lightning-smp plan --params 7B --layers 32 --hidden 4096 --heads 32 --seq_len 4096 --micro_batch 1 \\
+        --nodes 1 --devices 8 --memory_budget 80GB --preset aws-p4d --precision bf16-mixed --activation_checkpointing true
+    lightning-smp plan --config examples/configs/hybrid_smp_section.yaml --memory_budget 2GB --json plan.json
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import Module
+
+from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.names import HYBRID_SHARD
+from lightning_smp.planner.activations import transformer_activation_bytes
+from lightning_smp.planner.budget import UNITS, default_budget, parse_bytes
+from lightning_smp.planner.choose import Plan, plan
+from lightning_smp.planner.links import DEFAULT_PRESET, LINK_PRESETS
+
+
+class _Block(Module):
+    """One transformer layer's parameters: attention (4 h x h) and an MLP sized to reach the parameter count."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden, bias=False), torch.nn.Linear(hidden, hidden, bias=False)
+        self.up, self.down = torch.nn.Linear(hidden, ffn, bias=False), torch.nn.Linear(ffn, hidden, bias=False)
+
+
+class ShapeModel(Module):
+    """A transformer with ``params`` parameters in ``layers`` blocks, for planning from a count alone."""
+
+    def __init__(self, params: int, layers: int, hidden: int, vocab: int) -> None:
+        super().__init__()
+        per_layer = (params - vocab * hidden) / layers
+        ffn = math.floor((per_layer - 4 * hidden * hidden - 4 * hidden) / (2 * hidden))
+        if ffn < 1:
+            raise HybridShardConfigError(
+                f"params={params} is too few for layers={layers} of hidden={hidden} with vocab={vocab}. Fix: raise"
+                " --params or lower --layers/--hidden."
+            )
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.blocks = torch.nn.ModuleList(_Block(hidden, ffn) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(hidden)
+
+
+def parse_count(value: str) -> int:
+    """``"7B"``, ``"125M"``, ``"1.5e9"`` or ``"7000000000"`` as a number of parameters."""
+    scale = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+    text = str(value).strip().lower()
+    try:
+        if text and text[-1] in scale:
+            return int(float(text[:-1]) * scale[text[-1]])
+        return int(float(text))
+    except ValueError:
+        raise HybridShardConfigError(f"--params={value!r} is not a parameter count. Fix: e.g. --params 7B.") from None
+
+
+def _parser() -> Any:
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(prog="lightning-smp plan", description="Choose hybrid_shard_degree for a model.",
+                            default_meta=False)
+    parser.add_argument("--config", action=ActionConfigFile, help="A LightningCLI config (model, trainer, smp).")
+    parser.add_subclass_arguments(Module, "model", required=False)
+    for section in ("trainer", "data", "smp", "optimizer", "lr_scheduler"):  # read from a LightningCLI config
+        parser.add_argument(f"--{section}", type=Any, default=None)
+    parser.add_argument("--seed_everything", type=Any, default=None)
+    parser.add_argument("--ckpt_path", type=Any, default=None)
+    parser.add_argument("--params", type=str | None, default=None, help="Parameter count (e.g. 7B), without a model.")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq_len", type=int, default=4096)
+    parser.add_argument("--micro_batch", type=int, default=1)
+    parser.add_argument("--nodes", type=int | None, default=None, help="Default: trainer.num_nodes, else 1.")
+    parser.add_argument("--devices", type=int | None, default=None, help="Per node. Default: trainer.devices, else 8.")
+    parser.add_argument("--memory_budget", type=str | None, default=None,
+                        help=f"Per device, e.g. 80GB (units: {', '.join(u for u in UNITS if u)}); default: the"
+                             " config's, else this machine's free device memory.")
+    parser.add_argument("--preset", type=str, default=DEFAULT_PRESET, help=f"Links: {', '.join(LINK_PRESETS)}.")
+    parser.add_argument("--fsdp_version", type=int | None, default=None)
+    parser.add_argument("--precision", type=str | None, default=None, help="Default: trainer.precision, else 32-true.")
+    parser.add_argument("--optimizer_name", type=str | None, default=None, help="adamw, adam, sgd, sgd_momentum.")
+    parser.add_argument("--accumulate", type=int | None, default=None, help="Micro-batches per optimizer step.")
+    parser.add_argument("--activation_checkpointing", type=bool, default=False)
+    parser.add_argument("--activation_bytes", type=str | None, default=None, help="Override, e.g. 12GB.")
+    parser.add_argument("--wrap", type=list[str] | None, default=None, help="Class paths of the FSDP units.")
+    parser.add_argument("--headroom", type=float, default=0.1)
+    parser.add_argument("--json", type=Path | None, default=None, help="Write the plan as JSON.")
+    parser.add_argument("--plot", type=Path | None, default=None, help="Save per-rank memory by degree (PNG).")
+    return parser
+
+
+def _import(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        raise HybridShardConfigError(f"{path!r} cannot be imported. Fix: give a class path such as"
+                                     " 'torch.nn.TransformerEncoderLayer'.") from None
+
+
+def _strategy_args(trainer: dict[str, Any]) -> dict[str, Any]:
+    """``trainer.strategy.init_args`` of a config (a dict, or the Namespace jsonargparse resolves a class path to)."""
+    strategy = trainer.get("strategy")
+    init_args = strategy.get("init_args") if isinstance(strategy, dict) else getattr(strategy, "init_args", None)
+    if init_args is None:
+        return {}
+    return {k: v for k, v in (init_args.items() if isinstance(init_args, dict) else vars(init_args).items())
+            if v is not None}
+
+
+def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
+    """Parse ``argv`` (what follows ``lightning-smp plan``) and plan; the plan and the parsed arguments. Raises
+    ``HybridShardConfigError``."""
+    parser = _parser()
+    cfg = parser.parse_args(argv)
+    trainer = cfg.trainer if isinstance(cfg.trainer, dict) else {}
+    smp = cfg.smp if isinstance(cfg.smp, dict) else {}
+    strategy = _strategy_args(trainer)
+    precision = cfg.precision or str(trainer.get("precision") or "32-true")
+    nodes = cfg.nodes or int(trainer.get("num_nodes") or 1)
+    devices = cfg.devices or (trainer["devices"] if isinstance(trainer.get("devices"), int) else 8)
+    version = cfg.fsdp_version or int(strategy.get("fsdp_version") or smp.get("fsdp_version") or 1)
+    wrap = cfg.wrap or strategy.get("auto_wrap_policy")  # a list of class paths, as LightningCLI configs give it
+    policy = ({_import(p) if isinstance(p, str) else p for p in wrap}
+              if isinstance(wrap, (list, tuple, set, frozenset)) else None)
+    activation_bytes = None if cfg.activation_bytes is None else parse_bytes(cfg.activation_bytes, "--activation_bytes")
+    example_input = None
+    checkpoint = None
+    if cfg.params is not None:
+        dtype = torch.bfloat16 if precision.startswith("bf16-true") else torch.float16 if precision.startswith(
+            "16-true") else torch.float32
+        with torch.device("meta"):
+            model: Module = ShapeModel(parse_count(cfg.params), cfg.layers, cfg.hidden, cfg.vocab).to(dtype)
+        policy = policy or {_Block}
+        if activation_bytes is None:
+            activation_bytes = transformer_activation_bytes(
+                layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch,
+                checkpointing=cfg.activation_checkpointing, bytes_per_value=2 if "16" in precision else 4)
+    elif cfg.model is not None:
+        with torch.device("meta"):
+            model = parser.instantiate_classes(cfg).model
+        example_input = getattr(model, "example_input_array", None)
+        if cfg.activation_checkpointing and policy:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+            classes = tuple(policy)
+            checkpoint = lambda m: apply_activation_checkpointing(m, check_fn=lambda x: isinstance(x, classes))  # noqa: E731
+    else:
+        raise HybridShardConfigError("lightning-smp plan needs a model: --config FILE / --model.class_path PATH, or"
+                                     " --params COUNT with the layer shape (--layers, --hidden, --heads).")
+    budget = cfg.memory_budget or strategy.get("memory_budget") or smp.get("memory_budget")
+    if budget is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        budget = default_budget(device, devices)
+    accumulate = cfg.accumulate or int(trainer.get("accumulate_grad_batches") or 1)
+    return plan(model, world_size=nodes * devices, devices_per_node=devices, budget_bytes=budget,
+                fsdp_version=version, auto_wrap_policy=policy, optimizer=cfg.optimizer_name, precision=precision,
+                sharding_strategy=strategy.get("sharding_strategy") or HYBRID_SHARD,
+                micro_batches=accumulate, example_input=example_input, checkpoint=checkpoint,
+                activation_bytes=activation_bytes, headroom=cfg.headroom, links=cfg.preset), cfg
+
+
+def save_plot(result: Plan, path: Path) -> None:
+    """Per-rank memory by degree (model state, transient, activations stacked) against the budget."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise HybridShardConfigError("--plot needs matplotlib. Fix: pip install matplotlib.") from None
+    gib = 2**30
+    labels = [str(r.degree) for r in result.rows]
+    parts = [("model state", [r.model_state_bytes / gib for r in result.rows]),
+             ("transient + buffers", [(r.transient_bytes + r.buffer_bytes) / gib for r in result.rows]),
+             ("activations", [r.activation_bytes / gib for r in result.rows])]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(labels)
+    for name, values in parts:
+        ax.bar(labels, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.axhline(result.budget_bytes / gib / (1 + result.headroom), color="red", linestyle="--",
+               label=f"budget / (1 + {result.headroom:.0%} headroom)")
+    ax.set_xlabel("hybrid_shard_degree")
+    ax.set_ylabel("GiB per rank")
+    ax.set_title(f"{result.world_size} ranks: degree {result.degree} chosen")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> None:
+    """``lightning-smp plan ...``: print the plan; exit with the error message when nothing fits."""
+    try:
+        result, cfg = plan_from_args(argv)
+    except HybridShardConfigError as err:
+        sys.exit(f"lightning-smp plan: error: {err}")
+    result.print()
+    if cfg.json is not None:
+        cfg.json.write_text(json.dumps(result.to_dict(), indent=2))
+    if cfg.plot is not None:
+        save_plot(result, cfg.plot)
+
+
+__all__ = ["ShapeModel", "main", "parse_count", "plan_from_args", "save_plot"]
