@@ -223,3 +223,23 @@ def test_cli_says_when_nothing_fits():
               "--memory_budget", "40GB"])
     with pytest.raises(SystemExit, match=r"needs a model"):
         main(["plan", "--devices", "8", "--memory_budget", "40GB"])
+
+
+def test_the_published_configurations_table_is_what_the_planner_says():
+    """docs/planner.md: every command under the table gives the degree its row's "planner" column states."""
+    import re
+    import shlex
+
+    from lightning_smp.planner.cli import plan_from_args
+
+    page = (REPO / "docs" / "planner.md").read_text()
+    section = page[page.index("## Published configurations"):]
+    table = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| run")]
+    stated = [int(re.match(r"\s*(\d+)", line.split("|")[4]).group(1)) for line in table]
+    commands = [line for line in section.splitlines() if line.startswith("lightning-smp plan ")]
+    assert len(commands) == len(stated) == 6
+    for command, degree, row in zip(commands, stated, table):
+        result, _ = plan_from_args(shlex.split(command)[2:])
+        assert result.degree == degree, command
+        peak = re.search(r"\(([\d.]+) GiB", row.split("|")[4])
+        assert peak is None or f"{result.row(degree).peak_bytes / 2**30:.1f}" == peak.group(1), command

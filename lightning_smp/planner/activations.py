@@ -10,8 +10,9 @@ every candidate.
 
 :func:`transformer_activation_bytes` is the analytic estimate for a transformer given only its shape, from
 Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (MLSys 2023), section 4:
-``s * b * h * (34 + 5 * a * s / h)`` bytes per layer with 16-bit activations, and ``2 * s * b * h`` per layer
-(the layer's input) under full activation checkpointing, plus one layer's worth recomputed in backward.
+``s * b * h * (34 + 5 * a * s / h)`` bytes per layer with 16-bit activations (``34 s b h`` with fused attention,
+which never stores the ``s x s`` scores), and ``2 * s * b * h`` per layer (the layer's input) under full activation
+checkpointing, plus one layer's worth recomputed in backward.
 """
 
 from __future__ import annotations
@@ -109,11 +110,18 @@ def measure_activations(model: Module, example_input: Any, *, step: Callable[[Mo
 
 
 def transformer_activation_bytes(*, layers: int, hidden: int, heads: int, seq_len: int, micro_batch: int,
-                                 checkpointing: bool = False, bytes_per_value: int = 2) -> int:
+                                 checkpointing: bool = False, bytes_per_value: int = 2,
+                                 attention_scores: bool = False) -> int:
     """Korthikanti et al.'s activation memory of a transformer for one micro-batch (see the module docstring),
-    scaled from 16-bit to ``bytes_per_value``."""
+    scaled from 16-bit to ``bytes_per_value``.
+
+    ``attention_scores``: the ``5 a s / h`` term, the softmax inputs and outputs and their dropout mask, which only
+    an attention that materialises the ``s x s`` scores keeps; fused attention (``scaled_dot_product_attention``'s
+    flash and memory-efficient kernels, the default of current training stacks) recomputes them in backward, the
+    paper's "selective recomputation", leaving ``34 s b h`` per layer.
+    """
     s, b, h, a = seq_len, micro_batch, hidden, heads
-    per_layer = s * b * h * (34 + 5 * a * s / h)
+    per_layer = s * b * h * (34 + (5 * a * s / h if attention_scores else 0))
     scale = bytes_per_value / 2
     if checkpointing:
         return int((layers * 2 * s * b * h + per_layer) * scale)  # the layer inputs, and one layer recomputed

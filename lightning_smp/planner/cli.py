@@ -99,6 +99,8 @@ def _parser() -> Any:
     parser.add_argument("--optimizer_name", type=str | None, default=None, help="adamw, adam, sgd, sgd_momentum.")
     parser.add_argument("--accumulate", type=int | None, default=None, help="Micro-batches per optimizer step.")
     parser.add_argument("--activation_checkpointing", type=bool, default=False)
+    parser.add_argument("--attention_scores", type=bool, default=False,
+                        help="The model materialises the s x s attention scores (no fused/flash attention).")
     parser.add_argument("--activation_bytes", type=str | None, default=None, help="Override, e.g. 12GB.")
     parser.add_argument("--wrap", type=list[str] | None, default=None, help="Class paths of the FSDP units.")
     parser.add_argument("--headroom", type=float, default=0.1)
@@ -153,7 +155,8 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
         if activation_bytes is None:
             activation_bytes = transformer_activation_bytes(
                 layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch,
-                checkpointing=cfg.activation_checkpointing, bytes_per_value=2 if "16" in precision else 4)
+                checkpointing=cfg.activation_checkpointing, bytes_per_value=2 if "16" in precision else 4,
+                attention_scores=cfg.attention_scores)
     elif cfg.model is not None:
         with torch.device("meta"):
             model = parser.instantiate_classes(cfg).model
