@@ -243,3 +243,22 @@ def test_the_published_configurations_table_is_what_the_planner_says():
         assert result.degree == degree, command
         peak = re.search(r"\(([\d.]+) GiB", row.split("|")[4])
         assert peak is None or f"{result.row(degree).peak_bytes / 2**30:.1f}" == peak.group(1), command
+
+
+def test_activations_follow_checkpointing_and_take_a_meta_input_of_the_shape():
+    """A meta tensor of the micro-batch's shape is as good as a real batch; checkpointing the blocks lowers the
+    traced activations, and the peak with them."""
+    from lightning_smp.demo import Block, TinyGPT
+
+    with torch.device("meta"):
+        model = TinyGPT()
+    real = torch.randint(0, 64, (8, 32))
+    shape_only = torch.empty(8, 32, dtype=torch.long, device="meta")
+    kwargs = {"world_size": 4, "budget_bytes": "1GB", "auto_wrap_policy": {Block}}
+    plain = plan(model, example_input=shape_only, **kwargs)
+    assert plain.row(2).activation_bytes == plan(model, example_input=real, **kwargs).row(2).activation_bytes > 0
+    checkpointed = plan(model, example_input=shape_only, checkpoint={Block}, **kwargs)
+    assert checkpointed.row(2).activation_bytes < plain.row(2).activation_bytes
+    assert plain.row(2).peak_bytes - checkpointed.row(2).peak_bytes == (
+        plain.row(2).activation_bytes - checkpointed.row(2).activation_bytes)
+    assert plain.activations == "measured on fake tensors"

@@ -134,6 +134,15 @@ class Plan:
         print_tables([(self.title(), header, rows)], footer=self.reason)
 
 
+def _checkpointing(classes: tuple[type[Module], ...]) -> Callable[[Module], None]:
+    def apply(module: Module) -> None:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        apply_activation_checkpointing(module, check_fn=lambda m: isinstance(m, classes))
+
+    return apply
+
+
 def _dtype_bytes(precision: str, element_size: int) -> tuple[int, int]:
     """Bytes per element of (gathered parameters, reduced gradients) under a Lightning precision: mixed precision
     keeps float32 parameters and reduces in 16 bits (Lightning's FSDP mixed-precision config)."""
@@ -191,7 +200,7 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
          fsdp_version: int = 1, auto_wrap_policy: Any = None, optimizer: Any = None,
          sharding_strategy: str = HYBRID_SHARD, precision: str = "32-true", micro_batches: int = 1,
          accumulation: str | None = None, example_input: Any = None, step: Callable | None = None,
-         checkpoint: Callable[[Module], None] | None = None, activation_bytes: int | None = None,
+         checkpoint: Callable[[Module], None] | set[type[Module]] | None = None, activation_bytes: int | None = None,
          headroom: float = 0.1, links: str | Links | None = None, device: Any = "cpu",
          degrees: Sequence[int] | None = None) -> Plan:
     """Every valid degree's figures for ``model`` on ``world_size`` ranks, and the recommended degree.
@@ -205,8 +214,11 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
         sharding_strategy: ``HYBRID_SHARD`` or ``_HYBRID_SHARD_ZERO2`` (what degrees >= 2 run).
         precision: a Lightning precision string (mixed precision reduces in 16 bits).
         micro_batches, accumulation: gradient accumulation per optimizer step and its mode (default: the engine's).
-        example_input, step, checkpoint: one rank's micro-batch, traced on fake tensors to measure activations
-            (:func:`~.activations.measure_activations`); ``activation_bytes`` gives them instead.
+        example_input, step, checkpoint: one rank's micro-batch (real tensors, or meta tensors of its shape and
+            dtype: ``torch.empty(2, 4096, dtype=torch.long, device="meta")``), traced on fake tensors to measure
+            activations (:func:`~.activations.measure_activations`); ``checkpoint`` is activation checkpointing: a
+            set of module classes (each checkpointed, as the strategies' ``activation_checkpointing_policy``) or a
+            function applying it. ``activation_bytes`` gives the activations instead.
         headroom: kept free on top of the peak, as a fraction of it.
         links: a preset name (:data:`~.links.LINK_PRESETS`) or :class:`~.links.Links`, for the time estimate.
         degrees: the candidates (default: every valid degree >= 1 of ``world_size``).
@@ -226,6 +238,8 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
     if activation_bytes is not None:
         activations, source = int(activation_bytes), GIVEN
     elif example_input is not None:
+        if isinstance(checkpoint, (set, frozenset, list, tuple)):
+            checkpoint = _checkpointing(tuple(checkpoint))
         activations, source = measure_activations(model, example_input, step=step, device=device,
                                                   precision=precision, checkpoint=checkpoint), MEASURED
     else:

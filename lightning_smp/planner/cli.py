@@ -3,7 +3,8 @@
 The model comes from a LightningCLI config (``--config fit.yaml``, with ``--model.class_path``/``--model.init_args.*``
 overrides; it is built on the meta device, so a 70B model costs nothing) or, for quick what-ifs, from a parameter
 count and a transformer shape (``--params 7B --layers 32 --hidden 4096 --heads 32``). The world, the budget and the
-links come from flags (``--nodes``, ``--devices``, ``--memory_budget``, ``--preset``), else from the config's
+links come from flags (``--nodes``, ``--devices``, ``--memory-budget``, ``--preset``; every flag also with underscores, as LightningCLI
+spells them), else from the config's
 ``trainer:`` and ``smp:`` sections. Prints the table, and writes JSON (``--json``) and a plot (``--plot``)::
 
     lightning-smp plan --params 7B --layers 32 --hidden 4096 --heads 32 --seq_len 4096 --micro_batch 1 \\
@@ -86,22 +87,24 @@ def _parser() -> Any:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--seq_len", type=int, default=4096)
-    parser.add_argument("--micro_batch", type=int, default=1)
+    parser.add_argument("--seq_len", "--seq-len", type=int, default=4096)
+    parser.add_argument("--micro_batch", "--micro-batch", type=int, default=1)
     parser.add_argument("--nodes", type=int | None, default=None, help="Default: trainer.num_nodes, else 1.")
     parser.add_argument("--devices", type=int | None, default=None, help="Per node. Default: trainer.devices, else 8.")
-    parser.add_argument("--memory_budget", type=str | None, default=None,
+    parser.add_argument("--memory_budget", "--memory-budget", type=str | None, default=None,
                         help=f"Per device, e.g. 80GB (units: {', '.join(u for u in UNITS if u)}); default: the"
                              " config's, else this machine's free device memory.")
     parser.add_argument("--preset", type=str, default=DEFAULT_PRESET, help=f"Links: {', '.join(LINK_PRESETS)}.")
-    parser.add_argument("--fsdp_version", type=int | None, default=None)
+    parser.add_argument("--fsdp_version", "--fsdp-version", type=int | None, default=None)
     parser.add_argument("--precision", type=str | None, default=None, help="Default: trainer.precision, else 32-true.")
-    parser.add_argument("--optimizer_name", type=str | None, default=None, help="adamw, adam, sgd, sgd_momentum.")
+    parser.add_argument("--optimizer_name", "--optimizer-name", type=str | None, default=None,
+                        help="adamw, adam, sgd, sgd_momentum (default: the model's configure_optimizers, else adamw).")
     parser.add_argument("--accumulate", type=int | None, default=None, help="Micro-batches per optimizer step.")
-    parser.add_argument("--activation_checkpointing", type=bool, default=False)
-    parser.add_argument("--attention_scores", type=bool, default=False,
+    parser.add_argument("--activation_checkpointing", "--activation-checkpointing", type=bool, default=False)
+    parser.add_argument("--attention_scores", "--attention-scores", type=bool, default=False,
                         help="The model materialises the s x s attention scores (no fused/flash attention).")
-    parser.add_argument("--activation_bytes", type=str | None, default=None, help="Override, e.g. 12GB.")
+    parser.add_argument("--activation_bytes", "--activation-bytes", type=str | None, default=None,
+                        help="Override the activations, e.g. 12GB.")
     parser.add_argument("--wrap", type=list[str] | None, default=None, help="Class paths of the FSDP units.")
     parser.add_argument("--headroom", type=float, default=0.1)
     parser.add_argument("--json", type=Path | None, default=None, help="Write the plan as JSON.")
@@ -145,7 +148,7 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
               if isinstance(wrap, (list, tuple, set, frozenset)) else None)
     activation_bytes = None if cfg.activation_bytes is None else parse_bytes(cfg.activation_bytes, "--activation_bytes")
     example_input = None
-    checkpoint = None
+    checkpoint: set[type[Module]] | None = None
     if cfg.params is not None:
         dtype = torch.bfloat16 if precision.startswith("bf16-true") else torch.float16 if precision.startswith(
             "16-true") else torch.float32
@@ -162,10 +165,7 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
             model = parser.instantiate_classes(cfg).model
         example_input = getattr(model, "example_input_array", None)
         if cfg.activation_checkpointing and policy:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
-            classes = tuple(policy)
-            checkpoint = lambda m: apply_activation_checkpointing(m, check_fn=lambda x: isinstance(x, classes))  # noqa: E731
+            checkpoint = set(policy)  # the FSDP units, checkpointed
     else:
         raise HybridShardConfigError("lightning-smp plan needs a model: --config FILE / --model.class_path PATH, or"
                                      " --params COUNT with the layer shape (--layers, --hidden, --heads).")
