@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -17,9 +18,39 @@ from tests.test_fsdp2 import FeatureModel, LoRABlock, token_loader
 
 WORLD = 4
 REPO = Path(__file__).resolve().parents[1]
+
+
+class GPT2Module(L.LightningModule):
+    """Hugging Face GPT-2 (tied input and output embeddings), built from a config: a third-party model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.test_fabric import _gpt2
+
+        self.model = _gpt2()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _gpt2_loader() -> torch.utils.data.DataLoader:
+    tokens = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.DataLoader(list(tokens), batch_size=2)
+
+
+def _gpt2_block() -> set[type]:
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    return {GPT2Block}
+
+
 MODELS = {
-    "tiny_adam": (TinyModel, make_loader, None, "adam"),
-    "features_sgd_momentum": (FeatureModel, token_loader, {LoRABlock}, "sgd_momentum"),
+    "tiny_adam": (TinyModel, make_loader, lambda: None, "adam"),
+    "features_sgd_momentum": (FeatureModel, token_loader, lambda: {LoRABlock}, "sgd_momentum"),
+    "hf_gpt2_adamw": (GPT2Module, _gpt2_loader, _gpt2_block, "adamw"),
 }
 
 
@@ -28,7 +59,8 @@ MODELS = {
 @pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("degree", [1, 2, 4])
 def test_predicted_model_state_equals_the_measured_one(tmp_path, model_key, version, degree):
-    cls, loader, policy, optimizer = MODELS[model_key]
+    cls, loader, policy_of, optimizer = MODELS[model_key]
+    policy = policy_of()
     with torch.device("meta"):  # planning builds nothing
         planned = model_state(cls(), world_size=WORLD, hybrid_shard_degree=degree, fsdp_version=version,
                               auto_wrap_policy=policy, optimizer=optimizer)
@@ -262,3 +294,17 @@ def test_activations_follow_checkpointing_and_take_a_meta_input_of_the_shape():
     assert plain.row(2).peak_bytes - checkpointed.row(2).peak_bytes == (
         plain.row(2).activation_bytes - checkpointed.row(2).activation_bytes)
     assert plain.activations == "measured on fake tensors"
+
+
+def test_a_third_party_model_traces_with_keyword_inputs():
+    """Hugging Face GPT-2 on the meta device, its micro-batch given as keyword inputs (as Lightning's
+    ``example_input_array`` may be a dict): the trace runs its real attention and loss code on fake tensors."""
+    from tests.test_fabric import _gpt2
+
+    with torch.device("meta"):
+        model = _gpt2()
+    ids = torch.empty(2, 16, dtype=torch.long, device="meta")
+    result = plan(model, world_size=WORLD, budget_bytes="1GB", auto_wrap_policy=_gpt2_block(),
+                  example_input={"input_ids": ids, "labels": ids})
+    assert result.activations == "measured on fake tensors" and result.row(2).activation_bytes > 0
+    assert result.optimizer == "adamw"  # a plain module: AdamW assumed

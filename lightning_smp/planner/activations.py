@@ -40,7 +40,14 @@ def _meta_copy(model: Module) -> Module:
 
 
 def _default_step(model: Module, batch: Any) -> torch.Tensor:
-    out = model(*batch) if isinstance(batch, tuple) else model(batch)
+    """The model's output summed, for an input given as Lightning's ``example_input_array`` may be: a tensor, a tuple
+    of positional inputs or a dict of keyword inputs."""
+    if isinstance(batch, tuple):
+        out = model(*batch)
+    elif isinstance(batch, dict):
+        out = model(**batch)
+    else:
+        out = model(batch)
     if isinstance(out, dict):
         out = out.get("loss", next(iter(out.values())))
     if isinstance(out, (tuple, list)):
@@ -66,8 +73,8 @@ def measure_activations(model: Module, example_input: Any, *, step: Callable[[Mo
 
     Args:
         model: the model, on any device (the meta device included); it is neither copied with data nor changed.
-        step: ``step(model, batch) -> loss``; default: the model's output summed (the first element of a tuple, the
-            ``"loss"`` of a dict).
+        step: ``step(model, batch) -> loss``; default: the model called on the batch (a tuple: positional inputs, a
+            dict: keyword inputs), its output summed (the first element of a tuple, the ``"loss"`` of a dict).
         device: the device the activations will live on (its type matters for autocast).
         precision: a Lightning precision string; ``*-mixed`` traces under autocast of ``device``'s type.
         checkpoint: applied to the copy before tracing, e.g. the strategy's activation checkpointing.
