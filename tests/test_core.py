@@ -113,7 +113,9 @@ def test_one_list_of_smp_keys_types_the_config_and_the_cli_section():
     assert [f.name for f in section] == list(config_fields)
     assert all(f.default is None for f in section)  # a key left out of the smp: section is not set there
     hints = typing.get_type_hints(SMPSection)
-    assert hints["hybrid_shard_degree"] == typing.Optional[int]  # noqa: UP007
+    # the parser takes a degree or "auto", nothing else (OmegaConf's SMPConfig field is int | str)
+    assert hints["hybrid_shard_degree"] == typing.Optional[typing.Union[int, typing.Literal["auto"]]]  # noqa: UP007
+    assert hints["memory_budget"] == typing.Optional[typing.Union[int, str]]  # noqa: UP007
     assert hints["sm_activation_offloading"] == typing.Optional[bool]  # noqa: UP007
 
 

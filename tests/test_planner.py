@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -116,52 +117,84 @@ def test_the_smallest_fitting_degree_is_recommended_on_both_sides_of_each_thresh
 
 
 def test_accumulation_costs_in_the_plan():
-
-
     with torch.device("meta"):
         model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
-    kwargs = {"world_size": 4, "budget_bytes": 10**12, "auto_wrap_policy": {torch.nn.Linear}, "micro_batches": 4}
-    fsdp1 = {r.degree: r for r in plan(model, fsdp_version=1, **kwargs).rows}
-    fsdp2 = {r.degree: r for r in plan(model, fsdp_version=2, **kwargs).rows}
+    kwargs = {"world_size": 4, "budget_bytes": 10**12, "auto_wrap_policy": {torch.nn.Linear}}
+
+    def rows(version: int, micro_batches: int) -> dict[int, Any]:
+        return {r.degree: r for r in plan(model, fsdp_version=version, micro_batches=micro_batches, **kwargs).rows}
+
     full = sum(p.numel() * 4 for p in model.parameters())
-    # FSDP1 no_sync holds the unsharded gradient on top; FSDP2 a 1/degree partial buffer
-    assert fsdp1[2].transient_bytes - fsdp2[2].transient_bytes == full - full // 2
+    fsdp1, fsdp2 = rows(1, 4), rows(2, 4)
+    # on top of one micro-batch's transients: FSDP1 no_sync holds the unsharded gradient, FSDP2 a 1/degree buffer
+    for degree in (2, 4):
+        assert fsdp1[degree].transient_bytes - rows(1, 1)[degree].transient_bytes == full
+        assert fsdp2[degree].transient_bytes - rows(2, 1)[degree].transient_bytes == full // degree
+    # without sharding there is nothing to accumulate apart
+    assert fsdp1[1].transient_bytes == rows(1, 1)[1].transient_bytes
     # both cross the replicas once per optimizer step
     assert fsdp1[2].replicate_bytes == fsdp2[2].replicate_bytes > 0
+
+
+def test_gathered_units_at_the_peak_per_engine():
+    """The unsharded parameters at the end of forward (what benchmarks/planner_peak.py measures): FSDP1 the root and
+    the unit computing, FSDP2 the root and three times the unit (its buffer, its copy, the next unit's prefetched
+    buffer), ZeRO-2 every unit; FSDP2 copies even at degree 1."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = torch.nn.Linear(64, 128, bias=False)  # the root's own parameters
+            self.blocks = torch.nn.Sequential(*[torch.nn.Linear(128, 128, bias=False) for _ in range(3)])
+
+    with torch.device("meta"):
+        model = Net()
+    root, block = 64 * 128 * 4, 128 * 128 * 4
+    kwargs = {"world_size": 4, "budget_bytes": 10**12, "auto_wrap_policy": {torch.nn.Sequential}}
+
+    def transient(version: int, degree: int, strategy: str = "HYBRID_SHARD") -> int:
+        return plan(model, fsdp_version=version, sharding_strategy=strategy, **kwargs).row(degree).transient_bytes
+
+    blocks = 3 * block  # the Sequential: one unit under this policy; the head stays with the root
+    assert transient(1, 2) == root + blocks and transient(2, 4) == root + 3 * blocks
+    assert transient(1, 2, "_HYBRID_SHARD_ZERO2") == root + blocks  # every unit
+    assert transient(2, 2, "_HYBRID_SHARD_ZERO2") == root + blocks + 2 * blocks
+    assert transient(1, 1) == 0 and transient(2, 1) == root + blocks  # FSDP2 copies even unsharded
+    kwargs["auto_wrap_policy"] = {torch.nn.Linear}  # every Linear its own unit, the head too: the root holds none
+    assert transient(1, 2) == block and transient(2, 2) == 3 * block
+    kwargs["auto_wrap_policy"] = None  # one unit, the root
+    assert transient(1, 2) == transient(2, 2) == transient(2, 1) == root + blocks
 
 
 # ---------------------------------------------------------------------------------------------- activations, budgets
 
 
 def test_activations_traced_on_fake_tensors_equal_the_real_ones():
-    """The fake trace of a meta-device copy sees the same activation peak as a real forward and backward."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-
+    """The fake trace of a meta-device copy sees the same activation peak as the same tracker on a real forward and
+    backward; parameter gradients on their way to ``.grad`` are left out (the planner counts them with the unit)."""
     from lightning_smp.planner import measure_activations
+    from lightning_smp.planner.activations import ActivationTracker
 
     def build() -> torch.nn.Module:
-        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
-                                                         torch.nn.Linear(256, 64)) for _ in range(3)])
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64),
+                                   torch.nn.Linear(64, 4096))
 
     torch.manual_seed(0)
     real, batch = build(), torch.randn(8, 64)
     with torch.device("meta"):
         meta = build()
-
-    class Peak(MemTracker):
-        peak = 0
-
-        def _update_snap(self, *args, **kwargs):
-            super()._update_snap(*args, **kwargs)
-            for snap in self._curr_mem_snap.values():
-                self.peak = max(self.peak, snap.get(_MemRefType.ACT, 0) + snap.get(_MemRefType.TEMP, 0))
-
-    tracker = Peak()
+    tracker = ActivationTracker()
     tracker.track_external(real)
     with tracker:
         real(batch).float().sum().backward()
-    assert measure_activations(meta, batch) == measure_activations(real, batch) == tracker.peak > 0
+    assert measure_activations(meta, batch) == measure_activations(real, batch) == tracker.peak() > 0
     assert all(p.grad is None for p in meta.parameters())  # the model itself is untouched
+    # with the gradients in flight the trace would peak higher: the head's weight gradient (64 x 4096 floats) is a
+    # temporary when the backward starts, while the forward's tensors are still alive
+    assert tracker.peak() < max(tracker.timeline) <= tracker.peak() + sum(p.numel() * 4 for p in real.parameters())
+    assert len(tracker.gradient_windows) == len(list(real.parameters()))
+    # the forward's own tensors: inputs saved for backward and the outputs (8 rows each)
+    assert tracker.peak() >= 8 * (256 + 256 + 64 + 4096) * 4
 
 
 @pytest.mark.parametrize(("text", "expected"), [("40GB", 40 * 10**9), ("400MB", 400 * 10**6), ("1.5GiB", 3 * 2**29),

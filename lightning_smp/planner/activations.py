@@ -23,10 +23,46 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.nn import Module
 
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.precision import autocast_context
+
+
+class ActivationTracker(MemTracker):
+    """The tracker, also keeping the timeline of activations + temporaries (its own peak is of the total) and
+    the parameter gradients among the temporaries: a gradient is a temporary from its creation until autograd
+    accumulates it (the tracker then relabels it a gradient). Under FSDP that moment is the unit's unsharded
+    gradient, which the planner counts with the unit, so it is left out here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeline: list[int] = []
+        self.added_at: dict[int, int] = {}
+        self.gradient_windows: list[tuple[int, int, int]] = []
+
+    def _update_snap(self, u_type: Any, winfo: Any, *args: Any, **kwargs: Any) -> None:  # every change passes here
+        super()._update_snap(u_type, winfo, *args, **kwargs)
+        self.timeline.append(sum(sum(snap.get(c, 0) for c in (_MemRefType.ACT, _MemRefType.TEMP))
+                                 for snap in self._curr_mem_snap.values()))
+        now = len(self.timeline) - 1
+        if u_type.name == "ADD":
+            self.added_at[id(winfo)] = now
+        elif u_type.name == "REF" and winfo.reftype == _MemRefType.GRAD and id(winfo) in self.added_at:
+            self.gradient_windows.append((self.added_at.pop(id(winfo)), now, winfo.mem_consumed))
+
+    def peak(self) -> int:
+        """The largest activations + temporaries at any moment, parameter gradients in flight left out."""
+        delta = [0] * (len(self.timeline) + 1)
+        for start, end, size in self.gradient_windows:  # a temporary over [start, end)
+            delta[start] += size
+            delta[end] -= size
+        peak, in_flight = 0, 0
+        for value, change in zip(self.timeline, delta):
+            in_flight += change
+            peak = max(peak, value - in_flight)
+        return peak
 
 
 def _meta_copy(model: Module) -> Module:
@@ -80,29 +116,17 @@ def measure_activations(model: Module, example_input: Any, *, step: Callable[[Mo
         checkpoint: applied to the copy before tracing, e.g. the strategy's activation checkpointing.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     device = torch.device(device)
     copy_ = _meta_copy(model)
     if checkpoint is not None:
         checkpoint(copy_)
-    categories = (_MemRefType.ACT, _MemRefType.TEMP)
-
-    class _PeakOfActivations(MemTracker):
-        """The tracker, also keeping the largest activations + temporaries seen (its own peak is of the total)."""
-
-        peak = 0
-
-        def _update_snap(self, *args: Any, **kwargs: Any) -> None:  # every allocation and free passes here
-            super()._update_snap(*args, **kwargs)
-            for snap in self._curr_mem_snap.values():
-                self.peak = max(self.peak, sum(snap.get(c, 0) for c in categories))
 
     with FakeTensorMode():
         # factory calls take shapes only, so the meta tensors never meet the fake mode
         copy_._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
         batch = _fake_like(example_input, device)
-        tracker = _PeakOfActivations()
+        tracker = ActivationTracker()
         tracker.track_external(copy_)
         try:
             with tracker, autocast_context(precision, device.type) or contextlib.nullcontext():
@@ -113,7 +137,7 @@ def measure_activations(model: Module, example_input: Any, *, step: Callable[[Mo
                 f"example_input could not be traced through {type(model).__name__} on fake tensors: {err}. Fix: pass"
                 " an example input (or a step function) the model accepts, or activation_bytes= instead."
             ) from err
-    return int(tracker.peak)
+    return int(tracker.peak())
 
 
 def transformer_activation_bytes(*, layers: int, hidden: int, heads: int, seq_len: int, micro_batch: int,
@@ -135,4 +159,4 @@ def transformer_activation_bytes(*, layers: int, hidden: int, heads: int, seq_le
     return int(layers * per_layer * scale)
 
 
-__all__ = ["measure_activations", "transformer_activation_bytes"]
+__all__ = ["ActivationTracker", "measure_activations", "transformer_activation_bytes"]

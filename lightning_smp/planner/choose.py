@@ -1,8 +1,8 @@
 """Choosing the degree: every valid degree's memory and communication, and the recommendation.
 
 For each candidate the per-rank peak is the fullest rank's model state (:func:`~.state.model_state`, exact), the
-transient state of a step (the units gathered at once, the unsharded gradient of the unit being reduce-scattered,
-gradient-accumulation buffers), the buffers (never sharded) and one micro-batch's activations (measured on fake
+transient state at the step's peak (the units gathered at the end of forward, gradient-accumulation buffers), the
+buffers (never sharded) and one micro-batch's activations (measured on fake
 tensors, given, or estimated). The traffic of one optimizer step per axis is the textbook figure the memory report
 compares against (equal to what is measured), and its time on the links the alpha-beta model of :mod:`.links`.
 
@@ -21,6 +21,7 @@ from typing import Any
 from torch.nn import Module, Parameter
 
 from lightning_smp.degree import resolve_layout, valid_degrees
+from lightning_smp.engines.fsdp2 import wrap_targets
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.names import (
     DEFER_ALL_REDUCE,
@@ -45,10 +46,9 @@ class DegreePlan:
     Attributes:
         degree, sharding_strategy, shard, replicas: the ``hybrid_shard_degree``, what FSDP runs, the group sizes.
         model_state_bytes: parameters + gradients + optimizer state (exact, padding included).
-        transient_bytes: on top during a step: the units gathered at once (two: the one computing and the one
-            prefetched; every unit under ZeRO-2, which keeps them from forward to backward), the largest unit's
-            unsharded gradient before its reduce-scatter, and between micro-batches FSDP1 ``no_sync``'s unsharded
-            gradients or FSDP2's 1/shard partial buffer.
+        transient_bytes: on top at the step's peak (the end of forward): the unsharded parameters held then (see
+            :func:`_gathered`) and, between micro-batches, FSDP1 ``no_sync``'s unsharded gradients or FSDP2's
+            1/shard partial buffer.
         buffer_bytes: the model's buffers (replicated). activation_bytes: one micro-batch.
         peak_bytes: the sum; fits: ``peak_bytes * (1 + headroom) <= budget``.
         shard_bytes, replicate_bytes: logical bytes of one optimizer step inside the shard group and across replicas.
@@ -144,10 +144,11 @@ def _checkpointing(classes: tuple[type[Module], ...]) -> Callable[[Module], None
 
 
 def _dtype_bytes(precision: str, element_size: int) -> tuple[int, int]:
-    """Bytes per element of (gathered parameters, reduced gradients) under a Lightning precision: mixed precision
-    keeps float32 parameters and reduces in 16 bits (Lightning's FSDP mixed-precision config)."""
-    if "mixed" in precision:
-        return element_size, 2
+    """Bytes per element of (gathered parameters, reduced gradients) under a Lightning precision: ``16-mixed``,
+    ``bf16-mixed`` and the ``*-true`` 16-bit ones gather and reduce in 16 bits (Lightning's FSDP mixed-precision
+    config: ``param_dtype = reduce_dtype`` = the 16-bit type), ``32-true`` in the parameters' own type."""
+    if "16" in precision:
+        return 2, 2
     return element_size, element_size
 
 
@@ -179,19 +180,37 @@ def _textbook(units: Sequence[Sequence[Parameter]], layout: Any, fsdp_version: i
                               reduce_scatter_passes=scattered, keep_gathered_unsynced=fsdp_version == 1)
 
 
-def _transient(units: Sequence[Sequence[Parameter]], layout: Any, fsdp_version: int, micro_batches: int,
-               accumulation: str, precision: str) -> int:
-    if layout.shard <= 1 or layout.sharding_strategy == NO_SHARD:
-        return 0
-    gathered = sorted((sum(p.numel() for p in unit) * _dtype_bytes(precision, unit[0].element_size())[0]
-                       for unit in units), reverse=True)
-    held = sum(gathered) if layout.sharding_strategy in (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2) else sum(gathered[:2])
-    unit_grads = [sum(p.numel() * p.element_size() for p in unit if p.requires_grad) for unit in units]
-    transient = held + max(unit_grads, default=0)
-    full_grads = sum(unit_grads)
-    if micro_batches > 1 and accumulation == NO_SYNC:
+def _gathered(units: Sequence[Sequence[Parameter]], root_is_last: bool, layout: Any, fsdp_version: int,
+              precision: str) -> int:
+    """Unsharded parameters held at a step's peak, which comes at the end of forward, when the activations are all
+    alive (measured, see ``benchmarks/planner_peak.py``; a backward holds one more unit but has freed activations):
+
+    - FSDP1: the root (kept gathered from forward to backward) and the unit computing; under ZeRO-2 every unit (none
+      is freed after forward); nothing under ``NO_SHARD``, which computes on its own full copy;
+    - FSDP2: the same, but a gathered unit is its all-gather buffer and the unsharded parameters copied out of it,
+      and the next unit's buffer is already prefetched: the root, three times the unit computing; ZeRO-2 every unit
+      and two buffers; at a shard group of one rank the unsharded copies of the root and the unit computing.
+    """
+    sizes = [sum(p.numel() for p in unit) * _dtype_bytes(precision, unit[0].element_size())[0] for unit in units]
+    root = sizes[-1] if root_is_last and sizes else 0
+    blocks = sizes[:-1] if root_is_last else sizes
+    largest = max(blocks, default=0)
+    zero2 = layout.sharding_strategy in (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2)
+    unsharded = layout.shard <= 1 or layout.sharding_strategy == NO_SHARD
+    if fsdp_version == 1:
+        return 0 if unsharded else sum(sizes) if zero2 else root + largest
+    if unsharded:
+        return root + largest
+    return sum(sizes) + 2 * largest if zero2 else root + 3 * largest
+
+
+def _transient(units: Sequence[Sequence[Parameter]], root_is_last: bool, layout: Any, fsdp_version: int,
+               micro_batches: int, accumulation: str, precision: str) -> int:
+    transient = _gathered(units, root_is_last, layout, fsdp_version, precision)
+    full_grads = sum(p.numel() * p.element_size() for unit in units for p in unit if p.requires_grad)
+    if micro_batches > 1 and accumulation == NO_SYNC and layout.shard > 1:
         transient += full_grads  # every rank holds the unsharded gradient between micro-batches
-    elif micro_batches > 1 and accumulation == DEFER_ALL_REDUCE:
+    elif micro_batches > 1 and accumulation == DEFER_ALL_REDUCE and layout.shard > 1:
         transient += full_grads // layout.shard  # FSDP2's partial-reduce buffer
     return transient
 
@@ -234,6 +253,8 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
     name = optimizer_name(model if optimizer is None else optimizer)
     link = links_for(links)
     units = fsdp_units(model, auto_wrap_policy)
+    wrapped = {id(p) for target in wrap_targets(model, auto_wrap_policy) for p in target.parameters()}
+    root_is_last = bool(units) and any(id(p) not in wrapped for p in units[-1])
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     if activation_bytes is not None:
         activations, source = int(activation_bytes), GIVEN
@@ -250,7 +271,7 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
         state = max(s.total_bytes for s in model_state(
             model, world_size=world_size, hybrid_shard_degree=degree, fsdp_version=fsdp_version,
             auto_wrap_policy=auto_wrap_policy, optimizer=name, sharding_strategy=sharding_strategy))
-        transient = _transient(units, layout, fsdp_version, micro_batches, mode, precision)
+        transient = _transient(units, root_is_last, layout, fsdp_version, micro_batches, mode, precision)
         peak = state + transient + buffers + activations
         figure = _textbook(units, layout, fsdp_version, micro_batches, mode, precision)
         replicas = world_size if layout.sharding_strategy == NO_SHARD else layout.replicate
