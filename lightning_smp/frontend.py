@@ -30,6 +30,23 @@ if TYPE_CHECKING:
     from lightning_smp.planner import Plan
 
 
+_exit_hook_registered = False
+
+
+def _destroy_process_groups_at_exit() -> None:
+    """Destroy the process groups while the interpreter is still whole, for every backend.
+
+    Lightning registers this for NCCL only. A gloo process group left to interpreter finalization can abort the
+    process (``terminate called without an active exception``, exit code -6) after a run that finished: its worker
+    threads still hold work objects whose tensors need the GIL (pytorch/pytorch#190489). The mesh's extra groups
+    make this likelier. Destroying a group is local for gloo, so a peer that already exited cannot block it.
+    """
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        _exit_hook_registered = True
+        atexit.register(_destroy_dist_connection)
+
+
 class HybridShardFrontEnd:
     """Mixin of the two strategies (listed before their Lightning base class)."""
 
@@ -48,13 +65,14 @@ class HybridShardFrontEnd:
 
         Resolved once, when the strategy is configured; every source is checked even when a higher one wins (see
         :mod:`lightning_smp.config`). ``"auto"`` until the planner has chosen (when the model is set up), then the
-        chosen degree; :attr:`plan` holds the planner's table.
+        chosen degree; :attr:`degree_plan` holds the planner's table.
         """
         return self.core.hybrid_shard_degree
 
     @property
-    def plan(self) -> Plan | None:
-        """The planner's :class:`~lightning_smp.planner.Plan` when ``hybrid_shard_degree="auto"`` chose the degree."""
+    def degree_plan(self) -> Plan | None:
+        """The planner's :class:`~lightning_smp.planner.Plan` when ``hybrid_shard_degree="auto"`` chose the degree
+        (its table, the reason), else ``None``."""
         return self.core.chosen
 
     @property
@@ -104,11 +122,12 @@ class HybridShardFrontEnd:
         if layout is not None and layout.overridden and not self._warned_override:
             self._warned_override = True
             rank_zero_warn(layout.override_message())
-        if self.core.memory_budget_arg is not None and not self.core.auto and not self._warned_budget:
+        budget = (self.core.config or self.core.resolve_config()).memory_budget  # from any source
+        if budget is not None and not self.core.auto and not self._warned_budget:
             self._warned_budget = True
-            rank_zero_warn(f"memory_budget={self.core.memory_budget_arg} is used only with hybrid_shard_degree='auto';"
+            rank_zero_warn(f"memory_budget={budget} is used only with hybrid_shard_degree='auto';"
                            f" hybrid_shard_degree={self.core.configured_degree} is in effect. Fix: drop memory_budget,"
-                           " or pass hybrid_shard_degree='auto'.")
+                           " or set hybrid_shard_degree='auto'.")
 
     def _set_up_mesh(self, num_nodes: int, devices: int, device_type: str) -> Layout | None:
         """The mesh, once the process group exists; FSDP's own ``sharding_strategy`` attribute follows the layout.
@@ -124,14 +143,15 @@ class HybridShardFrontEnd:
         return layout
 
     def _choose_degree(self, module: Module, *, num_nodes: int, devices: int, device: torch.device, precision: str,
-                       example_input: Any, checkpoint: Any, micro_batches: int, optimizer: Any) -> None:
+                       example_input: Any, checkpoint: Any, micro_batches: int, optimizer: Any,
+                       training: bool = True) -> None:
         """``hybrid_shard_degree="auto"``: plan on every rank from the real model (before it is sharded), log the
         table, then build the mesh of the chosen degree."""
         if not self.core.auto or self.core.chosen is not None:
             return
         chosen = self.core.choose_degree(module, num_nodes=num_nodes, devices=devices, device=device,
                                          precision=precision, example_input=example_input, checkpoint=checkpoint,
-                                         micro_batches=micro_batches, optimizer=optimizer)
+                                         micro_batches=micro_batches, optimizer=optimizer, training=training)
         rank_zero_info(f"{type(self).__name__}: hybrid_shard_degree='auto' chose {chosen.degree}.\n{chosen.text()}")
         layout = self._set_up_mesh(num_nodes, devices, device.type)
         if layout is not None:
@@ -149,11 +169,9 @@ class HybridShardFrontEnd:
         (best effort: it may need what does not exist yet), else AdamW, saying so."""
         from lightning_smp.planner import optimizer_name
 
-        if optimizers:
-            return optimizers[0]
         try:
-            return optimizer_name(module)
-        except Exception as err:  # noqa: BLE001  # a user hook run early; any failure only means "not known"
+            return optimizer_name(optimizers[0] if optimizers else module)
+        except Exception as err:  # noqa: BLE001  # a user hook run early, or an optimizer without a known layout
             rank_zero_warn(f"hybrid_shard_degree='auto': the planner could not read the optimizer ({err}); it"
                            " assumes AdamW (two state tensors per parameter).")
             return "adamw"
@@ -172,19 +190,3 @@ class HybridShardFrontEnd:
 
 __all__ = ["HybridShardFrontEnd"]
 
-
-_exit_hook_registered = False
-
-
-def _destroy_process_groups_at_exit() -> None:
-    """Destroy the process groups while the interpreter is still whole, for every backend.
-
-    Lightning registers this for NCCL only. A gloo process group left to interpreter finalization can abort the
-    process (``terminate called without an active exception``, exit code -6) after a run that finished: its worker
-    threads still hold work objects whose tensors need the GIL (pytorch/pytorch#190489). The mesh's extra groups
-    make this likelier. Destroying a group is local for gloo, so a peer that already exited cannot block it.
-    """
-    global _exit_hook_registered
-    if not _exit_hook_registered:
-        _exit_hook_registered = True
-        atexit.register(_destroy_dist_connection)

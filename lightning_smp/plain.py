@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -52,7 +53,7 @@ from lightning_smp.degree import Layout, resolve_layout
 from lightning_smp.engines import FSDP1Engine, FSDP2Engine
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.mesh import build_device_mesh, fsdp_mesh
-from lightning_smp.names import AUTO, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, SHARD_GRAD_OP
+from lightning_smp.names import AUTO, FULL_SHARD, HYBRID_SHARD
 from lightning_smp.replicas import broadcast_across_replicas, broadcast_before_wrapping
 
 if TYPE_CHECKING:
@@ -198,14 +199,15 @@ def _auto_degree(module: Module, arguments: dict[str, Any], requested: Any, devi
         from lightning_smp.planner import default_budget, plan
 
         configured = resolve_config().memory_budget
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        collectives = Collectives.current(device)
+        # the ranks of this node, from the hosts themselves (LOCAL_WORLD_SIZE is torchrun's, not everyone's)
+        hosts = collectives.all_gather(socket.gethostname())
+        local_ranks = hosts.count(socket.gethostname())
         local = default_budget(device, local_ranks) if configured is None else int(configured)
-        budget = min(Collectives.current(device).all_gather(local))
-        name = getattr(requested, "name", requested)
+        budget = min(collectives.all_gather(local))
         chosen = plan(module, world_size=dist.get_world_size(), devices_per_node=local_ranks, budget_bytes=budget,
                       fsdp_version=1, auto_wrap_policy=arguments.get("auto_wrap_policy"),
-                      sharding_strategy=HYBRID_SHARD_ZERO2 if name in (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2) else HYBRID_SHARD,
-                      device=device)
+                      sharding_strategy=getattr(requested, "name", requested), device=device)
         if dist.get_rank() == 0:
             log.info("lightning_smp.init: hybrid_shard_degree='auto' chose %d.\n%s", chosen.degree, chosen.text())
         _AUTO_DEGREE = chosen.degree

@@ -30,6 +30,7 @@ from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -108,8 +109,13 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             its second dimension is the shard group). Contradicting ``hybrid_shard_degree`` is an error.
         hybrid_shard_degree: ``None`` (default: take it from :func:`lightning_smp.init` or the environment, else
             ``0``), ``0`` (native FSDP: ``HYBRID_SHARD`` shards inside a node, ``FULL_SHARD`` over all ranks),
-            ``1`` (no sharding: full replicas kept in sync like DDP) or any divisor ``d >= 2`` of the world size
-            (shard groups of ``d`` ranks, ``world_size / d`` replicas).
+            ``1`` (no sharding: full replicas kept in sync like DDP), any divisor ``d >= 2`` of the world size
+            (shard groups of ``d`` ranks, ``world_size / d`` replicas), or ``"auto"``: the planner chooses, when
+            the model is set up, the smallest degree whose per-rank peak fits ``memory_budget`` (see
+            ``docs/planner.md``; :attr:`degree_plan` holds its table).
+        memory_budget: with ``hybrid_shard_degree="auto"``: what one rank's training may use, in bytes or as a
+            string (``"40GB"``, ``"400MB"``); ``None`` (default): the configuration sources, else the device's free
+            memory (on the CPU the available RAM divided by the ranks of the node).
         start_method: how processes are started. ``None`` (default): ``"fork"`` in an interactive session
             (Jupyter, IPython), else ``"popen"`` (re-run the script per rank, like Lightning's FSDP). Also
             ``"fork"``, ``"spawn"`` or ``"forkserver"`` (Lightning's multiprocessing launcher). Processes started
@@ -257,14 +263,22 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             if problem is not None:
                 raise CheckpointError(f"ModelCheckpoint could not save this run: {problem}")
         module = trainer.lightning_module
-        if module is not None:  # hybrid_shard_degree="auto": chosen from the finished model, before sharding
+        if module is not None and self.core.auto and self.core.chosen is None:
+            # hybrid_shard_degree="auto": chosen from the finished model, before sharding
+            if is_overridden("configure_model", module) and not self.core.engine_options.get("auto_wrap_policy"):
+                rank_zero_warn(
+                    "hybrid_shard_degree='auto': wrap() calls in configure_model shard nothing (the degree is chosen"
+                    " after configure_model, from the finished model), and without auto_wrap_policy the whole model"
+                    " becomes one FSDP unit. Fix: pass auto_wrap_policy (e.g. {YourBlock}), or a number as"
+                    " hybrid_shard_degree."
+                )
             self._choose_degree(
                 module, num_nodes=self.num_nodes, devices=self.num_processes, device=self.root_device,
                 precision=str(self.precision_plugin.precision),
                 example_input=getattr(module, "example_input_array", None),
                 checkpoint=lambda m: _setup_activation_checkpointing(m, self._activation_checkpointing_kwargs),
                 micro_batches=trainer.accumulate_grad_batches if trainer.state.fn == TrainerFn.FITTING else 1,
-                optimizer=self._optimizer_for_plan(module) if self.core.auto and self.core.chosen is None else None,
+                optimizer=self._optimizer_for_plan(module), training=trainer.state.fn == TrainerFn.FITTING,
             )
         super().setup(trainer)
         self.precision_plugin.fsdp_module = self.model

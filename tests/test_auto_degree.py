@@ -77,7 +77,7 @@ class ChoiceRecorder(Callback):
         record = {"degree": strategy.layout.degree, "property": strategy.hybrid_shard_degree,
                   "shard_group": dist.get_process_group_ranks(strategy.device_mesh.get_group(SHARD_AXIS))
                   if strategy.layout.replicate > 1 else list(range(WORLD)),
-                  "budget": strategy.plan.budget_bytes, "activations": strategy.plan.activations}
+                  "budget": strategy.degree_plan.budget_bytes, "activations": strategy.degree_plan.activations}
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
@@ -115,7 +115,7 @@ def test_trainer_chooses_the_smallest_degree_that_fits_on_both_sides_of_each_thr
         assert records[0]["shard_group"] == list(range(expected)) and records[0]["budget"] == budget
         assert records[0]["activations"] == "measured on fake tensors"
         # the launching process learns the choice too
-        assert trainer.strategy.layout.degree == expected and trainer.strategy.plan.degree == expected
+        assert trainer.strategy.layout.degree == expected and trainer.strategy.degree_plan.degree == expected
 
 
 def _fabric_auto(fabric: L.Fabric) -> dict[str, Any]:
@@ -125,7 +125,7 @@ def _fabric_auto(fabric: L.Fabric) -> dict[str, Any]:
     loss = model(torch.randn(2, WIDTH, device=fabric.device)).pow(2).mean()
     fabric.backward(loss)
     optimizer.step()
-    return {"degree": strategy.layout.degree, "plan": strategy.plan.degree, "optimizer": strategy.plan.optimizer}
+    return {"degree": strategy.layout.degree, "plan": strategy.degree_plan.degree, "optimizer": strategy.degree_plan.optimizer}
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
@@ -191,7 +191,7 @@ def test_every_configuration_source_accepts_auto_and_a_budget(clean_sources, tmp
     assert (resolve_config(None if source != "argument" else {"hybrid_shard_degree": "auto"}).hybrid_shard_degree
             == AUTO)
     strategy = cpu_trainer(HybridShardFSDPStrategy(**kwargs), devices=WORLD).strategy
-    assert strategy.hybrid_shard_degree == AUTO and strategy.plan is None
+    assert strategy.hybrid_shard_degree == AUTO and strategy.degree_plan is None
     assert strategy.core.config.memory_budget == 1_500_000_000
     with pytest.raises(HybridShardConfigError, match="layout is not known yet: it is chosen by the planner"):
         strategy.layout  # noqa: B018
@@ -231,3 +231,42 @@ def _plain_fully_shard_auto(rank: int, world_size: int) -> str:
 def test_plain_fully_shard_refuses_auto_on_every_rank():
     messages = run_distributed(_plain_fully_shard_auto, 2)
     assert len(set(messages)) == 1 and "cannot be chosen inside a plain fully_shard(...) call" in messages[0]
+
+
+# ------------------------------------------------------------------ every rank agrees, or every rank fails alike
+
+
+def _core_choice(rank: int, world_size: int, widths: list[int], broken_rank: int | None) -> str:
+    """``core.choose_degree`` on ``world_size`` ranks, each with its own model width: what each rank raised."""
+    from lightning_smp.core import HybridShardCore
+
+    core = HybridShardCore.from_arguments(
+        sharding_strategy="HYBRID_SHARD", hybrid_shard_degree="auto", device_mesh=None, fsdp_version=1,
+        gradient_accumulation=None, state_dict_type="sharded", mixed_precision=None, cpu_offload=None,
+        auto_wrap_policy=None, kwargs={}, memory_budget=200_000)
+    core.configure(1, world_size)
+    model = torch.nn.Sequential(torch.nn.Linear(widths[rank], widths[rank]), torch.nn.Linear(widths[rank], 4))
+    bad_input = torch.zeros(2, 3) if rank == broken_rank else torch.zeros(2, widths[rank])  # 3 columns cannot pass
+    try:
+        chosen = core.choose_degree(model, num_nodes=1, devices=world_size, device=torch.device("cpu"),
+                                    precision="32-true", example_input=bad_input, optimizer="sgd")
+    except HybridShardConfigError as err:
+        return str(err)
+    return f"chose {chosen.degree}"
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_ranks_that_would_choose_differently_all_fail_alike():
+    """Rank 1's model is larger (its degree would differ): no rank builds a mesh, every rank raises the same error."""
+    messages = run_distributed(_core_choice, WORLD, [64, 160, 64, 64], None)
+    assert len(set(messages)) == 1, messages
+    assert "chose different degrees on different ranks ([1, 4, 1, 1], by rank)" in messages[0]
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_a_rank_that_cannot_plan_fails_every_rank():
+    messages = run_distributed(_core_choice, WORLD, [64] * 4, 2)
+    assert len(set(messages)) == 1, messages
+    assert messages[0].startswith("hybrid_shard_degree='auto' could not be planned on rank 2: example_input could not"
+                                  " be traced through Sequential")
+    assert run_distributed(_core_choice, WORLD, [64] * 4, None) == ["chose 1"] * WORLD

@@ -90,6 +90,7 @@ def test_predicted_model_state_equals_the_measured_one(tmp_path, model_key, vers
 def test_optimizer_state_layouts():
     net = torch.nn.Linear(2, 2)
     assert optimizer_state_layout(torch.optim.AdamW(net.parameters())) == (2, 4)
+    assert optimizer_state_layout(torch.optim.Adam(net.parameters(), amsgrad=True)) == (3, 4)  # + max_exp_avg_sq
     assert optimizer_state_layout(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)) == (1, 0)
     assert optimizer_state_layout(torch.optim.SGD(net.parameters(), lr=0.1)) == (0, 0)
     with pytest.raises(HybridShardConfigError, match="optimizer='lion' is not one the planner knows"):
@@ -341,3 +342,43 @@ def test_a_third_party_model_traces_with_keyword_inputs():
                   example_input={"input_ids": ids, "labels": ids})
     assert result.activations == "measured on fake tensors" and result.row(2).activation_bytes > 0
     assert result.optimizer == "adamw"  # a plain module: AdamW assumed
+
+
+def test_offloaded_and_evaluation_state_and_the_preference_for_whole_nodes():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(12)])
+    kwargs = {"world_size": 12, "devices_per_node": 4, "auto_wrap_policy": {torch.nn.Linear}}
+    full = plan(model, budget_bytes="1TB", **kwargs)
+    evaluation = plan(model, budget_bytes="1TB", training=False, **kwargs)
+    offloaded = plan(model, budget_bytes="1TB", cpu_offload=True, **kwargs)
+    for degree in (1, 2, 3, 4, 6, 12):
+        row, ev, off = full.row(degree), evaluation.row(degree), offloaded.row(degree)
+        params = max(r.params_bytes for r in model_state(model, world_size=12, hybrid_shard_degree=degree,
+                                                           auto_wrap_policy={torch.nn.Linear}))
+        assert ev.model_state_bytes == params < row.model_state_bytes / 3.9  # no gradients, no AdamW moments
+        assert off.peak_bytes == row.peak_bytes - row.model_state_bytes  # the state lives in CPU memory
+    assert "offloaded to CPU memory" in offloaded.reason
+    # a budget only 6 and 12 fit: 12 (whole nodes of 4) comes before 6 (groups straddling nodes), though larger
+    budget = math.ceil(full.row(6).peak_bytes * 1.1)
+    assert full.row(4).peak_bytes * 1.1 > budget and full.row(12).peak_bytes < full.row(6).peak_bytes
+    chosen = plan(model, budget_bytes=budget, **kwargs)
+    assert chosen.degree == 12 and "span whole nodes" in chosen.reason
+    straddling = plan(model, budget_bytes=budget, degrees=[3, 6], **kwargs)
+    assert straddling.degree == 6 and "straddle node boundaries" in straddling.reason
+
+
+def test_cli_reads_registered_strategy_names_from_a_config(tmp_path):
+    from lightning_smp.planner.cli import plan_from_args
+
+    config = tmp_path / "fit.yaml"
+    for name, version, strategy in (("smp_hybrid_fsdp2", 2, "HYBRID_SHARD"),
+                                    ("smp_hybrid_zero2", 1, "_HYBRID_SHARD_ZERO2")):
+        config.write_text(f"trainer:\n  devices: 4\n  strategy: {name}\nmodel:\n  class_path: lightning_smp.demo.TinyGPT\n")
+        result, _ = plan_from_args(["--config", str(config), "--memory_budget", "1GB"])
+        assert result.fsdp_version == version and result.row(2).sharding_strategy == strategy, name
+    config.write_text("trainer:\n  devices: auto\nmodel:\n  class_path: lightning_smp.demo.TinyGPT\n")
+    with pytest.raises(HybridShardConfigError, match=r"trainer.devices='auto' does not say .* Fix: pass --devices N"):
+        plan_from_args(["--config", str(config), "--memory_budget", "1GB"])
+    with pytest.raises(HybridShardConfigError, match="--activation_checkpointing true needs the modules"):
+        plan_from_args(["--config", str(config), "--devices", "4", "--memory_budget", "1GB",
+                        "--activation_checkpointing", "true"])

@@ -32,6 +32,8 @@ def parse_bytes(value: Any, parameter: str = "memory_budget") -> int:
            f" (units: {', '.join(u for u in UNITS if u)}).")
     if isinstance(value, bool):
         raise HybridShardConfigError(f"{parameter}={value!r} is not an amount of memory. {fix}")
+    if isinstance(value, float) and value.is_integer():  # YAML reads 4.0e10 as a float
+        value = int(value)
     if isinstance(value, int):
         number = value
     elif isinstance(value, str) and (match := _PATTERN.match(value)) and match.group(2).lower() in UNITS:

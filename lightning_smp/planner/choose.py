@@ -9,7 +9,7 @@ compares against (equal to what is measured), and its time on the links the alph
 The recommendation is the smallest degree that fits the budget with the headroom to spare: the fewer ranks in a shard
 group, the cheaper and more local its all-gathers (SMP's own guidance: start from the lowest degree that fits). Among
 those that fit, a divisor of the devices per node comes first (the frequent collectives stay on the intra-node
-links), then whole nodes.
+links), then a multiple of it (whole nodes), then any other.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from torch.nn import Module, Parameter
+from torch.nn import Module
 
 from lightning_smp.degree import resolve_layout, valid_degrees
 from lightning_smp.engines.fsdp2 import wrap_targets
@@ -26,14 +26,13 @@ from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.names import (
     DEFER_ALL_REDUCE,
     HYBRID_SHARD,
-    HYBRID_SHARD_ZERO2,
     NO_SHARD,
     NO_SYNC,
-    SHARD_GRAD_OP,
 )
 from lightning_smp.planner.budget import parse_bytes
 from lightning_smp.planner.links import Links, collective_seconds, group_spans_nodes, links_for
-from lightning_smp.planner.state import _fsdp2_chunk, fsdp_units, model_state, optimizer_name
+from lightning_smp.planner.state import fsdp_units, model_state, optimizer_name
+from lightning_smp.planner.step import textbook, transient_bytes
 
 #: Where the activation figure of a plan comes from.
 MEASURED, GIVEN, NOT_INCLUDED = "measured on fake tensors", "given", "not included"
@@ -45,10 +44,11 @@ class DegreePlan:
 
     Attributes:
         degree, sharding_strategy, shard, replicas: the ``hybrid_shard_degree``, what FSDP runs, the group sizes.
-        model_state_bytes: parameters + gradients + optimizer state (exact, padding included).
+        model_state_bytes: parameters + gradients + optimizer state (exact, padding included; parameters only when
+            not training); left out of the peak under CPU offload, where it lives in CPU memory.
         transient_bytes: on top at the step's peak (the end of forward): the unsharded parameters held then (see
-            :func:`_gathered`) and, between micro-batches, FSDP1 ``no_sync``'s unsharded gradients or FSDP2's
-            1/shard partial buffer.
+            :func:`~.step.gathered_bytes`) and, between micro-batches, FSDP1 ``no_sync``'s unsharded gradients or
+            FSDP2's 1/shard partial buffer.
         buffer_bytes: the model's buffers (replicated). activation_bytes: one micro-batch.
         peak_bytes: the sum; fits: ``peak_bytes * (1 + headroom) <= budget``.
         shard_bytes, replicate_bytes: logical bytes of one optimizer step inside the shard group and across replicas.
@@ -95,7 +95,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (for JSON)."""
-        return {**asdict(self), "rows": [asdict(r) for r in self.rows], "links": asdict(self.links)}
+        return asdict(self)  # (recursive: the rows and the links too)
 
     def table_rows(self) -> tuple[list[str], list[list[str]]]:
         from lightning_smp.accounting.render import fmt_bytes
@@ -143,85 +143,13 @@ def _checkpointing(classes: tuple[type[Module], ...]) -> Callable[[Module], None
     return apply
 
 
-def _dtype_bytes(precision: str, element_size: int) -> tuple[int, int]:
-    """Bytes per element of (gathered parameters, reduced gradients) under a Lightning precision: ``16-mixed``,
-    ``bf16-mixed`` and the ``*-true`` 16-bit ones gather and reduce in 16 bits (Lightning's FSDP mixed-precision
-    config: ``param_dtype = reduce_dtype`` = the 16-bit type), ``32-true`` in the parameters' own type."""
-    if "16" in precision:
-        return 2, 2
-    return element_size, element_size
-
-
-def _textbook(units: Sequence[Sequence[Parameter]], layout: Any, fsdp_version: int, micro_batches: int,
-              accumulation: str, precision: str) -> dict[str, dict[str, dict[str, float]]]:
-    from lightning_smp.accounting.comm import FSDPUnitSpec, accumulation_passes, fsdp_step_textbook
-    from lightning_smp.accounting.shards import flat_param_numel
-
-    shard = layout.shard
-    group = layout.world_size if layout.sharding_strategy == NO_SHARD else shard
-    specs = []
-    for index, unit in enumerate(units):
-        gather, reduce = _dtype_bytes(precision, unit[0].element_size())
-        reduced: int | None = None
-        if fsdp_version == 1:
-            padded = flat_param_numel([p.numel() for p in unit], group, unit[0].element_size())
-        else:
-            padded = reduced = 0
-            for p in unit:
-                _, per_rank, rest = _fsdp2_chunk(p, shard)
-                padded += per_rank * rest * shard
-                if p.requires_grad:  # FSDP2 reduces only what has gradients
-                    reduced += per_rank * rest * shard
-        specs.append(FSDPUnitSpec(padded_numel=padded, is_root=index == len(units) - 1, gather_bytes=gather,
-                                  reduce_bytes=reduce, reduce_numel=reduced))
-    scattered, synced = accumulation_passes(accumulation, micro_batches)
-    replicas = layout.world_size if layout.sharding_strategy == NO_SHARD else layout.replicate
-    return fsdp_step_textbook(specs, layout.sharding_strategy, shard, replicas, micro_batches, synced_passes=synced,
-                              reduce_scatter_passes=scattered, keep_gathered_unsynced=fsdp_version == 1)
-
-
-def _gathered(units: Sequence[Sequence[Parameter]], root_is_last: bool, layout: Any, fsdp_version: int,
-              precision: str) -> int:
-    """Unsharded parameters held at a step's peak, which comes at the end of forward, when the activations are all
-    alive (measured, see ``benchmarks/planner_peak.py``; a backward holds one more unit but has freed activations):
-
-    - FSDP1: the root (kept gathered from forward to backward) and the unit computing; under ZeRO-2 every unit (none
-      is freed after forward); nothing under ``NO_SHARD``, which computes on its own full copy;
-    - FSDP2: the same, but a gathered unit is its all-gather buffer and the unsharded parameters copied out of it,
-      and the next unit's buffer is already prefetched: the root, three times the unit computing; ZeRO-2 every unit
-      and two buffers; at a shard group of one rank the unsharded copies of the root and the unit computing.
-    """
-    sizes = [sum(p.numel() for p in unit) * _dtype_bytes(precision, unit[0].element_size())[0] for unit in units]
-    root = sizes[-1] if root_is_last and sizes else 0
-    blocks = sizes[:-1] if root_is_last else sizes
-    largest = max(blocks, default=0)
-    zero2 = layout.sharding_strategy in (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2)
-    unsharded = layout.shard <= 1 or layout.sharding_strategy == NO_SHARD
-    if fsdp_version == 1:
-        return 0 if unsharded else sum(sizes) if zero2 else root + largest
-    if unsharded:
-        return root + largest
-    return sum(sizes) + 2 * largest if zero2 else root + 3 * largest
-
-
-def _transient(units: Sequence[Sequence[Parameter]], root_is_last: bool, layout: Any, fsdp_version: int,
-               micro_batches: int, accumulation: str, precision: str) -> int:
-    transient = _gathered(units, root_is_last, layout, fsdp_version, precision)
-    full_grads = sum(p.numel() * p.element_size() for unit in units for p in unit if p.requires_grad)
-    if micro_batches > 1 and accumulation == NO_SYNC and layout.shard > 1:
-        transient += full_grads  # every rank holds the unsharded gradient between micro-batches
-    elif micro_batches > 1 and accumulation == DEFER_ALL_REDUCE and layout.shard > 1:
-        transient += full_grads // layout.shard  # FSDP2's partial-reduce buffer
-    return transient
-
-
 def plan(model: Module, *, world_size: int, devices_per_node: int | None = None, budget_bytes: int | str,
          fsdp_version: int = 1, auto_wrap_policy: Any = None, optimizer: Any = None,
          sharding_strategy: str = HYBRID_SHARD, precision: str = "32-true", micro_batches: int = 1,
          accumulation: str | None = None, example_input: Any = None, step: Callable | None = None,
          checkpoint: Callable[[Module], None] | set[type[Module]] | None = None, activation_bytes: int | None = None,
          headroom: float = 0.1, links: str | Links | None = None, device: Any = "cpu",
-         degrees: Sequence[int] | None = None) -> Plan:
+         degrees: Sequence[int] | None = None, training: bool = True, cpu_offload: bool = False) -> Plan:
     """Every valid degree's figures for ``model`` on ``world_size`` ranks, and the recommended degree.
 
     Args:
@@ -241,6 +169,10 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
         headroom: kept free on top of the peak, as a fraction of it.
         links: a preset name (:data:`~.links.LINK_PRESETS`) or :class:`~.links.Links`, for the time estimate.
         degrees: the candidates (default: every valid degree >= 1 of ``world_size``).
+        training: ``False`` for validate/test/predict: no gradients, no optimizer state.
+        cpu_offload: the sharded parameters, gradients and optimizer state live in CPU memory (FSDP1
+            ``CPUOffload(offload_params=True)``, FSDP2 ``CPUOffloadPolicy``): the device holds the gathered units and
+            the activations only.
 
     Raises:
         HybridShardConfigError: no degree fits; the message says what would help.
@@ -268,19 +200,19 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
     rows = []
     for degree in degrees or [d for d in valid_degrees(world_size) if d >= 1]:
         layout = resolve_layout(world_size, degree, sharding_strategy)
-        state = max(s.total_bytes for s in model_state(
+        state = max(s.total_bytes if training else s.params_bytes for s in model_state(
             model, world_size=world_size, hybrid_shard_degree=degree, fsdp_version=fsdp_version,
             auto_wrap_policy=auto_wrap_policy, optimizer=name, sharding_strategy=sharding_strategy))
-        transient = _transient(units, root_is_last, layout, fsdp_version, micro_batches, mode, precision)
-        peak = state + transient + buffers + activations
-        figure = _textbook(units, layout, fsdp_version, micro_batches, mode, precision)
+        transient = transient_bytes(units, root_is_last, layout, fsdp_version, micro_batches if training else 1, mode,
+                                    precision)
+        peak = (0 if cpu_offload else state) + transient + buffers + activations
+        figure = textbook(units, layout, fsdp_version, micro_batches, mode, precision)
         replicas = world_size if layout.sharding_strategy == NO_SHARD else layout.replicate
         shard_inter = group_spans_nodes(world_size, layout.shard, True, per_node)
         replica_inter = group_spans_nodes(world_size, layout.shard, False, per_node)
-        shard_s = collective_seconds(figure["shard"], layout.shard, *(
-            (link.inter_bandwidth, link.inter_latency) if shard_inter else (link.intra_bandwidth, link.intra_latency)))
-        replica_s = collective_seconds(figure["replicate"], replicas, *(
-            (link.inter_bandwidth, link.inter_latency) if replica_inter else (link.intra_bandwidth, link.intra_latency)))
+        inter, intra = (link.inter_bandwidth, link.inter_latency), (link.intra_bandwidth, link.intra_latency)
+        shard_s = collective_seconds(figure["shard"], layout.shard, *(inter if shard_inter else intra))
+        replica_s = collective_seconds(figure["replicate"], replicas, *(inter if replica_inter else intra))
         rows.append(DegreePlan(
             degree=degree, sharding_strategy=layout.sharding_strategy, shard=layout.shard, replicas=replicas,
             model_state_bytes=state, transient_bytes=transient, buffer_bytes=buffers, activation_bytes=activations,
@@ -293,23 +225,28 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
     fitting = [r for r in rows if r.fits]
     if not fitting:
         raise HybridShardConfigError(_no_fit_message(rows, budget, headroom, world_size, source, fsdp_version, mode,
-                                                     micro_batches))
-    inside = [r for r in fitting if per_node % r.degree == 0]
-    chosen = min(inside or fitting, key=lambda r: r.degree)
-    where = "stay inside one node" if per_node % chosen.degree == 0 else "span whole nodes"
+                                                     micro_batches, cpu_offload))
+    # inside a node first, then whole nodes, then groups that straddle node boundaries; the smallest of the first kind
+    kinds = {"stay inside one node": [r for r in fitting if per_node % r.degree == 0],
+             "span whole nodes": [r for r in fitting if r.degree % per_node == 0],
+             "straddle node boundaries": fitting}
+    where, group = next((k, v) for k, v in kinds.items() if v)
+    chosen = min(group, key=lambda r: r.degree)
     from lightning_smp.accounting.render import fmt_bytes
 
     reason = (f"degree {chosen.degree} is the smallest that fits: {fmt_bytes(chosen.peak_bytes)} of"
               f" {fmt_bytes(budget)} per rank with {headroom:.0%} headroom; its shard groups {where}")
     if source == NOT_INCLUDED:
         reason += " (activations not included: pass an example input or activation_bytes)"
+    if cpu_offload:
+        reason += " (model state offloaded to CPU memory, not counted)"
     return Plan(degree=chosen.degree, reason=reason, rows=tuple(rows), budget_bytes=budget, headroom=headroom,
                 world_size=world_size, devices_per_node=per_node, fsdp_version=fsdp_version, optimizer=name,
                 activations=source, links=link)
 
 
 def _no_fit_message(rows: Sequence[DegreePlan], budget: int, headroom: float, world_size: int, source: str,
-                    fsdp_version: int, mode: str, micro_batches: int) -> str:
+                    fsdp_version: int, mode: str, micro_batches: int, cpu_offload: bool) -> str:
     from lightning_smp.accounting.render import fmt_bytes
 
     least = min(rows, key=lambda r: r.peak_bytes)
@@ -317,7 +254,8 @@ def _no_fit_message(rows: Sequence[DegreePlan], budget: int, headroom: float, wo
     if least.activation_bytes:
         helps.append(f"activation checkpointing or a smaller micro-batch (activations are"
                      f" {fmt_bytes(least.activation_bytes)} per rank)")
-    helps.append("CPU offload (cpu_offload=True; FSDP2: CPUOffloadPolicy())")
+    if not cpu_offload:
+        helps.append("CPU offload (cpu_offload=True; FSDP2: CPUOffloadPolicy())")
     helps.append(f"more devices (the model state at degree {least.degree} is {fmt_bytes(least.model_state_bytes)} per"
                  " rank and shrinks with the shard group)")
     if fsdp_version == 1 and mode == NO_SYNC and micro_batches > 1:

@@ -3,13 +3,14 @@
 The model comes from a LightningCLI config (``--config fit.yaml``, with ``--model.class_path``/``--model.init_args.*``
 overrides; it is built on the meta device, so a 70B model costs nothing) or, for quick what-ifs, from a parameter
 count and a transformer shape (``--params 7B --layers 32 --hidden 4096 --heads 32``). The world, the budget and the
-links come from flags (``--nodes``, ``--devices``, ``--memory-budget``, ``--preset``; every flag also with underscores, as LightningCLI
-spells them), else from the config's
+links come from flags (``--nodes``, ``--devices``, ``--memory-budget``, ``--preset``; every flag also with
+underscores, as LightningCLI spells them), else from the config's
 ``trainer:`` and ``smp:`` sections. Prints the table, and writes JSON (``--json``) and a plot (``--plot``)::
 
     lightning-smp plan --params 7B --layers 32 --hidden 4096 --heads 32 --seq_len 4096 --micro_batch 1 \\
-        --nodes 1 --devices 8 --memory_budget 80GB --preset aws-p4d --precision bf16-mixed --activation_checkpointing true
-    lightning-smp plan --config examples/configs/hybrid_smp_section.yaml --memory_budget 2GB --json plan.json
+        --nodes 1 --devices 8 --memory-budget 80GB --preset aws-p4d --precision bf16-mixed \\
+        --activation-checkpointing true
+    lightning-smp plan --config examples/configs/hybrid_auto.yaml --json plan.json
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from torch.nn import Module
 
 from lightning_smp.errors import HybridShardConfigError
-from lightning_smp.names import HYBRID_SHARD
+from lightning_smp.names import HYBRID_SHARD, STRATEGY_NAMES
 from lightning_smp.planner.activations import transformer_activation_bytes
 from lightning_smp.planner.budget import UNITS, default_budget, parse_bytes
 from lightning_smp.planner.choose import Plan, plan
@@ -38,7 +39,8 @@ class _Block(Module):
     def __init__(self, hidden: int, ffn: int) -> None:
         super().__init__()
         self.norm1, self.norm2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
-        self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden, bias=False), torch.nn.Linear(hidden, hidden, bias=False)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False)
+        self.proj = torch.nn.Linear(hidden, hidden, bias=False)
         self.up, self.down = torch.nn.Linear(hidden, ffn, bias=False), torch.nn.Linear(ffn, hidden, bias=False)
 
 
@@ -124,6 +126,8 @@ def _import(path: str) -> Any:
 def _strategy_args(trainer: dict[str, Any]) -> dict[str, Any]:
     """``trainer.strategy.init_args`` of a config (a dict, or the Namespace jsonargparse resolves a class path to)."""
     strategy = trainer.get("strategy")
+    if isinstance(strategy, str):  # a registered name: what it registers
+        return next((dict(args) for name, _, args in STRATEGY_NAMES if name == strategy), {})
     init_args = strategy.get("init_args") if isinstance(strategy, dict) else getattr(strategy, "init_args", None)
     if init_args is None:
         return {}
@@ -141,7 +145,11 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
     strategy = _strategy_args(trainer)
     precision = cfg.precision or str(trainer.get("precision") or "32-true")
     nodes = cfg.nodes or int(trainer.get("num_nodes") or 1)
-    devices = cfg.devices or (trainer["devices"] if isinstance(trainer.get("devices"), int) else 8)
+    given = trainer.get("devices")
+    if cfg.devices is None and given is not None and not (isinstance(given, int) and given > 0):
+        raise HybridShardConfigError(f"trainer.devices={given!r} does not say how many devices a node has. Fix: pass"
+                                     " --devices N (per node).")
+    devices = cfg.devices or given or 8
     version = cfg.fsdp_version or int(strategy.get("fsdp_version") or smp.get("fsdp_version") or 1)
     wrap = cfg.wrap or strategy.get("auto_wrap_policy")  # a list of class paths, as LightningCLI configs give it
     policy = ({_import(p) if isinstance(p, str) else p for p in wrap}
@@ -164,7 +172,17 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
         with torch.device("meta"):
             model = parser.instantiate_classes(cfg).model
         example_input = getattr(model, "example_input_array", None)
-        if cfg.activation_checkpointing and policy:
+        classes = strategy.get("activation_checkpointing_policy") or strategy.get("activation_checkpointing")
+        if isinstance(classes, type):
+            classes = {classes}
+        if isinstance(classes, (set, frozenset, list, tuple)) and classes:
+            checkpoint = {_import(c) if isinstance(c, str) else c for c in classes}  # as the strategy would
+        elif cfg.activation_checkpointing:
+            if not policy:
+                raise HybridShardConfigError(
+                    "--activation_checkpointing true needs the modules to checkpoint. Fix: give --wrap CLASS_PATHS, or"
+                    " the strategy's auto_wrap_policy or activation_checkpointing_policy in the config."
+                )
             checkpoint = set(policy)  # the FSDP units, checkpointed
     else:
         raise HybridShardConfigError("lightning-smp plan needs a model: --config FILE / --model.class_path PATH, or"

@@ -56,7 +56,8 @@ def links_for(preset: str | Links | None) -> Links:
     if name not in LINK_PRESETS:
         raise HybridShardConfigError(
             f"links={preset!r} is not a link preset. Valid presets: {', '.join(LINK_PRESETS)}; or pass"
-            " lightning_smp.planner.Links(intra_bandwidth=..., intra_latency=..., inter_bandwidth=..., inter_latency=...)."
+            " lightning_smp.planner.Links(intra_bandwidth=..., intra_latency=..., inter_bandwidth=...,"
+            " inter_latency=...)."
         )
     return LINK_PRESETS[name]
 

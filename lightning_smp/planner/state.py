@@ -34,6 +34,8 @@ from lightning_smp.names import NO_SHARD
 OPTIMIZER_STATE = {
     "adam": (2, 4),      # exp_avg, exp_avg_sq; a float32 ``step``
     "adamw": (2, 4),
+    "adam_amsgrad": (3, 4),  # + max_exp_avg_sq
+    "adamw_amsgrad": (3, 4),
     "sgd": (0, 0),
     "sgd_momentum": (1, 0),  # momentum_buffer
 }
@@ -61,16 +63,17 @@ def optimizer_name(optimizer: Any) -> str:
         name = optimizer.lower()
     elif isinstance(optimizer, torch.optim.SGD):
         name = "sgd_momentum" if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd"
-    elif isinstance(optimizer, torch.optim.AdamW):
-        name = "adamw"
-    elif isinstance(optimizer, torch.optim.Adam):
-        name = "adam"
+    elif isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):  # (AdamW is an Adam in recent torch)
+        name = "adamw" if isinstance(optimizer, torch.optim.AdamW) else "adam"
+        if any(g.get("amsgrad", False) for g in optimizer.param_groups):
+            name += "_amsgrad"
     else:
         name = type(optimizer).__name__
     if name not in OPTIMIZER_STATE:
         raise HybridShardConfigError(
             f"optimizer={optimizer!r} is not one the planner knows. Valid names: {', '.join(OPTIMIZER_STATE)}"
-            " (or an instance of torch.optim.Adam, AdamW or SGD)."
+            " (or an instance of torch.optim.Adam, AdamW or SGD). Fix: pass the name whose state per parameter is"
+            " closest to your optimizer's (e.g. 'adamw' for two state tensors, 'sgd_momentum' for one)."
         )
     return name
 
