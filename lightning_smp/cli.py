@@ -19,7 +19,8 @@ Three ways to set the degree in a config (``lightning-smp fit --config FILE``), 
 
 Precedence: the strategy's ``init_args`` (constructor arguments) > the ``smp:`` section > ``lightning_smp.init``
 > ``LIGHTNING_SMP_CONFIG`` / ``SM_HP_MP_PARAMETERS``. ``--print_config`` prints the config with
-``smp.hybrid_shard_degree`` set to the degree that will run. The ``smp:`` section is exported to the
+``smp.hybrid_shard_degree`` set to the degree that will run (``auto`` stays ``auto``: the planner chooses when the
+model is set up; ``lightning-smp plan --config FILE`` shows its choice). The ``smp:`` section is exported to the
 environment of the ranks the strategy starts (see :mod:`lightning_smp.config`).
 """
 
