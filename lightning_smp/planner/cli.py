@@ -189,7 +189,8 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
                                      " --params COUNT with the layer shape (--layers, --hidden, --heads).")
     budget = cfg.memory_budget or strategy.get("memory_budget") or smp.get("memory_budget")
     if budget is None:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        accelerator = torch.accelerator.current_accelerator()  # this machine's, whatever its type
+        device = accelerator if accelerator is not None else torch.device("cpu")
         budget = default_budget(device, devices)
     accumulate = cfg.accumulate or int(trainer.get("accumulate_grad_batches") or 1)
     return plan(model, world_size=nodes * devices, devices_per_node=devices, budget_bytes=budget,
