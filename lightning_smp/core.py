@@ -255,12 +255,11 @@ class HybridShardCore:
         """``hybrid_shard_degree="auto"``: the planner's choice for ``module`` on ``num_nodes x devices`` ranks, then
         the layout (call it on every rank, once the process group exists, before sharding; the mesh comes next).
 
-        The budget is the configured ``memory_budget``, else :func:`~lightning_smp.planner.default_budget` of
-        ``device``; the smallest over the ranks is used. Every rank then plans alone, and the outcomes are compared:
-        a rank that failed, or ranks that chose differently (their models or settings differ), fail every rank with
-        the same error, instead of leaving the others waiting in the mesh's first collective.
+        The budget is the configured ``memory_budget``, else the device's free memory; every rank plans and the
+        outcomes are compared (:func:`~lightning_smp.planner.agree.plan_on_every_rank`), so that all choose the same
+        degree or all fail alike.
         """
-        from lightning_smp.planner import default_budget, plan
+        from lightning_smp.planner.agree import plan_on_every_rank
 
         if self.chosen is not None:
             return self.chosen
@@ -270,42 +269,17 @@ class HybridShardCore:
                 " already (by configure_model or by hand). Fix: build the layers in configure_model without sharding"
                 " them (the strategy shards them), or pass a number as hybrid_shard_degree."
             )
-        collectives = Collectives.current(device)
-        configured = (self.config or self.resolve_config()).memory_budget
-        local = default_budget(device, devices) if configured is None else int(configured)
-        budget = min(collectives.all_gather(local))
         offload = self.cpu_offload_arg
-        chosen: Plan | None = None
-        failure: Exception | None = None
-        try:
-            chosen = plan(
-                module, world_size=num_nodes * devices, devices_per_node=devices, budget_bytes=budget,
-                fsdp_version=self.engine.version, auto_wrap_policy=self.engine_options.get("auto_wrap_policy"),
-                optimizer=optimizer, sharding_strategy=self.requested_strategy, precision=precision,
-                micro_batches=micro_batches, accumulation=self.gradient_accumulation, example_input=example_input,
-                checkpoint=checkpoint, device=device, training=training,
-                cpu_offload=bool(getattr(offload, "offload_params", offload is True))
-                or type(offload).__name__ in FSDP2_OFFLOAD_CONFIGS,
-            )
-        except Exception as err:  # noqa: BLE001  # every rank must learn of it, or the others hang; re-raised below
-            failure = err
-        outcomes = collectives.all_gather((None, str(failure)) if chosen is None else (chosen.degree, None))
-        messages = [message for _, message in outcomes if message is not None]
-        if messages:
-            if failure is not None and len(messages) == len(outcomes) and len(set(messages)) == 1 and isinstance(
-                    failure, HybridShardConfigError):
-                raise failure  # the same error on every rank (nothing fits): as it is
-            rank = next(r for r, (_, message) in enumerate(outcomes) if message is not None)
-            raise HybridShardConfigError(
-                f"hybrid_shard_degree='auto' could not be planned on rank {rank}: {outcomes[rank][1]}"
-            ) from failure
-        if len({degree for degree, _ in outcomes}) > 1 or chosen is None:
-            raise HybridShardConfigError(
-                "hybrid_shard_degree='auto' chose different degrees on different ranks"
-                f" ({[degree for degree, _ in outcomes]}, by rank): the model, its example input or the strategy's"
-                " arguments differ between ranks. Fix: build the same model on every rank, or pass a number as"
-                " hybrid_shard_degree."
-            )
+        chosen = plan_on_every_rank(
+            module, configured_budget=(self.config or self.resolve_config()).memory_budget, device=device,
+            local_ranks=devices, world_size=num_nodes * devices, devices_per_node=devices,
+            fsdp_version=self.engine.version, auto_wrap_policy=self.engine_options.get("auto_wrap_policy"),
+            optimizer=optimizer, sharding_strategy=self.requested_strategy, precision=precision,
+            micro_batches=micro_batches, accumulation=self.gradient_accumulation, example_input=example_input,
+            checkpoint=checkpoint, training=training,
+            cpu_offload=bool(getattr(offload, "offload_params", offload is True))
+            or type(offload).__name__ in FSDP2_OFFLOAD_CONFIGS,
+        )
         self.chosen = chosen
         self.layout = self.resolve_layout(num_nodes, devices)
         return self.chosen

@@ -36,10 +36,7 @@ from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision
 from lightning.fabric.strategies import FSDPStrategy
-from lightning.fabric.strategies.fsdp import (
-    _move_torchmetrics_to_device,
-    _setup_activation_checkpointing,
-)
+from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -234,19 +231,15 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     def _choose(self, module: Module, optimizers: list[Optimizer]) -> None:
         """hybrid_shard_degree="auto": chosen from the module handed to Fabric, before it is sharded."""
         if self.core.auto and self.core.chosen is None:
-            self._choose_degree(
-                module, num_nodes=self.num_nodes, devices=self.num_processes, device=self.root_device,
-                precision=str(self.precision.precision), example_input=getattr(module, "example_input_array", None),
-                checkpoint=lambda m: _setup_activation_checkpointing(m, self._activation_checkpointing_kwargs),
-                micro_batches=1, optimizer=self._optimizer_for_plan(module, optimizers),
-            )
+            self._choose_degree(module, num_nodes=self.num_nodes, devices=self.num_processes, device=self.root_device,
+                                precision=str(self.precision.precision), micro_batches=1, optimizers=optimizers)
 
     @override
     def setup_module(self, module: Module) -> Module:
         self._choose(module, [])
         module = self.core.shard(
             module, self._plan(),
-            checkpoint_activations=lambda m: _setup_activation_checkpointing(m, self._activation_checkpointing_kwargs),
+            checkpoint_activations=self._checkpoint_activations,
             on_already_sharded=self._already_sharded,
         )
         _move_torchmetrics_to_device(module, self.root_device)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
+from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
@@ -61,6 +62,7 @@ class HybridShardFrontEnd:
 
     core: HybridShardCore
     _plan: Callable[[], ShardingPlan]  # each strategy's: the layout on its root device, with the user's arguments
+    _activation_checkpointing_kwargs: dict[str, Any]  # Lightning's FSDP strategies, Trainer's and Fabric's alike
     #: who creates the strategy, and where its mesh is built, for messages
     _created_by = "the Trainer"
     _mesh_built_in = "inside Trainer.fit/validate/test/predict"
@@ -151,16 +153,22 @@ class HybridShardFrontEnd:
         rank_zero_info(f"{type(self).__name__}: {layout.describe()}")
         return layout
 
+    def _checkpoint_activations(self, module: Module) -> None:
+        """The strategy's activation checkpointing (its ``activation_checkpointing*`` arguments) applied to
+        ``module``: when sharding, and to the copy the planner traces."""
+        _setup_activation_checkpointing(module, self._activation_checkpointing_kwargs)
+
     def _choose_degree(self, module: Module, *, num_nodes: int, devices: int, device: torch.device, precision: str,
-                       example_input: Any, checkpoint: Any, micro_batches: int, optimizer: Any,
-                       training: bool = True) -> None:
-        """``hybrid_shard_degree="auto"``: plan on every rank from the real model (before it is sharded), log the
-        table, then build the mesh of the chosen degree."""
+                       micro_batches: int, optimizers: Sequence[Any] = (), training: bool = True) -> None:
+        """``hybrid_shard_degree="auto"``: plan on every rank from the real model (before it is sharded; its
+        ``example_input_array`` traced, with the strategy's activation checkpointing), log the table, then build the
+        mesh of the chosen degree."""
         if not self.core.auto or self.core.chosen is not None:
             return
-        chosen = self.core.choose_degree(module, num_nodes=num_nodes, devices=devices, device=device,
-                                         precision=precision, example_input=example_input, checkpoint=checkpoint,
-                                         micro_batches=micro_batches, optimizer=optimizer, training=training)
+        chosen = self.core.choose_degree(
+            module, num_nodes=num_nodes, devices=devices, device=device, precision=precision,
+            example_input=getattr(module, "example_input_array", None), checkpoint=self._checkpoint_activations,
+            micro_batches=micro_batches, optimizer=self._optimizer_for_plan(module, optimizers), training=training)
         rank_zero_info(f"{type(self).__name__}: hybrid_shard_degree='auto' chose {chosen.degree}.\n{chosen.text()}")
         layout = self._set_up_mesh(num_nodes, devices, device.type)
         if layout is not None:

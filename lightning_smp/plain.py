@@ -190,24 +190,22 @@ def _rewrite(arguments: dict[str, Any]) -> Any | None:
 
 def _auto_degree(module: Module, arguments: dict[str, Any], requested: Any, device: torch.device) -> int:
     """``hybrid_shard_degree="auto"`` in a plain ``FSDP(model, ...)`` call: planned once, from the outermost call's
-    module (inner units that ``auto_wrap_policy`` wraps run inside it and reuse the choice), with the smallest
-    budget over the ranks so that every rank chooses the same."""
+    module (inner units that ``auto_wrap_policy`` wraps run inside it and reuse the choice), on every rank alike
+    (:func:`~lightning_smp.planner.agree.plan_on_every_rank`)."""
     global _AUTO_DEGREE
     if _AUTO_DEGREE is None:
         from lightning_smp.collectives import Collectives
         from lightning_smp.config import resolve_config
-        from lightning_smp.planner import default_budget, plan
+        from lightning_smp.planner.agree import plan_on_every_rank
 
-        configured = resolve_config().memory_budget
-        collectives = Collectives.current(device)
         # the ranks of this node, from the hosts themselves (LOCAL_WORLD_SIZE is torchrun's, not everyone's)
-        hosts = collectives.all_gather(socket.gethostname())
+        hosts = Collectives.current(device).all_gather(socket.gethostname())
         local_ranks = hosts.count(socket.gethostname())
-        local = default_budget(device, local_ranks) if configured is None else int(configured)
-        budget = min(collectives.all_gather(local))
-        chosen = plan(module, world_size=dist.get_world_size(), devices_per_node=local_ranks, budget_bytes=budget,
-                      fsdp_version=1, auto_wrap_policy=arguments.get("auto_wrap_policy"),
-                      sharding_strategy=getattr(requested, "name", requested), device=device)
+        chosen = plan_on_every_rank(
+            module, configured_budget=resolve_config().memory_budget, device=device, local_ranks=local_ranks,
+            world_size=dist.get_world_size(), devices_per_node=local_ranks, fsdp_version=1,
+            auto_wrap_policy=arguments.get("auto_wrap_policy"), sharding_strategy=getattr(requested, "name", requested),
+        )
         if dist.get_rank() == 0:
             log.info("lightning_smp.init: hybrid_shard_degree='auto' chose %d.\n%s", chosen.degree, chosen.text())
         _AUTO_DEGREE = chosen.degree

@@ -20,10 +20,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.strategies.fsdp import (
-    _move_torchmetrics_to_device,
-    _setup_activation_checkpointing,
-)
+from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
@@ -275,10 +272,8 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             self._choose_degree(
                 module, num_nodes=self.num_nodes, devices=self.num_processes, device=self.root_device,
                 precision=str(self.precision_plugin.precision),
-                example_input=getattr(module, "example_input_array", None),
-                checkpoint=lambda m: _setup_activation_checkpointing(m, self._activation_checkpointing_kwargs),
                 micro_batches=trainer.accumulate_grad_batches if trainer.state.fn == TrainerFn.FITTING else 1,
-                optimizer=self._optimizer_for_plan(module), training=trainer.state.fn == TrainerFn.FITTING,
+                training=trainer.state.fn == TrainerFn.FITTING,
             )
         super().setup(trainer)
         self.precision_plugin.fsdp_module = self.model
@@ -315,7 +310,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     def _setup_model(self, model: Module) -> Module:
         model = self.core.shard(
             model, self._plan(),
-            checkpoint_activations=lambda m: _setup_activation_checkpointing(m, self._activation_checkpointing_kwargs),
+            checkpoint_activations=self._checkpoint_activations,
             on_already_sharded=self._already_sharded,
         )
         _move_torchmetrics_to_device(model, self.root_device)
