@@ -4,10 +4,13 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # A CPU build of torch 2.13 (on a CUDA machine pip picks the CUDA build of the same version).
 TORCH_SPEC ?= torch==2.13.0
+# litgpt's own pretraining loop runs in examples/litgpt_pretrain.py and its test; its pins would move torch and
+# lightning, so it is installed without its dependencies (the ones it imports come with the test extra)
+LITGPT_SPEC ?= litgpt==0.5.13
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test lint bench clean
+.PHONY: install install-litgpt demo test lint bench clean
 
 install: $(STAMP)
 
@@ -16,8 +19,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps "$(LITGPT_SPEC)"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
+
+install-litgpt: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps "$(LITGPT_SPEC)"
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py

@@ -15,6 +15,7 @@ from lightning_smp.config import SMPConfig, resolve_config
 from lightning_smp.degree import Layout, resolve_layout, valid_degrees
 from lightning_smp.errors import (
     CheckpointError,
+    CheckpointPathError,
     GradientSyncError,
     HybridShardConfigError,
     LightningSMPError,
@@ -37,6 +38,7 @@ __all__ = [
     "REPLICATE_AXIS",
     "SHARD_AXIS",
     "CheckpointError",
+    "CheckpointPathError",
     "GradientSyncError",
     "HybridShardConfigError",
     "HybridShardFSDPStrategy",

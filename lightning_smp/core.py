@@ -22,6 +22,7 @@ checks and its rank-agreement rules; split up, every front end would have to cal
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -103,6 +104,8 @@ class HybridShardCore:
     checkpoint_run: CheckpointRun = field(default_factory=CheckpointRun)
     _mesh_key: tuple[Layout, str] | None = None
     _wrapped_root: Module | None = None
+    #: every root :meth:`shard` returned, so that a state dict is only ever taken of one (see :meth:`sharded_model`)
+    _roots: weakref.WeakSet[Module] = field(default_factory=weakref.WeakSet)
 
     # ------------------------------------------------------------------ 1. static checks
 
@@ -332,6 +335,7 @@ class HybridShardCore:
                 synced = broadcast_before_wrapping(module, device)
             module = engine.wrap(module, plan)
         self._wrapped_root = module
+        self._roots.add(module)
         if not synced and self.device_mesh is not None:
             broadcast_across_replicas(module, self.device_mesh, device)
         if not first:
@@ -340,11 +344,23 @@ class HybridShardCore:
 
     def sharded_model(self, module: Module | None, device: torch.device, owner: str) -> ShardedModel:
         """``module`` with what the state-dict code needs to know about it (``owner`` names the front end in errors)."""
+        self.check_root(module, owner)
+        return ShardedModel(cast(Module, module), self.engine, self.device_mesh, Collectives.current(device))
+
+    def check_root(self, module: Module | None, owner: str) -> None:
+        """Raise unless ``module`` is a root that :meth:`shard` returned (``owner`` names the front end)."""
         if module is None:
             raise HybridShardConfigError(
                 f"{owner} has no model yet: state dicts exist once the model has been set up."
             )
-        return ShardedModel(module, self.engine, self.device_mesh, Collectives.current(device))
+        if module not in self._roots:
+            # e.g. the module given to fabric.setup_module instead of the one it returned: under FSDP1 its
+            # parameters are views into flat shards, and a checkpoint of them would be written without error, corrupt
+            raise HybridShardConfigError(
+                f"Could not find a FSDP model in the provided checkpoint state: the {type(module).__name__} given is"
+                f" not a model that {owner} sharded. Fix: pass the module that fabric.setup_module(model) (or"
+                " fabric.setup) returned, e.g. `model = fabric.setup_module(model)`, then {'model': model, ...}."
+            )
 
 
 __all__ = ["FSDP2_OFFLOAD_CONFIGS", "HybridShardCore"]

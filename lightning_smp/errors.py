@@ -17,10 +17,12 @@ class HybridShardConfigError(LightningSMPError, ValueError):
     """
 
 
-class UnsupportedOptionError(HybridShardConfigError, TypeError):
-    """An argument of a kind the strategy does not take (e.g. ``storage_options``, a non-FSDP precision plugin).
+class UnsupportedOptionError(HybridShardConfigError, TypeError, NotImplementedError):
+    """An argument of a kind the strategy does not take (e.g. ``storage_options``, a non-FSDP precision plugin,
+    ``fabric.load_raw(path, optimizer)``).
 
-    A ``TypeError`` too, as Lightning's ``FSDPStrategy`` raises for the same arguments.
+    A ``TypeError`` and a ``NotImplementedError`` too: Lightning's ``FSDPStrategy`` raises the one or the other for
+    the same calls (``TypeError`` for ``storage_options``, ``NotImplementedError`` for loading an optimizer alone).
     """
 
 
@@ -33,9 +35,14 @@ class CheckpointError(LightningSMPError, ValueError, RuntimeError):
     """
 
 
+class CheckpointPathError(CheckpointError, IsADirectoryError):
+    """A checkpoint path that is a folder holding something else than a checkpoint of this run; nothing is written
+    there. An ``IsADirectoryError`` too, what Lightning's ``FSDPStrategy`` raises when a full save meets a folder."""
+
+
 class GradientSyncError(LightningSMPError, RuntimeError):
     """An optimizer step about to run on gradients that were never reduced across replicas (gradient reduction left
     turned off by the last backward): the step would silently do nothing, or let the replicas drift apart."""
 
 
-__all__ = ["CheckpointError", "GradientSyncError", "HybridShardConfigError", "LightningSMPError", "UnsupportedOptionError"]
+__all__ = ["CheckpointError", "CheckpointPathError", "GradientSyncError", "HybridShardConfigError", "LightningSMPError", "UnsupportedOptionError"]

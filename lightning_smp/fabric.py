@@ -42,12 +42,15 @@ from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessS
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
+from lightning.fabric.utilities.load import _move_state_into
+from lightning.fabric.utilities.types import _Stateful
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_smp import checkpoint as checkpoint_lib
+from lightning_smp.checkpoint import FABRIC_KEYS
 from lightning_smp.collectives import Collectives
 from lightning_smp.core import FSDP2_OFFLOAD_CONFIGS, HybridShardCore
 from lightning_smp.engines import ShardingPlan, engine_of
@@ -91,6 +94,13 @@ class _HybridBackwardSyncControl(_BackwardSyncControl):
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
         if not enabled:
             return nullcontext()
+        if not isinstance(module, Module) or not self.strategy.engine.is_sharded(module):
+            # as Lightning's FSDPStrategy: a module that is not sharded would silently reduce on every backward
+            raise UnsupportedOptionError(
+                "Blocking backward sync is only possible if the module passed to `no_backward_sync` is the model that"
+                f" fabric.setup_module() returned (sharded by {type(self.strategy).__name__}). Got:"
+                f" {type(module).__name__}."
+            )
         return self._blocked(module)
 
     @contextmanager
@@ -303,8 +313,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     def _sharded(self, module: Module) -> Any:
         from lightning.fabric.wrappers import _unwrap_objects
 
-        return self.core.sharded_model(_unwrap_objects(module), self.root_device,
-                                       "lightning_smp.fabric.HybridShardFSDPStrategy")
+        owner, module = "lightning_smp.fabric.HybridShardFSDPStrategy", _unwrap_objects(module)
+        self.core.check_root(module, owner)  # before anything else: the same error on every rank, launched or not
+        return self.core.sharded_model(module, self.root_device, owner)
 
     def full_state_dict(self, module: Module) -> dict[str, Any]:
         """The unsharded weights of ``module`` (what ``fabric.setup_module`` returned) on global rank 0, an empty
@@ -320,23 +331,38 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     @override
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
-        """``fabric.save(path, state)``: the same sharded folder or full file as the Trainer strategy writes (one
-        module as ``state_dict``, the optimizers in order as ``optimizer_states``, everything else as is)."""
-        module, optimizers, rest = _split_state(state)
-        sharded = self._sharded(module)
+        """``fabric.save(path, state)``, Fabric's contract: the module and optimizers as (sharded or full) state
+        dicts, every other object with ``state_dict()``/``load_state_dict()`` (a stateful data loader, a scheduler)
+        through its ``state_dict()``, plain values as they are; anything else is refused before anything is written.
+
+        ``"sharded"``: the same folder as the Trainer strategy writes. ``"full"``: one file in the layout of Fabric's
+        ``FSDPStrategy``, the model and optimizers under the user's keys (``{"model": ..., "optimizer": ...}``).
+        """
+        if storage_options is not None:
+            raise UnsupportedOptionError(
+                f"storage_options={storage_options!r} is not supported by fabric.save with {type(self).__name__}: it"
+                " writes with torch.save / torch.distributed.checkpoint, not with a CheckpointIO. Fix: pass None."
+            )
+        module_key, module, optimizer_keys, rest = _split_state(state)
+        sharded = self._sharded(module)  # refuses a module that was not set up here, on every rank alike
         kind = self.core.state_dict_type
-        checkpoint: dict[str, Any] = dict(rest)
+        checkpoint: dict[str, Any] = {k: _state_of(v) for k, v in rest.items()}
         model_state = checkpoint_lib.module_state_dict(sharded, kind)
-        if filter and module_key(state) in filter:
-            keep = filter[module_key(state)]
+        if filter and module_key in filter:
+            keep = filter[module_key]
             model_state = {k: v for k, v in model_state.items() if keep(k, v)}
         checkpoint["state_dict"] = model_state
-        checkpoint["optimizer_states"] = [checkpoint_lib.optimizer_state(sharded, o, kind) for o in optimizers]
-        # what the Trainer needs to resume from it (its loops then start from zero)
-        checkpoint.setdefault("lr_schedulers", [])
-        checkpoint.setdefault("pytorch-lightning_version", _lightning_version())
-        checkpoint[FABRIC_KEYS] = {"module": module_key(state), "optimizers": [k for k in state
-                                                                               if isinstance(state[k], Optimizer)]}
+        checkpoint["optimizer_states"] = [checkpoint_lib.optimizer_state(sharded, state[k], kind)
+                                          for k in optimizer_keys]
+        if kind == checkpoint_lib.FULL:
+            checkpoint = checkpoint_lib.fabric_layout(checkpoint, module_key, optimizer_keys)
+        else:
+            # what the Trainer needs to resume from the folder (its loops then start from zero), recorded as such so
+            # that consolidating the folder gives what a full save would have written
+            added = [key for key in _FOR_THE_TRAINER if key not in checkpoint]
+            checkpoint.setdefault("lr_schedulers", [])
+            checkpoint.setdefault("pytorch-lightning_version", _lightning_version())
+            checkpoint[FABRIC_KEYS] = {"module": module_key, "optimizers": optimizer_keys, "for_the_trainer": added}
         checkpoint_lib.save(checkpoint, path, kind=kind, collectives=Collectives.current(self.root_device),
                             run=self.core.checkpoint_run, layout=self.core.layout, storage_options=storage_options)
 
@@ -344,7 +370,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """``fabric.load(path, state)`` / ``fabric.load_raw(path, module)``: either format, written by either front
-        end, at any degree and world size; loads only tensors and plain values."""
+        end (or a full file of Lightning's own Fabric ``FSDPStrategy``), at any degree and world size; loads only
+        tensors and plain values. Objects with ``load_state_dict()`` in ``state`` are restored in place, other
+        entries replaced; what ``state`` did not ask for is returned."""
         if state is None:
             raise HybridShardConfigError(
                 "fabric.load(path) without a state: give the objects to restore, e.g. fabric.load(path, {'model':"
@@ -358,24 +386,22 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             )
         if isinstance(state, Module):
             return self._load_raw(Path(path), state, strict)
-        module, optimizers, rest = _split_state(state)
-        remainder = checkpoint_lib.load(self._sharded(module), path, optimizers=optimizers, strict=strict,
-                                        model_name=type(module).__name__)
-        remainder.pop("state_dict", None)
-        remainder.pop("optimizer_states", None)
-        remainder.pop(FABRIC_KEYS, None)
-        for key in _FOR_THE_TRAINER:
+        module_key, module, optimizer_keys, rest = _split_state(state)
+        remainder = checkpoint_lib.load(self._sharded(module), path, optimizers=[state[k] for k in optimizer_keys],
+                                        strict=strict, model_name=type(module).__name__,
+                                        state_keys=(module_key, optimizer_keys))
+        for key in ("state_dict", "optimizer_states", FABRIC_KEYS, *_FOR_THE_TRAINER):
             if key not in rest:
                 remainder.pop(key, None)
         self.core.checkpoint_run.continue_from(remainder)
-        for key in rest:
-            if key in remainder:
-                state[key] = remainder.pop(key)
-            elif strict:
-                raise HybridShardConfigError(
-                    f"checkpoint {str(path)!r} has no {key!r}, which the state to restore asks for. Fix: load with"
-                    " strict=False, or restore only what the checkpoint holds."
-                )
+        missing = [key for key in rest if key not in remainder]
+        if missing and strict:
+            raise HybridShardConfigError(
+                f"checkpoint {str(path)!r} has no {missing[0]!r}, which the state to restore asks for. Fix: load with"
+                " strict=False, or restore only what the checkpoint holds."
+            )
+        # Fabric's own helper: load_state_dict() for stateful objects (a data loader resumes its position)
+        _move_state_into(source=remainder, destination=state, keys=set(rest))
         remainder.pop(checkpoint_lib.RUN_KEY, None)
         return remainder
 
@@ -403,8 +429,6 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
                 strategy_registry.register(name, cls, description=description, **init_params)
 
 
-#: Where a Fabric checkpoint records which state keys held the module and the optimizers.
-FABRIC_KEYS = "lightning_smp_fabric"
 #: Keys a Fabric checkpoint carries for the Trainer only (left out of what ``fabric.load`` returns).
 _FOR_THE_TRAINER = ("lr_schedulers", "pytorch-lightning_version")
 
@@ -426,12 +450,18 @@ def module_key(state: Mapping[str, Any]) -> str:
     return keys[0]
 
 
-def _split_state(state: Mapping[str, Any]) -> tuple[Module, list[Optimizer], dict[str, Any]]:
-    """(the module, the optimizers in order, everything else) of a Fabric state dict."""
-    module = state[module_key(state)]
-    optimizers = [v for v in state.values() if isinstance(v, Optimizer)]
+def _split_state(state: Mapping[str, Any]) -> tuple[str, Module, list[str], dict[str, Any]]:
+    """(the module's key, the module, the optimizers' keys in order, everything else) of a Fabric state dict."""
+    key = module_key(state)
+    optimizer_keys = [k for k, v in state.items() if isinstance(v, Optimizer)]
     rest = {k: v for k, v in state.items() if not isinstance(v, (Module, Optimizer))}
-    return module, optimizers, rest
+    return key, state[key], optimizer_keys, rest
+
+
+def _state_of(obj: Any) -> Any:
+    """What a checkpoint holds of a non-model entry of the state: ``state_dict()`` of a stateful object (Fabric's
+    contract), anything else as it is (and refused when saving if it is not a plain value)."""
+    return obj.state_dict() if isinstance(obj, _Stateful) else obj
 
 
 def _is_lightning_file(path: Path) -> bool:
@@ -442,4 +472,4 @@ def _is_lightning_file(path: Path) -> bool:
     return isinstance(content, dict) and "state_dict" in content and isinstance(content["state_dict"], dict)
 
 
-__all__ = ["FABRIC_KEYS", "HybridShardFSDPStrategy", "HybridShardFabricPrecision"]
+__all__ = ["FABRIC_KEYS", "HybridShardFSDPStrategy", "HybridShardFabricPrecision", "module_key"]

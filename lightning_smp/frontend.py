@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
 from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -23,11 +24,14 @@ from lightning_smp.core import HybridShardCore
 from lightning_smp.degree import Layout
 from lightning_smp.engines import Engine, ShardingPlan
 from lightning_smp.errors import HybridShardConfigError
-from lightning_smp.names import GradientAccumulation
+from lightning_smp.mesh import group_ranks
+from lightning_smp.names import MESH_AXES, GradientAccumulation
+from lightning_smp.peers import RankAddress, gather_addresses, lost_peer_note
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import ShardingStrategy
 
     from lightning_smp.planner import Plan
 
@@ -68,6 +72,9 @@ class HybridShardFrontEnd:
     _mesh_built_in = "inside Trainer.fit/validate/test/predict"
     _warned_override = False
     _warned_budget = False
+    #: where every rank runs, learnt at setup on more than one node (names a lost node when a collective fails)
+    _peers: list[RankAddress] | None = None
+    node_rank: int  # Lightning's ParallelStrategy, Trainer's and Fabric's alike
 
     @property
     def hybrid_shard_degree(self) -> int | str:
@@ -129,6 +136,21 @@ class HybridShardFrontEnd:
             )
         return self.core.device_mesh
 
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        """The FSDP sharding strategy in effect: the layout's once it is resolved (when the Trainer or Fabric is
+        created; with ``"auto"``, when the planner has chosen), the one asked for before."""
+        from torch.distributed.fsdp import ShardingStrategy
+
+        layout = self.core.layout
+        return ShardingStrategy[layout.sharding_strategy if layout is not None else self.core.requested_strategy]
+
+    @sharding_strategy.setter
+    def sharding_strategy(self, value: Any) -> None:
+        # Lightning's FSDPStrategy.__init__ writes FULL_SHARD here (the hybrid strategy was passed to it as FULL_SHARD:
+        # its check for HYBRID_* needs a mesh that cannot exist yet); what is in effect follows the layout
+        pass
+
     def _warn_override_once(self, layout: Layout | None) -> None:
         if layout is not None and layout.overridden and not self._warned_override:
             self._warned_override = True
@@ -141,17 +163,26 @@ class HybridShardFrontEnd:
                            " or set hybrid_shard_degree='auto'.")
 
     def _set_up_mesh(self, num_nodes: int, devices: int, device_type: str) -> Layout | None:
-        """The mesh, once the process group exists; FSDP's own ``sharding_strategy`` attribute follows the layout.
+        """The mesh, once the process group exists, and where every rank runs (for :meth:`_lost_peer_note`).
         ``None`` while ``hybrid_shard_degree="auto"`` waits for the model (:meth:`_choose_degree`)."""
-        from torch.distributed.fsdp import ShardingStrategy
-
         _destroy_process_groups_at_exit()
+        if self._peers is None and num_nodes > 1:
+            self._peers = gather_addresses(self.node_rank)
         layout = self.core.build_mesh(num_nodes, devices, device_type)
         if layout is None:
             return None
-        self.sharding_strategy = ShardingStrategy[layout.sharding_strategy]
         rank_zero_info(f"{type(self).__name__}: {layout.describe()}")
         return layout
+
+    def _lost_peer_note(self, error: BaseException) -> str | None:
+        """Which node this rank's collectives were waiting for when ``error`` (a timeout, a closed connection) ended
+        them; ``None`` for other errors and on one node (see :mod:`lightning_smp.peers`)."""
+        if not self._peers:
+            return None
+        world = list(range(len(self._peers)))
+        mesh = self.core.device_mesh
+        groups = [world] + ([group_ranks(mesh, axis) for axis in MESH_AXES] if mesh is not None else [])
+        return lost_peer_note(error, self._peers, groups, dist.get_rank() if dist.is_initialized() else 0)
 
     def _checkpoint_activations(self, module: Module) -> None:
         """The strategy's activation checkpointing (its ``activation_checkpointing*`` arguments) applied to

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -24,7 +25,27 @@ def build_device_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=MESH_AXES)
+    mesh = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=MESH_AXES)
+    timeout = default_group_timeout(device_type)
+    if timeout is not None:
+        # DeviceMesh creates its sub-groups with torch's default timeout (30 min on gloo, 10 on NCCL), not the one the
+        # process group was started with (the strategy's ``timeout``): a peer that stopped answering (a node lost)
+        # would hold every rank in a replica all-reduce that long
+        for dim in range(mesh.ndim):
+            dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(dim))
+    return mesh
+
+
+def default_group_timeout(device_type: str) -> timedelta | None:
+    """How long a collective of the default process group waits for its peers (its backend for ``device_type``);
+    ``None`` where the backend does not say."""
+    import torch
+
+    group = dist.distributed_c10d._get_default_group()
+    try:
+        return group._get_backend(torch.device(device_type)).options._timeout
+    except (RuntimeError, AttributeError):
+        return None
 
 
 def fsdp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:

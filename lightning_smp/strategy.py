@@ -240,6 +240,16 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         # Same inputs on every rank, so every rank fails identically here, before the first collective.
         self._set_up_mesh(self.num_nodes, self.num_processes, self.root_device.type)
 
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A collective that failed because a node stopped answering says which node that was, on every rank."""
+        note = self._lost_peer_note(exception)
+        if note is not None:
+            log.error(note)
+            if hasattr(exception, "add_note"):  # shown with the traceback (Python 3.11+)
+                exception.add_note(note)
+        super().on_exception(exception)
+
     def _plan(self) -> ShardingPlan:
         """What the engine builds: this layout on the root device, with the user's own FSDP arguments."""
         return self.core.plan(self.root_device, mixed_precision=self.mixed_precision_config, cpu_offload=self.cpu_offload,

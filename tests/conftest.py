@@ -1,3 +1,4 @@
+import gc
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -32,6 +33,9 @@ def _restore_process_state():
     _reset_smp_sources()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        # free what still holds the groups (a sharded model, a mesh) now: collected later inside a forked rank,
+        # a gloo group's destructor waits for worker threads that did not survive the fork, and that rank hangs
+        gc.collect()
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)

@@ -20,9 +20,11 @@ from lightning_smp import HybridShardConfigError, count_communication, memory_re
 from lightning_smp.fabric import HybridShardFSDPStrategy
 from lightning_smp.names import (
     DEFER_ALL_REDUCE,
+    FULL,
     FULL_SHARD,
     HYBRID_SHARD,
     HYBRID_SHARD_ZERO2,
+    NO_SHARD,
     NO_SYNC,
     REPLICATE_AXIS,
     SHARD_GRAD_OP,
@@ -516,3 +518,176 @@ def test_memory_report_in_a_loop_equals_the_callbacks(tmp_path, version):
     fields = [f for f in MEMORY_FIELDS if f not in PEAK_FIELDS] + ["sharding_strategy", "shard_degree", "replicas"]
     for mine, theirs in zip(ours, callback.reports["first_step"], strict=True):
         assert {f: mine[f] for f in fields} == {f: theirs[f] for f in fields}
+
+
+# ---------------------------------------------------------------------------------------- Fabric's checkpoint contract
+
+
+class _Position:
+    """A data position with ``state_dict()``/``load_state_dict()``: what a resumable data loader gives Fabric."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.batches = state["batches"]
+
+
+def _train_with_position(fabric: L.Fabric, folder: str, save_at: int | None, resume: bool) -> dict[str, Any]:
+    """AdamW over the rank's batches in order, from the position a stateful object holds; saves after ``save_at``
+    steps; ``resume`` starts from that checkpoint instead of step 0."""
+    model = fabric.setup_module(make_net())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    position = _Position()
+    state = {"model": model, "optimizer": optimizer, "data": position, "step": 0}
+    remainder = fabric.load(Path(folder) / "ckpt", state) if resume else {}
+    batches = _batches(fabric)
+    while state["step"] < STEPS:
+        x, y = batches[position.batches]
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        position.batches += 1
+        state["step"] += 1
+        if state["step"] == save_at:
+            fabric.save(Path(folder) / "ckpt", state)
+    return {"weights": _full(fabric, model), "position": position.batches, "remainder": sorted(remainder),
+            "data_is_the_object": state["data"] is position}
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("kind", STATE_DICT_TYPES)
+@pytest.mark.parametrize("version", [1, 2])
+def test_stateful_objects_are_saved_through_state_dict_and_resume_exactly(tmp_path, kind, version):
+    whole = _fabric(_ours(2, version, state_dict_type=kind)).launch(_train_with_position, str(tmp_path), 2, False)
+    resumed = _fabric(_ours(2, version, state_dict_type=kind)).launch(_train_with_position, str(tmp_path), None, True)
+    # the position came back through load_state_dict (the object kept, not replaced by a dict): the resumed run
+    # trains on batches 2 and 3, not 0 and 1 again, and ends exactly where the uninterrupted one ended
+    assert resumed["data_is_the_object"] and resumed["position"] == STEPS and resumed["remainder"] == []
+    assert resumed["weights"] == whole["weights"]
+    if kind == FULL:
+        saved = torch.load(tmp_path / "ckpt", weights_only=True)
+        assert saved["data"] == {"batches": 2} and saved["step"] == 2
+
+
+def _save_full_with_user_keys(fabric: L.Fabric, path: str) -> dict[str, Any]:
+    model = fabric.setup_module(make_net())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    x, y = _batches(fabric)[0]
+    fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+    optimizer.step()
+    fabric.save(path, {"model": model, "optimizer": optimizer, "iter_num": 1})
+    return _state(fabric, model, optimizer)
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", [1, 2])
+def test_full_checkpoint_keeps_the_users_keys(tmp_path, version):
+    """Fabric's full checkpoint is what Fabric's FSDPStrategy writes: {"model", "optimizer", ...} (litgpt reads
+    ["model"]); the Trainer and read_full still read it, and consolidating a sharded one gives the same layout."""
+    from lightning_smp import checkpoint as ckpt
+
+    saved = _fabric(_ours(2, version, state_dict_type=FULL)).launch(_save_full_with_user_keys, str(tmp_path / "f"))
+    raw = torch.load(tmp_path / "f", weights_only=True)
+    assert set(raw) == {"model", "optimizer", "iter_num", ckpt.RUN_KEY, ckpt.FABRIC_KEYS}
+    assert {k: v.tolist() for k, v in raw["model"].items()} == saved["weights"]
+    assert {i: {k: v.tolist() for k, v in s.items()} for i, s in raw["optimizer"]["state"].items()} == saved[
+        "optimizer"]
+    assert {k: v.tolist() for k, v in ckpt.read_full(tmp_path / "f")["state_dict"].items()} == saved["weights"]
+
+    _fabric(_ours(2, version)).launch(_save_full_with_user_keys, str(tmp_path / "s"))
+    ckpt.consolidate(tmp_path / "s", tmp_path / "s.full")
+    assert set(torch.load(tmp_path / "s.full", weights_only=True)) == set(raw)
+
+
+def test_trainer_and_fabric_layouts_map_onto_each_other():
+    from lightning_smp import checkpoint as ckpt
+
+    trainer = {"state_dict": {"w": 1}, "optimizer_states": [{"state": {}}], "epoch": 3}
+    as_fabric = ckpt.fabric_layout(trainer, "model", ["opt"])
+    assert as_fabric["model"] == {"w": 1} and as_fabric["opt"] == {"state": {}} and "state_dict" not in as_fabric
+    back = ckpt.trainer_layout(as_fabric)
+    assert back == {**trainer, ckpt.FABRIC_KEYS: {"module": "model", "optimizers": ["opt"]},
+                    "lr_schedulers": [], "pytorch-lightning_version": L.__version__}
+    # a full file of Lightning's own Fabric FSDPStrategy records nothing: the keys of the state to restore map it
+    lightning_written = {"model": {"w": 1}, "optimizer": {"state": {}}, "iter_num": 4}
+    assert ckpt.trainer_layout(lightning_written) is lightning_written
+    mapped = ckpt.trainer_layout(lightning_written, "model", ["optimizer"])
+    assert mapped == {"state_dict": {"w": 1}, "optimizer_states": [{"state": {}}], "iter_num": 4,
+                      "lr_schedulers": [], "pytorch-lightning_version": L.__version__}
+
+
+def _misused_save(fabric: L.Fabric, folder: str, version: int) -> list[Any]:
+    net = make_net()
+    model = fabric.setup_module(net)
+    # FSDP1: the module given to setup_module (now inside the FSDP root, its parameters views into flat shards);
+    # FSDP2 shards that very module in place, so there the misuse is a submodule of it
+    wrong = net if version == 1 else net[0]
+    outcome: Any = None
+    try:
+        fabric.save(Path(folder) / "ckpt", {"model": wrong})
+    except ValueError as err:
+        outcome = (type(err).__name__, str(err))
+    fabric.save(Path(folder) / "good", {"model": model})  # the ranks are still in step
+    gathered: list[Any] = [None] * fabric.world_size
+    dist.all_gather_object(gathered, outcome)
+    return gathered
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("kind", STATE_DICT_TYPES)
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_module_that_was_not_set_up_is_refused_on_every_rank(tmp_path, kind, version):
+    outcomes = _fabric(_ours(2, version, state_dict_type=kind)).launch(_misused_save, str(tmp_path), version)
+    assert len({o[1] for o in outcomes}) == 1 and outcomes[0][0] == "HybridShardConfigError"
+    assert "Could not find a FSDP model in the provided checkpoint state" in outcomes[0][1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good"]  # nothing written, not even a temporary
+
+
+def _error_types(fabric: L.Fabric, folder: str) -> dict[str, list[str]]:
+    model = fabric.setup_module(make_net())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    (Path(folder) / "not_a_checkpoint").mkdir(exist_ok=True)
+    caught: dict[str, list[str]] = {}
+    try:
+        fabric.save(Path(folder) / "not_a_checkpoint", {"model": model})
+    except IsADirectoryError as err:
+        caught["full save onto a folder"] = [type(err).__name__]
+    fabric.save(Path(folder) / "ckpt", {"model": model, "optimizer": optimizer})
+    try:
+        fabric.load_raw(Path(folder) / "ckpt", optimizer)
+    except NotImplementedError as err:
+        caught["load_raw of an optimizer"] = [type(err).__name__]
+    return caught
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_errors_are_instances_of_what_fabrics_fsdp_strategy_raises(tmp_path):
+    caught = _fabric(_ours(2, 1, state_dict_type=FULL)).launch(_error_types, str(tmp_path))
+    assert caught == {"full save onto a folder": ["CheckpointPathError"],
+                      "load_raw of an optimizer": ["UnsupportedOptionError"]}
+    assert list((tmp_path / "not_a_checkpoint").iterdir()) == []  # the folder is left as it was
+
+
+@pytest.mark.parametrize(("degree", "requested", "devices", "effective"), [
+    (None, SHARD_GRAD_OP, 2, SHARD_GRAD_OP),  # degree 0: native FSDP, the strategy asked for
+    (2, SHARD_GRAD_OP, 4, HYBRID_SHARD),  # a degree >= 2 forces HYBRID_SHARD (SMP)
+    (1, HYBRID_SHARD, 2, NO_SHARD),
+    (2, HYBRID_SHARD_ZERO2, 4, HYBRID_SHARD_ZERO2),
+])
+@pytest.mark.parametrize("front_end", ["fabric", "trainer"])
+def test_sharding_strategy_attribute_says_what_will_run(degree, requested, devices, effective, front_end):
+    from lightning_smp import HybridShardFSDPStrategy as TrainerStrategy
+    from tests.helpers import cpu_trainer
+
+    cls = HybridShardFSDPStrategy if front_end == "fabric" else TrainerStrategy
+    strategy = cls(hybrid_shard_degree=degree, sharding_strategy=requested)
+    assert strategy.sharding_strategy.name == requested  # what was asked for, until the world size is known
+    if front_end == "fabric":
+        strategy = _fabric(strategy, devices).strategy
+    else:
+        strategy = cpu_trainer(strategy, devices=devices).strategy
+    assert strategy.sharding_strategy.name == effective == strategy.layout.sharding_strategy

@@ -37,7 +37,15 @@ run identity), never a strategy.
 """
 
 from lightning_smp.checkpoint.convert import consolidate, load_from_checkpoint, optimizer_state_by_index, read_full
-from lightning_smp.checkpoint.format import FORMAT_VERSION, META_FILENAME, RUN_KEY, checkpoint_kind
+from lightning_smp.checkpoint.format import (
+    FABRIC_KEYS,
+    FORMAT_VERSION,
+    META_FILENAME,
+    RUN_KEY,
+    checkpoint_kind,
+    fabric_layout,
+    trainer_layout,
+)
 from lightning_smp.checkpoint.loading import check_model_fits, load
 from lightning_smp.checkpoint.safety import hyperparameters_problem, plain_checkpoint
 from lightning_smp.checkpoint.saving import CheckpointRun, collision, run_id_of, save
@@ -51,6 +59,7 @@ from lightning_smp.checkpoint.state_dict import (
 from lightning_smp.names import FULL, SHARDED, STATE_DICT_TYPES
 
 __all__ = [
+    "FABRIC_KEYS",
     "FORMAT_VERSION",
     "FULL",
     "META_FILENAME",
@@ -63,6 +72,7 @@ __all__ = [
     "checkpoint_kind",
     "collision",
     "consolidate",
+    "fabric_layout",
     "full_model_state",
     "full_optimizer_state",
     "hyperparameters_problem",
@@ -75,4 +85,5 @@ __all__ = [
     "read_full",
     "run_id_of",
     "save",
+    "trainer_layout",
 ]

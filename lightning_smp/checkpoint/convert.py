@@ -16,7 +16,14 @@ import torch
 from typing_extensions import Self
 
 from lightning_smp.checkpoint.atomic import commit, temporary_name, write_file
-from lightning_smp.checkpoint.format import META_FILENAME, RUN_KEY, checkpoint_kind
+from lightning_smp.checkpoint.format import (
+    FABRIC_KEYS,
+    META_FILENAME,
+    RUN_KEY,
+    checkpoint_kind,
+    fabric_layout,
+    trainer_layout,
+)
 from lightning_smp.checkpoint.safety import SafeEmptyLoadPlanner, SafeFileSystemReader
 from lightning_smp.errors import CheckpointError
 from lightning_smp.names import FULL, SHARDED
@@ -45,13 +52,14 @@ def optimizer_state_by_index(optim_state: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_full(path: str | os.PathLike) -> dict[str, Any]:
-    """The full checkpoint at ``path`` as a dict of CPU tensors, in one process: a full file as it is, a sharded
-    folder assembled (what ``state_dict_type="full"`` would have written). Loads with ``weights_only=True``."""
+    """The full checkpoint at ``path`` as a dict of CPU tensors, in one process, in the Trainer's layout (the model
+    under ``state_dict``, the optimizers under ``optimizer_states``) whichever front end wrote it: a full file as it
+    is, a sharded folder assembled. Loads with ``weights_only=True``."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     path = Path(path)
     if checkpoint_kind(path) == FULL:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return trainer_layout(torch.load(path, map_location="cpu", weights_only=True))
     state: dict[str, Any] = {}
     # the private loader, as Lightning's utility and torch's dcp_to_torch_save use: the public one keeps only the
     # keys of a template, and here the template is empty
@@ -71,7 +79,9 @@ def read_full(path: str | os.PathLike) -> dict[str, Any]:
 def consolidate(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """Turn the sharded checkpoint folder ``src`` into the full checkpoint file ``dst``; runs in one process.
 
-    The result equals what ``state_dict_type="full"`` would have written. ``dst`` must not exist.
+    The result equals what ``state_dict_type="full"`` would have written, in the layout of the front end that wrote
+    ``src`` (a Fabric checkpoint keeps the keys of the state the user saved, e.g. ``model`` and ``optimizer``, as
+    Fabric's own full checkpoints do). ``dst`` must not exist.
     """
     src, dst = Path(src), Path(dst)
     if checkpoint_kind(src) != SHARDED:
@@ -79,6 +89,10 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     if os.path.lexists(dst):
         raise CheckpointError(f"dst={str(dst)!r} exists; refusing to overwrite it. Fix: choose a new name.")
     checkpoint = read_full(src)
+    record = checkpoint.get(FABRIC_KEYS)
+    if isinstance(record, dict):
+        checkpoint = fabric_layout(checkpoint, record["module"], record.get("optimizers", []),
+                                   drop=record.get("for_the_trainer", []))
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_name(dst)
     write_file(checkpoint, tmp)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lightning_smp.errors import CheckpointError
 from lightning_smp.names import FULL, SHARDED, StateDictType
@@ -15,6 +17,10 @@ RUN_KEY = "lightning_smp"
 FORMAT_VERSION = 1
 #: DCP's metadata file inside a sharded folder.
 DCP_METADATA = ".metadata"
+#: Where a checkpoint written by Fabric records which of the user's state keys held the module and the optimizers.
+FABRIC_KEYS = "lightning_smp_fabric"
+#: The Trainer's keys of the model and the optimizer states (Lightning's ``dump_checkpoint`` layout).
+MODEL_KEY, OPTIMIZERS_KEY = "state_dict", "optimizer_states"
 
 
 def checkpoint_kind(path: Path) -> StateDictType:
@@ -30,4 +36,57 @@ def checkpoint_kind(path: Path) -> StateDictType:
     )
 
 
-__all__ = ["DCP_METADATA", "FORMAT_VERSION", "META_FILENAME", "RUN_KEY", "checkpoint_kind"]
+def fabric_layout(checkpoint: dict[str, Any], module_key: str, optimizer_keys: Sequence[str],
+                  drop: Sequence[str] = ()) -> dict[str, Any]:
+    """A full checkpoint in the layout Fabric's ``FSDPStrategy`` writes: the model and each optimizer under the keys
+    of the state the user saved (``{"model": ..., "optimizer": ...}``), everything else but ``drop`` as it is; the
+    keys are recorded under :data:`FABRIC_KEYS` so that :func:`trainer_layout` can map it back."""
+    out = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, OPTIMIZERS_KEY, *drop)}
+    out[module_key] = checkpoint.get(MODEL_KEY, {})
+    out.update(zip(optimizer_keys, checkpoint.get(OPTIMIZERS_KEY, [])))
+    out[FABRIC_KEYS] = {"module": module_key, "optimizers": list(optimizer_keys)}
+    return out
+
+
+def trainer_layout(checkpoint: dict[str, Any], module_key: str | None = None,
+                   optimizer_keys: Sequence[str] = ()) -> dict[str, Any]:
+    """A full checkpoint in the Trainer's layout (``state_dict``, ``optimizer_states``), whichever front end wrote
+    it: a Fabric checkpoint is mapped through its :data:`FABRIC_KEYS` record, else through ``module_key`` and
+    ``optimizer_keys`` (a checkpoint written by Lightning's own Fabric ``FSDPStrategy``) and given the keys the
+    Trainer needs to resume from it; a Trainer one is returned as it is."""
+    if MODEL_KEY in checkpoint:
+        return checkpoint
+    record = checkpoint.get(FABRIC_KEYS)
+    if isinstance(record, dict):
+        module_key, optimizer_keys = record.get("module"), record.get("optimizers", [])
+    if module_key is None or module_key not in checkpoint:
+        return checkpoint
+    out = dict(checkpoint)
+    out[MODEL_KEY] = out.pop(module_key)
+    present = [k for k in optimizer_keys if k in out]
+    if present:
+        out[OPTIMIZERS_KEY] = [out.pop(k) for k in present]
+    # what the Trainer needs to resume from a Fabric checkpoint (its loops then start from zero)
+    out.setdefault("lr_schedulers", [])
+    out.setdefault("pytorch-lightning_version", _lightning_version())
+    return out
+
+
+def _lightning_version() -> str:
+    import lightning
+
+    return lightning.__version__
+
+
+__all__ = [
+    "DCP_METADATA",
+    "FABRIC_KEYS",
+    "FORMAT_VERSION",
+    "META_FILENAME",
+    "MODEL_KEY",
+    "OPTIMIZERS_KEY",
+    "RUN_KEY",
+    "checkpoint_kind",
+    "fabric_layout",
+    "trainer_layout",
+]

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_smp.checkpoint.format import META_FILENAME, checkpoint_kind
+from lightning_smp.checkpoint.format import META_FILENAME, MODEL_KEY, checkpoint_kind, trainer_layout
 from lightning_smp.checkpoint.safety import SafeFileSystemReader, SafeLoadPlanner
 from lightning_smp.checkpoint.state_dict import ShardedModel
 from lightning_smp.errors import CheckpointError
@@ -25,11 +25,13 @@ from lightning_smp.names import SHARDED
 
 
 def load(model: ShardedModel, path: str | os.PathLike, *, optimizers: Sequence[Optimizer] = (), strict: bool = True,
-         model_name: str = "the model") -> dict[str, Any]:
+         model_name: str = "the model", state_keys: tuple[str, Sequence[str]] | None = None) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into ``model`` and ``optimizers`` (none: weights only). Collective.
 
     Returns the rest of the checkpoint (loops, callbacks, schedulers, this library's record, ...). ``strict=False``
     allows missing and unexpected keys; shapes must fit either way. ``model_name`` names the model in errors.
+    ``state_keys`` (the module's key, the optimizers' keys) are where a full checkpoint in Fabric's layout that does
+    not record them holds the model and optimizers (one written by Lightning's own Fabric ``FSDPStrategy``).
 
     Raises:
         CheckpointError: ``path`` is not a checkpoint, a key or shape does not fit, or the optimizer count differs.
@@ -37,7 +39,7 @@ def load(model: ShardedModel, path: str | os.PathLike, *, optimizers: Sequence[O
     path = Path(model.collectives.broadcast(os.fspath(path)))
     if checkpoint_kind(path) == SHARDED:
         return _load_sharded(model, path, list(optimizers), strict, model_name)
-    return _load_full(model, path, list(optimizers), strict, model_name)
+    return _load_full(model, path, list(optimizers), strict, model_name, state_keys or (None, ()))
 
 
 def _model_shapes(model: ShardedModel) -> dict[str, tuple[int, ...]]:
@@ -103,12 +105,17 @@ def _load_param_groups(optimizer: Optimizer, saved_groups: list[dict[str, Any]])
 
 
 def _load_full(model: ShardedModel, path: Path, optimizers: list[Optimizer], strict: bool,
-               model_name: str) -> dict[str, Any]:
+               model_name: str, state_keys: tuple[str | None, Sequence[str]]) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise CheckpointError(f"ckpt_path={str(path)!r} is not a Lightning checkpoint: it has no 'state_dict'.")
+    if isinstance(checkpoint, dict):
+        checkpoint = trainer_layout(checkpoint, *state_keys)
+    if not isinstance(checkpoint, dict) or MODEL_KEY not in checkpoint:
+        raise CheckpointError(
+            f"ckpt_path={str(path)!r} is not a Lightning checkpoint: it has no 'state_dict' (Trainer) and no model"
+            " under the key of the state to restore (Fabric)."
+        )
     state = checkpoint.pop("state_dict")
     check_model_fits(path, {k: tuple(v.shape) for k, v in state.items() if isinstance(v, Tensor)},
                      _model_shapes(model), strict, model_name)

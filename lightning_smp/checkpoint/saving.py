@@ -20,7 +20,7 @@ from lightning_smp.checkpoint.format import FORMAT_VERSION, META_FILENAME, RUN_K
 from lightning_smp.checkpoint.safety import plain_checkpoint, unsafe_entry
 from lightning_smp.collectives import Collectives
 from lightning_smp.degree import Layout
-from lightning_smp.errors import CheckpointError, UnsupportedOptionError
+from lightning_smp.errors import CheckpointError, CheckpointPathError, UnsupportedOptionError
 from lightning_smp.names import SHARDED, StateDictType
 
 PathLike = str | os.PathLike
@@ -98,6 +98,7 @@ def save(checkpoint: dict[str, Any], filepath: PathLike, *, kind: StateDictType,
 
     Raises:
         UnsupportedOptionError: ``storage_options`` was given (a ``TypeError`` too, as in Lightning's FSDPStrategy).
+        CheckpointPathError: ``filepath`` is a folder holding something else than a checkpoint of this run.
         CheckpointError: ``filepath`` holds something else than a checkpoint of this run, the checkpoint holds
             objects that only unpickling code could load, or writing failed on some rank.
     """
@@ -110,13 +111,17 @@ def save(checkpoint: dict[str, Any], filepath: PathLike, *, kind: StateDictType,
     path = Path(collectives.broadcast(os.fspath(filepath)))
     run_id = run.ensure(collectives)
     checkpoint = plain_checkpoint(checkpoint)  # what is written, and what the check below judges
-    # decide on rank 0, fail on every rank alike, before anything is written
-    problem = collision(path, run_id) if rank == 0 else None
-    if problem is None and rank == 0:
-        problem = unsafe_entry({k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")})
-    problem = collectives.broadcast(problem)
+    # decide on rank 0, fail on every rank alike (and with the same type), before anything is written
+    problem, error = None, CheckpointError
+    if rank == 0:
+        problem = collision(path, run_id)
+        if problem is not None and path.is_dir() and not path.is_symlink():
+            error = CheckpointPathError
+        elif problem is None:
+            problem = unsafe_entry({k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")})
+    problem, folder = collectives.broadcast((problem, error is CheckpointPathError))
     if problem is not None:
-        raise CheckpointError(problem)
+        raise (CheckpointPathError if folder else CheckpointError)(problem)
 
     checkpoint[RUN_KEY] = run_record(run_id, kind, collectives.world_size, layout)
     tmp = Path(collectives.broadcast(str(temporary_name(path))))

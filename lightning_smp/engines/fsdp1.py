@@ -136,7 +136,7 @@ class FSDP1Engine:
         return enable_wrap(wrapper_cls=_fsdp(), **self.wrapper_kwargs(plan))
 
     def is_sharded(self, module: Module) -> bool:
-        return any(isinstance(m, _fsdp()) for m in module.modules())
+        return isinstance(module, _fsdp()) or any(isinstance(m, _fsdp()) for m in module.modules())
 
     def holds_shards(self, module: Module) -> bool:
         from torch.distributed.fsdp._common_utils import _is_fsdp_flattened
