@@ -10,7 +10,7 @@ LITGPT_SPEC ?= litgpt==0.5.13
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install install-litgpt demo test lint bench clean
+.PHONY: install install-litgpt demo test lint bench bench-cluster clean
 
 install: $(STAMP)
 
@@ -38,6 +38,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(ARGS)
+
+# two nodes in network namespaces joined by a throttled link (needs root or CAP_NET_ADMIN); see docs/cluster.md
+bench-cluster: $(STAMP)
+	$(BIN)/python -m benchmarks.cluster $(ARGS)
 
 clean:
 	rm -rf $(VENV) lightning_logs .pytest_cache

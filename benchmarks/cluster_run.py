@@ -154,13 +154,15 @@ def summarize(config: dict[str, Any], args: argparse.Namespace, ranks: list[dict
     steps = range(args.warmup, args.warmup + args.steps)  # the measured optimizer steps (after the warm-up)
     # a step's time: from the boundary before it to the one after it, on the rank that got there last
     step_times = [max(m[s + 1][0] - m[s][0] for m in marks) for s in steps]
-    sent = [sum(marks[r][s + 1][1] - marks[r][s][1] for r in first_of_node.values()) for s in steps]
+    per_node = [[marks[r][s + 1][1] - marks[r][s][1] for r in first_of_node.values()] for s in steps]
+    sent = [sum(nodes) for nodes in per_node]
     if config["kind"] == "ddp":  # DDP's reducer calls gloo from C++, out of the counter's sight: its textbook
         world = list(range(len(ranks)))
         textbook = ring_bytes("all_reduce", ranks[0]["grad_bytes"], len(world)) * crossing_edges(world, node_of)
     else:
         textbook = cross_node_bytes(ranks[0]["counts"], ranks[0]["groups"], node_of)
-    return {**config, "step_times": step_times, "link_bytes": sent, "textbook_bytes": textbook,
+    return {**config, "step_times": step_times, "link_bytes": sent, "link_bytes_per_node": per_node,
+            "textbook_bytes": textbook,
             "counts": ranks[0]["counts"], "grad_bytes": ranks[0]["grad_bytes"], "node_of": node_of}
 
 

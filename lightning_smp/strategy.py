@@ -396,8 +396,12 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     def full_state_dict(self) -> dict[str, Any]:
         """The unsharded model weights on global rank 0 (an empty dict on the other ranks). Call it on every rank.
 
-        Assembled once: only replica group 0 gathers, the other replicas skip the work.
+        Assembled once: only replica group 0 gathers, the other replicas skip the work. In the process that forked the
+        ranks (a notebook), after they ended: the full weights they sent back.
         """
+        module = self.lightning_module
+        if self._in_launching_process() and module is not None:
+            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
         return checkpoint_lib.full_model_state(self._sharded_model())
 
     def full_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -272,6 +272,12 @@ class FSDP2Engine:
         # the root keeps its parameters gathered from forward to backward, as FSDP1's root does (it is needed again
         # at once); under ZeRO-2 nothing reshards after forward anyway
         fully_shard(module, **{**kwargs, "reshard_after_forward": None if kwargs["reshard_after_forward"] else False})
+        # every parameter that requires a gradient takes part in every reduction (zeros when a micro-batch did not use
+        # it), as DDP's buckets do: the pending sum of a deferred all-reduce keeps one layout for the whole window.
+        # Otherwise its layout follows the parameters each micro-batch used, and a head left out of the last
+        # micro-batch is never all-reduced (its .grad stays None) or receives another head's sum
+        for unit in fsdp_modules(module):
+            unit.set_reduce_scatter_unused_params(True, recurse=False)
         # meta-device parameters become real local shards, initialised by each module's reset_parameters()
         _materialize_distributed_module(module, device)
         return module
@@ -408,6 +414,15 @@ class FSDP2Engine:
                 " step: their .grad is None or unreduced and the step would silently skip them. Fix: turn it back on"
                 " before the last micro-batch's backward (HybridShardFSDPStrategy does so for accumulate_grad_batches;"
                 " do not call these setters yourself)."
+            )
+        # the state, not only the flags: a sum still waiting for its all-reduce was never applied to any .grad
+        pending = [group for _, group in _param_groups(model) if getattr(group, "_partial_reduce_output", None) is not None]
+        if pending:
+            raise GradientSyncError(
+                f"{len(pending)} FSDP2 parameter group(s) hold a gradient sum that was never all-reduced across replicas"
+                " as the optimizer is about to step: the step would skip those gradients or apply them to the wrong"
+                " window. Fix: run the last micro-batch's backward with gradient sync on (outside no_backward_sync),"
+                " or discard the window with model.reset_iter_state() on the sharded root."
             )
 
     def gradient_bytes(self, model: Module) -> int:
