@@ -82,9 +82,12 @@ def lost_peer_note(error: BaseException, table: Sequence[RankAddress], groups: S
                 + " across the inter-node link, which stopped answering (the node hangs or died, or the link is down)")
     else:
         what = "every peer of this rank's process groups runs on its own node: a rank of this node stopped answering"
+    if not closed and any(e.node == me.node and e.rank != rank and e.address in closing for e in table):
+        what += "; a rank of this node closed its connection first (it stopped on its own error)"
     return (f"lightning_smp: {here} ({me.host}): a collective failed because a peer stopped answering: {what}."
-            " The last checkpoint written before the failure is intact: resume from it (ckpt_path=...), on the"
-            " nodes that remain with hybrid_shard_degree='auto' or a degree that divides the new world size.")
+            " Checkpoints are committed atomically, so the last one committed before the failure is whole: resume"
+            " from it (ckpt_path=...), on the nodes that remain with hybrid_shard_degree='auto' or a degree that"
+            " divides the new world size.")
 
 
 __all__ = ["RankAddress", "gather_addresses", "local_address", "lost_peer_note"]

@@ -684,10 +684,17 @@ def test_sharding_strategy_attribute_says_what_will_run(degree, requested, devic
     from tests.helpers import cpu_trainer
 
     cls = HybridShardFSDPStrategy if front_end == "fabric" else TrainerStrategy
-    strategy = cls(hybrid_shard_degree=degree, sharding_strategy=requested)
+    strategy = cls(hybrid_shard_degree=degree, sharding_strategy=requested, start_method="fork")
     assert strategy.sharding_strategy.name == requested  # what was asked for, until the world size is known
     if front_end == "fabric":
-        strategy = _fabric(strategy, devices).strategy
+        fabric = _fabric(strategy, devices)
+        strategy = fabric.strategy
+        # and inside the launched ranks, where the mesh exists
+        assert fabric.launch(_sharding_strategy_name) == effective
     else:
         strategy = cpu_trainer(strategy, devices=devices).strategy
     assert strategy.sharding_strategy.name == effective == strategy.layout.sharding_strategy
+
+
+def _sharding_strategy_name(fabric: L.Fabric) -> str:
+    return fabric.strategy.sharding_strategy.name
