@@ -51,6 +51,7 @@ from typing_extensions import override
 
 from lightning_smp import checkpoint as checkpoint_lib
 from lightning_smp.checkpoint import FABRIC_KEYS
+from lightning_smp.checkpoint.saving import check_storage_options
 from lightning_smp.collectives import Collectives
 from lightning_smp.core import FSDP2_OFFLOAD_CONFIGS, HybridShardCore
 from lightning_smp.engines import ShardingPlan, engine_of
@@ -338,11 +339,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         ``"sharded"``: the same folder as the Trainer strategy writes. ``"full"``: one file in the layout of Fabric's
         ``FSDPStrategy``, the model and optimizers under the user's keys (``{"model": ..., "optimizer": ...}``).
         """
-        if storage_options is not None:
-            raise UnsupportedOptionError(
-                f"storage_options={storage_options!r} is not supported by fabric.save with {type(self).__name__}: it"
-                " writes with torch.save / torch.distributed.checkpoint, not with a CheckpointIO. Fix: pass None."
-            )
+        check_storage_options(storage_options)  # first, as Lightning's FSDPStrategy
         module_key, module, optimizer_keys, rest = _split_state(state)
         sharded = self._sharded(module)  # refuses a module that was not set up here, on every rank alike
         kind = self.core.state_dict_type

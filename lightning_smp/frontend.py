@@ -7,19 +7,17 @@ steps they share and their messages are this mixin's.
 
 from __future__ import annotations
 
-import atexit
-import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 
 from lightning_smp.checkpoint import CheckpointRun
+from lightning_smp.collectives import release_process_groups_at_exit
 from lightning_smp.core import HybridShardCore
 from lightning_smp.degree import Layout
 from lightning_smp.engines import Engine, ShardingPlan
@@ -34,31 +32,6 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import ShardingStrategy
 
     from lightning_smp.planner import Plan
-
-
-_exit_hook_registered = False
-
-
-def _destroy_process_groups_at_exit() -> None:
-    """Destroy the process groups while the interpreter is still whole, for every backend.
-
-    Lightning registers this for NCCL only. A gloo process group left to interpreter finalization can abort the
-    process (``terminate called without an active exception``, exit code -6) after a run that finished: a worker
-    thread freeing its last work's tensors needs the GIL, and one that gets it only once finalization has begun is
-    torn down inside a destructor (pytorch/pytorch#190489; measured here: 8 of 15 four-rank gloo runs aborted
-    without this, none of 48 with it). Destroying a group is local for gloo, so a peer that already exited cannot
-    block it; it does not stop gloo's threads while the mesh or the model still refer to the group, so the handler
-    then releases the GIL for a moment, for any worker still waiting for it.
-    """
-    global _exit_hook_registered
-    if not _exit_hook_registered:
-        _exit_hook_registered = True
-        atexit.register(_release_process_groups)
-
-
-def _release_process_groups() -> None:
-    _destroy_dist_connection()
-    time.sleep(0.05)
 
 
 class HybridShardFrontEnd:
@@ -165,7 +138,7 @@ class HybridShardFrontEnd:
     def _set_up_mesh(self, num_nodes: int, devices: int, device_type: str) -> Layout | None:
         """The mesh, once the process group exists, and where every rank runs (for :meth:`_lost_peer_note`).
         ``None`` while ``hybrid_shard_degree="auto"`` waits for the model (:meth:`_choose_degree`)."""
-        _destroy_process_groups_at_exit()
+        release_process_groups_at_exit()
         if self._peers is None and num_nodes > 1:
             self._peers = gather_addresses(self.node_rank)
         layout = self.core.build_mesh(num_nodes, devices, device_type)

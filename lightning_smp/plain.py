@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import Module
 
+from lightning_smp.collectives import release_process_groups_at_exit
 from lightning_smp.config import configured_degree, load_config, set_init_config
 from lightning_smp.degree import Layout, resolve_layout
 from lightning_smp.engines import FSDP1Engine, FSDP2Engine
@@ -92,6 +93,7 @@ def init(config: Mapping[str, Any] | str | os.PathLike | None = None) -> None:
     set_init_config(values if config is not None else None)
     configured_degree()  # check the environment now, before any collective could hang
     _patch()
+    release_process_groups_at_exit()  # as the strategies do: gloo groups left to finalization can hang or abort
 
 
 def shutdown() -> None:

@@ -697,4 +697,27 @@ def test_sharding_strategy_attribute_says_what_will_run(degree, requested, devic
 
 
 def _sharding_strategy_name(fabric: L.Fabric) -> str:
-    return fabric.strategy.sharding_strategy.name
+    name = fabric.strategy.sharding_strategy.name
+    # no rank leaves right after creating the mesh's groups while a slower peer is still connecting to it
+    fabric.barrier()
+    return name
+
+
+def _seeded_meta_init(fabric: L.Fabric) -> dict[str, list]:
+    fabric.seed_everything(7)  # every rank alike, as litgpt and most scripts do
+    with fabric.init_module(empty_init=True):
+        net = TinyModel().net
+    assert all(p.is_meta for p in net.parameters())
+    return _full(fabric, fabric.setup_module(net))
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("degree", [2, 4])
+@pytest.mark.parametrize("version", [1, 2])
+def test_seeded_meta_init_gives_the_weights_of_an_unsharded_model(version, degree):
+    """Not one block of rows repeated per shard (FSDP2 on CPU drew the same numbers on every rank for its shard)."""
+    torch.manual_seed(7)
+    reference = TinyModel().net.state_dict()
+    ours = _fabric(_ours(degree, version)).launch(_seeded_meta_init)
+    assert list(ours) == list(reference)
+    assert all(torch.equal(torch.tensor(ours[k]), v) for k, v in reference.items())

@@ -102,11 +102,7 @@ def save(checkpoint: dict[str, Any], filepath: PathLike, *, kind: StateDictType,
         CheckpointError: ``filepath`` holds something else than a checkpoint of this run, the checkpoint holds
             objects that only unpickling code could load, or writing failed on some rank.
     """
-    if storage_options is not None:
-        raise UnsupportedOptionError(
-            f"storage_options={storage_options!r} is not supported by HybridShardFSDPStrategy.save_checkpoint: it"
-            " writes with torch.save / torch.distributed.checkpoint, not with a CheckpointIO. Fix: pass None."
-        )
+    check_storage_options(storage_options)
     rank = collectives.rank
     path = Path(collectives.broadcast(os.fspath(filepath)))
     run_id = run.ensure(collectives)
@@ -138,6 +134,16 @@ def save(checkpoint: dict[str, Any], filepath: PathLike, *, kind: StateDictType,
     # every rank's files must be complete before the checkpoint becomes visible under its name
     _on_every_rank(collectives, write, path, tmp)
     _on_every_rank(collectives, lambda: commit(tmp, path) if rank == 0 else None, path, tmp)
+
+
+def check_storage_options(storage_options: Any) -> None:
+    """Refuse ``storage_options`` (a ``TypeError`` too, as in Lightning's FSDPStrategy): nothing here writes through
+    a ``CheckpointIO``."""
+    if storage_options is not None:
+        raise UnsupportedOptionError(
+            f"storage_options={storage_options!r} is not supported by HybridShardFSDPStrategy.save_checkpoint: it"
+            " writes with torch.save / torch.distributed.checkpoint, not with a CheckpointIO. Fix: pass None."
+        )
 
 
 def _on_every_rank(collectives: Collectives, step: Callable[[], Any], path: Path, tmp: Path) -> None:
@@ -177,4 +183,4 @@ def _save_sharded(checkpoint: dict[str, Any], folder: Path, rank: int) -> None:
         write_file(checkpoint, folder / META_FILENAME)
 
 
-__all__ = ["CheckpointRun", "collision", "run_id_of", "run_record", "save"]
+__all__ = ["CheckpointRun", "check_storage_options", "collision", "run_id_of", "run_record", "save"]

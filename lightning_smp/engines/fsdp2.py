@@ -87,6 +87,26 @@ def fsdp_modules(model: Module) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, cls)]
 
 
+def _materialize_where_shards_cannot_draw(module: Module, plan: ShardingPlan) -> None:
+    """Meta-device parameters in full, before sharding, where DTensor's random ops do not run (CPU: they need a
+    CUDA-like device). Materialized after sharding there, each rank's ``reset_parameters`` would draw the first
+    numbers of the same stream for its own shard, and every full weight would repeat one block of rows. In full, every
+    rank draws what a non-sharded model seeded alike draws; rank 0's weights then go to every rank (ranks need not be
+    seeded alike), and ``fully_shard`` splits real tensors. Costs the full model on each rank for a moment."""
+    from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
+    from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
+    from torch.distributed.tensor._random import is_rng_supported_mesh
+
+    from lightning_smp.replicas import broadcast_module_state
+
+    if not _has_meta_device_parameters_or_buffers(module):
+        return
+    if plan.mesh is not None and is_rng_supported_mesh(plan.mesh):
+        return
+    _materialize_distributed_module(module, plan.device)  # to_empty, then reset_parameters() in module order
+    broadcast_module_state(module, plan.device, src=0)
+
+
 def _param_groups(model: Module) -> list[tuple[Any, Any]]:
     """``(FSDPModule, FSDPParamGroup)`` for every module of ``model`` that owns parameters."""
     groups: list[tuple[Any, Any]] = []
@@ -259,6 +279,7 @@ class FSDP2Engine:
     def wrap(self, module: Module, plan: ShardingPlan) -> Module:
         from torch.distributed.fsdp import fully_shard
 
+        _materialize_where_shards_cannot_draw(module, plan)
         kwargs = self.shard_kwargs(plan)
         for target in wrap_targets(module, plan.options.get("auto_wrap_policy")):
             fully_shard(target, **kwargs)
