@@ -79,6 +79,16 @@ class Collectives:
             dist.barrier()
 
 
+def checkpoint_group(device_type: str) -> dist.ProcessGroup | None:
+    """A gloo group of every rank for background checkpoint writes, with the default group's timeout; ``None``
+    without one. Collective: every rank creates it at the same point."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    from lightning_smp.mesh import default_group_timeout
+
+    timeout = default_group_timeout(device_type)
+    return dist.new_group(backend="gloo", **({"timeout": timeout} if timeout is not None else {}))
+
 
 _exit_hook_registered = False
 
@@ -107,4 +117,4 @@ def _release_process_groups() -> None:
     time.sleep(0.05)
 
 
-__all__ = ["Collectives", "release_process_groups_at_exit"]
+__all__ = ["Collectives", "checkpoint_group", "release_process_groups_at_exit"]

@@ -74,6 +74,10 @@ class SMPConfig:
         memory_budget: this library's key: what one rank's training may use when ``hybrid_shard_degree`` is
             ``"auto"``, in bytes (given as an int or a string such as ``"40GB"``); ``None``: the device's free memory
             (on the CPU, the available RAM divided by the ranks of the node).
+        async_save: this library's key: write sharded checkpoints in the background (training goes on once the
+            state is copied off the training tensors); committed by rename once every rank has written, and
+            ``ModelCheckpoint``'s links, removals and logger notifications wait for that commit. See
+            ``docs/checkpoints.md``.
         tensor_parallel_degree, context_parallel_degree, expert_parallel_degree: SMP's other parallelisms; only 1.
         sm_activation_offloading: SMP's activation offloading; only ``false``.
         activation_loading_horizon, fsdp_cache_flush_warnings, allow_empty_shards, random_seed: accepted and
@@ -83,6 +87,7 @@ class SMPConfig:
     hybrid_shard_degree: int | str = 0
     fsdp_version: int = 1
     memory_budget: int | str | None = None
+    async_save: bool = False
     tensor_parallel_degree: int | None = None
     context_parallel_degree: int | None = None
     expert_parallel_degree: int | None = None
@@ -150,12 +155,29 @@ def _check_fsdp_version(value: Any, where: str) -> int:
         raise HybridShardConfigError(f"{where}: {err}") from None
 
 
+def check_async_save(value: Any, parameter: str = "async_save") -> bool:
+    """``value`` if it is a boolean (a string such as ``"yes"`` is refused: it would be truthy whatever it says)."""
+    if not isinstance(value, bool):
+        raise HybridShardConfigError(
+            f"{parameter}={value!r} ({_type_name(value)}) is not a boolean. Fix: pass true or false."
+        )
+    return value
+
+
+def _check_async_save(value: Any, where: str) -> bool:
+    try:
+        return check_async_save(value)
+    except HybridShardConfigError as err:
+        raise HybridShardConfigError(f"{where}: {err}") from None
+
+
 #: The implemented keys and their checks (return the normalised value; raise ``HybridShardConfigError`` naming
 #: ``where``).
 IMPLEMENTED_KEYS: dict[str, Callable[[Any, str], Any]] = {
     "hybrid_shard_degree": _check_hybrid_shard_degree,
     "fsdp_version": _check_fsdp_version,
     "memory_budget": _check_memory_budget,
+    "async_save": _check_async_save,
 }
 
 
@@ -412,6 +434,7 @@ __all__ = [
     "SMPSection",
     "check_config",
     "check_fsdp_version",
+    "check_async_save",
     "check_memory_budget",
     "config_layers",
     "config_source",

@@ -32,7 +32,7 @@ from torch.nn import Module
 
 from lightning_smp.checkpoint import CheckpointRun, ShardedModel
 from lightning_smp.collectives import Collectives
-from lightning_smp.config import SMPConfig, check_fsdp_version, check_memory_budget, resolve_config
+from lightning_smp.config import SMPConfig, check_async_save, check_fsdp_version, check_memory_budget, resolve_config
 from lightning_smp.degree import (
     Layout,
     check_degree_setting,
@@ -46,6 +46,7 @@ from lightning_smp.mesh import build_device_mesh, check_device_mesh, process_gro
 from lightning_smp.names import (
     AUTO,
     GRADIENT_ACCUMULATIONS,
+    SHARDED,
     STATE_DICT_TYPES,
     GradientAccumulation,
     ShardingStrategyName,
@@ -59,6 +60,12 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_smp.planner import Plan
+
+_ASYNC_FULL = (
+    "async_save=True writes sharded checkpoints in the background, but state_dict_type={state_dict_type!r} assembles"
+    " one full file on rank 0. Fix: use state_dict_type='sharded' (convert afterwards with python -m"
+    " lightning_smp.checkpoint consolidate), or async_save=False."
+)
 
 #: Names of the offload configs of FSDP2, which Lightning's FSDP strategies would turn into FSDP1's ``CPUOffload``.
 FSDP2_OFFLOAD_CONFIGS = ("CPUOffloadPolicy", "OffloadPolicy")
@@ -81,6 +88,7 @@ class HybridShardCore:
         memory_budget_arg: the ``memory_budget`` argument in bytes, else ``None`` (the configuration sources, then
             the device's free memory); ``chosen``: the planner's :class:`~lightning_smp.planner.Plan` once
             ``hybrid_shard_degree="auto"`` has been resolved by :meth:`choose_degree`.
+        async_save_arg: the ``async_save`` argument, else ``None`` (the configuration sources decide).
         engine: the engine in effect; config, layout, device_mesh: known after :meth:`configure` and
             :meth:`build_mesh`; checkpoint_run: who writes this run's checkpoints.
     """
@@ -96,6 +104,7 @@ class HybridShardCore:
     user_mesh: DeviceMesh | None = None
     mesh_shape_arg: tuple[int, ...] | None = None
     memory_budget_arg: int | None = None
+    async_save_arg: bool | None = None
     chosen: Plan | None = None
     engine: Engine = field(default_factory=lambda: engine_for(1))
     config: SMPConfig | None = None
@@ -124,6 +133,7 @@ class HybridShardCore:
         auto_wrap_policy: Any,
         kwargs: dict[str, Any],
         memory_budget: Any = None,
+        async_save: Any = None,
     ) -> HybridShardCore:
         """Check the arguments that need no world size and no process; raise :class:`HybridShardConfigError`."""
         requested = check_sharding_strategy(sharding_strategy)
@@ -140,6 +150,9 @@ class HybridShardCore:
             )
         degree = None if hybrid_shard_degree is None else check_degree_setting(hybrid_shard_degree)
         budget = check_memory_budget(memory_budget)
+        background = None if async_save is None else check_async_save(async_save)
+        if background and state_dict_type != SHARDED:
+            raise HybridShardConfigError(_ASYNC_FULL.format(state_dict_type=state_dict_type))
         user_mesh, mesh_degree = check_device_mesh(device_mesh)
         if device_mesh is not None and kwargs.get("process_group") is not None:
             raise HybridShardConfigError(
@@ -160,7 +173,7 @@ class HybridShardCore:
             engine_options={**kwargs, **({"auto_wrap_policy": auto_wrap_policy} if auto_wrap_policy else {})},
             mixed_precision_arg=mixed_precision, cpu_offload_arg=cpu_offload, user_mesh=user_mesh,
             mesh_shape_arg=tuple(device_mesh) if isinstance(device_mesh, (tuple, list)) else None,
-            memory_budget_arg=budget, engine=engine_for(version or 1),
+            memory_budget_arg=budget, async_save_arg=background, engine=engine_for(version or 1),
         )
         if version is not None:
             core.check_engine()  # the engine is known already: refuse its wrong arguments now
@@ -188,6 +201,8 @@ class HybridShardCore:
             explicit["fsdp_version"] = self.fsdp_version_arg
         if self.memory_budget_arg is not None:
             explicit["memory_budget"] = self.memory_budget_arg
+        if self.async_save_arg is not None:
+            explicit["async_save"] = self.async_save_arg
         return resolve_config(explicit or None)
 
     def configure(self, num_nodes: int, devices: int) -> Layout | None:
@@ -195,6 +210,8 @@ class HybridShardCore:
         for ``num_nodes x devices`` ranks (``None`` while ``hybrid_shard_degree="auto"`` waits for the model). Call
         it before any process starts."""
         self.config = config = self.resolve_config()
+        if config.async_save and self.state_dict_type != SHARDED:
+            raise HybridShardConfigError(_ASYNC_FULL.format(state_dict_type=self.state_dict_type))
         self.engine = engine_for(config.fsdp_version)
         self.check_engine()
         self.layout = None if self.auto and self.chosen is None else self.resolve_layout(num_nodes, devices)
@@ -215,6 +232,11 @@ class HybridShardCore:
     def configured_degree(self) -> int | str:
         """The degree as configured: a number, or ``"auto"``."""
         return (self.config or self.resolve_config()).hybrid_shard_degree
+
+    @property
+    def async_save(self) -> bool:
+        """Whether sharded checkpoints are written in the background (the argument, else any configuration source)."""
+        return bool((self.config or self.resolve_config()).async_save)
 
     @property
     def auto(self) -> bool:

@@ -121,7 +121,13 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     ``hybrid_shard_degree``, ``fsdp_version``, ``gradient_accumulation``, ``sharding_strategy``, ``state_dict_type``
     (``"sharded"`` by default), ``device_mesh``, ``start_method`` (``None``: ``"fork"`` in a notebook, else
     ``"popen"``, Fabric's script launcher), ``auto_wrap_policy``, ``activation_checkpointing_policy``,
-    ``cpu_offload``, ``mixed_precision``, ``process_group_backend``, ``timeout`` and the engine's ``**kwargs``.
+    ``cpu_offload``, ``mixed_precision``, ``process_group_backend``, ``timeout``, ``async_save`` and the engine's
+    ``**kwargs``.
+
+    With ``async_save=True``, ``fabric.save`` returns once the state is copied off the training tensors; a failed
+    background write raises on every rank at the next ``optimizer.step()``, the next save or load, or at
+    :meth:`wait_for_checkpoint` (call it before the end of the program to see a failure of the last save; the
+    process waits for the write in any case).
     """
 
     _created_by = "Fabric"
@@ -148,6 +154,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         fsdp_version: int | None = None,
         gradient_accumulation: GradientAccumulation | None = None,
         memory_budget: int | str | None = None,
+        async_save: bool | None = None,
         **kwargs: Any,
     ) -> None:
         # static checks, before anything is built: the same on every rank (and the Trainer strategy's)
@@ -155,7 +162,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             sharding_strategy=sharding_strategy, hybrid_shard_degree=hybrid_shard_degree, device_mesh=device_mesh,
             fsdp_version=fsdp_version, gradient_accumulation=gradient_accumulation, state_dict_type=state_dict_type,
             mixed_precision=mixed_precision, cpu_offload=cpu_offload, auto_wrap_policy=auto_wrap_policy,
-            kwargs=kwargs, memory_budget=memory_budget,
+            kwargs=kwargs, memory_budget=memory_budget, async_save=async_save,
         )
         self._start_method: StartMethod = check_start_method_name(start_method) or (
             "fork" if _IS_INTERACTIVE else "popen")
@@ -282,6 +289,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             )
         if self._module is not None:
             self._check_synced(self._module)
+        self._poll_checkpoint(Collectives.current(self.root_device))  # a background save's failure surfaces here
         return super().optimizer_step(optimizer, **kwargs)
 
     def _check_synced(self, module: Module) -> None:
@@ -361,7 +369,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             checkpoint.setdefault("pytorch-lightning_version", _lightning_version())
             checkpoint[FABRIC_KEYS] = {"module": module_key, "optimizers": optimizer_keys, "for_the_trainer": added}
         checkpoint_lib.save(checkpoint, path, kind=kind, collectives=Collectives.current(self.root_device),
-                            run=self.core.checkpoint_run, layout=self.core.layout, storage_options=storage_options)
+                            run=self.core.checkpoint_run, layout=self.core.layout, storage_options=storage_options,
+                            background=self._background,
+                            writes_data=self._background is None or sharded.writes_data())
 
     @override
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
@@ -370,6 +380,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         end (or a full file of Lightning's own Fabric ``FSDPStrategy``), at any degree and world size; loads only
         tensors and plain values. Objects with ``load_state_dict()`` in ``state`` are restored in place, other
         entries replaced; what ``state`` did not ask for is returned."""
+        self.wait_for_checkpoint()  # it may be the checkpoint in flight
         if state is None:
             raise HybridShardConfigError(
                 "fabric.load(path) without a state: give the objects to restore, e.g. fabric.load(path, {'model':"

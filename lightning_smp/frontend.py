@@ -7,6 +7,7 @@ steps they share and their messages are this mixin's.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 
 from lightning_smp.checkpoint import CheckpointRun
-from lightning_smp.collectives import release_process_groups_at_exit
+from lightning_smp.checkpoint.background import BackgroundSaver
+from lightning_smp.collectives import Collectives, checkpoint_group, release_process_groups_at_exit
 from lightning_smp.core import HybridShardCore
 from lightning_smp.degree import Layout
 from lightning_smp.engines import Engine, ShardingPlan
@@ -25,6 +27,8 @@ from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.mesh import group_ranks
 from lightning_smp.names import MESH_AXES, GradientAccumulation
 from lightning_smp.peers import RankAddress, gather_addresses, lost_peer_note
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +51,8 @@ class HybridShardFrontEnd:
     _warned_budget = False
     #: where every rank runs, learnt at setup on more than one node (names a lost node when a collective fails)
     _peers: list[RankAddress] | None = None
+    #: writes sharded checkpoints in the background (``async_save``); made with its process group at setup
+    _background: BackgroundSaver | None = None
     node_rank: int  # Lightning's ParallelStrategy, Trainer's and Fabric's alike
 
     @property
@@ -139,6 +145,9 @@ class HybridShardFrontEnd:
         """The mesh, once the process group exists, and where every rank runs (for :meth:`_lost_peer_note`).
         ``None`` while ``hybrid_shard_degree="auto"`` waits for the model (:meth:`_choose_degree`)."""
         release_process_groups_at_exit()
+        if self.core.async_save and self._background is None:
+            # its own gloo group: the writing threads' collectives must never queue behind the training's
+            self._background = BackgroundSaver(checkpoint_group(device_type))
         if self._peers is None and num_nodes > 1:
             self._peers = gather_addresses(self.node_rank)
         layout = self.core.build_mesh(num_nodes, devices, device_type)
@@ -146,6 +155,38 @@ class HybridShardFrontEnd:
             return None
         rank_zero_info(f"{type(self).__name__}: {layout.describe()}")
         return layout
+
+    @property
+    def async_save(self) -> bool:
+        """Whether sharded checkpoints are written in the background (see :mod:`lightning_smp.checkpoint.background`)."""
+        return self.core.async_save
+
+    @property
+    def checkpoint_staging_bytes(self) -> int:
+        """Host memory this rank's staged copy of the largest background save took so far (0 without
+        ``async_save``, and on ranks whose shards another replica writes)."""
+        return self._background.peak_staged_bytes if self._background is not None else 0
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the checkpoint being written in the background is committed (and what waited for it has run);
+        raise its failure, the same on every rank. Nothing without ``async_save`` or a save in flight. Call it on
+        every rank; the end of ``fit``, the next save and every load call it for you."""
+        if self._background is not None:
+            self._background.wait()
+
+    def _poll_checkpoint(self, collectives: Collectives) -> None:
+        """At a training step: take the outcome of a background save whose write ended on every rank."""
+        if self._background is not None:
+            self._background.poll(collectives)
+
+    def _end_checkpoint_after_error(self) -> None:
+        """After training failed: wait for the write in flight (it commits if every rank wrote), skip what waited for
+        it, and log (not raise) its own failure, which must not hide the error that ended training."""
+        if self._background is not None and self._background.in_flight:
+            try:
+                self._background.wait(side_effects=False)
+            except Exception as err:  # noqa: BLE001 - logged; the training error is the one raised
+                log.error("%s", err)
 
     def _lost_peer_note(self, error: BaseException) -> str | None:
         """Which node this rank's collectives were waiting for when ``error`` (a timeout, a closed connection) ended

@@ -9,7 +9,7 @@ the arguments users read in their IDE.
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -38,6 +38,7 @@ from lightning_smp import checkpoint as checkpoint_lib
 from lightning_smp.accounting.memory import no_sync_extra_bytes
 from lightning_smp.accounting.render import fmt_bytes
 from lightning_smp.checkpoint import ShardedModel
+from lightning_smp.checkpoint.after_commit import defer_until_commit
 from lightning_smp.collectives import Collectives
 from lightning_smp.core import FSDP2_OFFLOAD_CONFIGS, HybridShardCore
 from lightning_smp.engines import ShardingPlan
@@ -128,6 +129,12 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             gradient), ``"every_micro_batch"`` (full reduction each: sharded gradients, ``k`` times the traffic) or
             ``"defer_all_reduce"`` (FSDP2's default: reduce-scatter inside the shard group each, the cross-replica
             all-reduce once on the last; sharded gradients and one crossing of the replicas per step).
+        async_save: ``None`` (default: from the configuration sources, else ``False``) or ``True``: every
+            ``save_checkpoint`` (``ModelCheckpoint``'s included) returns once the state is copied off the training
+            tensors and the sharded checkpoint is written in the background, committed by rename once every rank
+            has written; ``ModelCheckpoint``'s ``last`` link, its removals and the loggers wait for that commit, and
+            a failed write raises on every rank at the next training step (see ``docs/checkpoints.md``). Needs
+            ``state_dict_type="sharded"``.
         \**kwargs: passed to the engine: ``FullyShardedDataParallel`` for FSDP1 (e.g. ``process_group``,
             ``limit_all_gathers``, ``use_orig_params``, defaulting to ``True``), ``fully_shard`` for FSDP2
             (``shard_placement_fn``, ``ignored_params``; FSDP1-only arguments are refused naming their
@@ -168,6 +175,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         fsdp_version: int | None = None,
         gradient_accumulation: GradientAccumulation | None = None,
         memory_budget: int | str | None = None,
+        async_save: bool | None = None,
         **kwargs: Any,
     ) -> None:
         # static checks, before anything is built: the same on every rank
@@ -176,7 +184,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             sharding_strategy=sharding_strategy, hybrid_shard_degree=hybrid_shard_degree, device_mesh=device_mesh,
             fsdp_version=fsdp_version, gradient_accumulation=gradient_accumulation, state_dict_type=state_dict_type,
             mixed_precision=mixed_precision, cpu_offload=cpu_offload, auto_wrap_policy=auto_wrap_policy,
-            kwargs=kwargs, memory_budget=memory_budget,
+            kwargs=kwargs, memory_budget=memory_budget, async_save=async_save,
         )
         start_method = check_start_method_name(start_method)
         self._start_method: StartMethod = start_method or ("fork" if _IS_INTERACTIVE else "popen")
@@ -205,6 +213,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             self.cpu_offload = cpu_offload  # type: ignore[assignment]  # FSDPStrategy annotates FSDP1's type only
         self._state_dict_type: StateDictType = state_dict_type
         self._launch_results: MainProcessResults | None = None
+        self._undo_deferral: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ configuration
 
@@ -287,6 +296,8 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             )
         super().setup(trainer)
         self.precision_plugin.fsdp_module = self.model
+        if self._background is not None and self._undo_deferral is None:
+            self._undo_deferral = defer_until_commit(trainer, self._background)
         if trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches > 1:
             self._warn_no_sync(trainer.accumulate_grad_batches)
 
@@ -414,16 +425,48 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        kind = self._state_dict_type
+        kind, background, writes_data = self._state_dict_type, self._background, True
         if self._launch_results is not None and self._launch_results.in_main_process:
             # the ranks that held the shards have ended: one full file, with the optimizer state they sent back
-            checkpoint, kind = self._launch_results.complete_checkpoint(checkpoint), FULL
+            checkpoint, kind, background = self._launch_results.complete_checkpoint(checkpoint), FULL, None
+        elif background is not None:
+            writes_data = self._sharded_model().writes_data()
         # atomic, never over another run's checkpoint, tensors written once (see lightning_smp.checkpoint)
         checkpoint_lib.save(checkpoint, filepath, kind=kind, collectives=Collectives.current(self.root_device),
-                            run=self.checkpoint_run, layout=self.core.layout, storage_options=storage_options)
+                            run=self.checkpoint_run, layout=self.core.layout, storage_options=storage_options,
+                            background=background, writes_data=writes_data)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        # ModelCheckpoint removes the checkpoint a new one replaces: only once that one is committed
+        if self._background is not None:
+            self._background.after_commit(lambda: super(HybridShardFSDPStrategy, self).remove_checkpoint(filepath))
+        else:
+            super().remove_checkpoint(filepath)
+
+    # ------------------------------------------------------------------ background saves (async_save)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._poll_checkpoint(Collectives.current(self.root_device))
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self.wait_for_checkpoint()  # after the callbacks' on_train_end, which may have saved
+
+    @override
+    def teardown(self) -> None:
+        self._end_checkpoint_after_error()  # a save still in flight here: fit ended with an error
+        if self._undo_deferral is not None:
+            self._undo_deferral()
+            self._undo_deferral = None
+        super().teardown()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self.wait_for_checkpoint()  # it may be the checkpoint in flight
         # always weights_only: a sharded folder or full file, resharded to this degree and world size
         module = self.lightning_module
         if module is None:

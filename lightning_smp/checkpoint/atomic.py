@@ -1,12 +1,14 @@
 """Atomic file operations: write under a temporary name in the same folder, then rename into place.
 
-A save killed part way leaves the previous checkpoint intact (and a ``.NAME.tmp-*`` leftover).
+A save killed part way leaves the previous checkpoint intact (and a ``.NAME.tmp-*`` leftover, which the run that
+left it removes at its next save: :func:`remove_leftovers`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -16,9 +18,35 @@ from typing import Any
 import torch
 
 
-def temporary_name(dest: Path, tag: str = "tmp") -> Path:
-    """A hidden, unique sibling of ``dest``: ``.NAME.tmp-<12 hex digits>`` (same folder, so a rename is atomic)."""
-    return dest.with_name(f".{dest.name}.{tag}-{uuid.uuid4().hex[:12]}")
+#: a temporary of :func:`temporary_name`: never a checkpoint, whatever it holds (it may be half written)
+_TEMPORARY = re.compile(r"^\..+\.(tmp|old)(-[0-9a-f]{8})?-[0-9a-f]{12}$")
+
+
+def temporary_name(dest: Path, tag: str = "tmp", owner: str | None = None) -> Path:
+    """A hidden, unique sibling of ``dest`` (same folder, so a rename is atomic): ``.NAME.tmp-<12 hex digits>``, or
+    ``.NAME.tmp-<8 hex digits of owner>-<12 hex digits>`` for a save of run ``owner`` (see :func:`remove_leftovers`).
+    """
+    middle = f"-{owner[:8]}" if owner else ""
+    return dest.with_name(f".{dest.name}.{tag}{middle}-{uuid.uuid4().hex[:12]}")
+
+
+def is_temporary(path: Path) -> bool:
+    """Whether ``path`` is a temporary of :func:`temporary_name`: uncommitted, possibly half written."""
+    return bool(_TEMPORARY.match(path.name))
+
+
+def remove_leftovers(folder: Path, owner: str) -> list[Path]:
+    """Remove the temporaries that run ``owner`` left in ``folder`` (a save killed part way); return them.
+
+    Only this run's: another run may be writing into the same folder right now. Call it when this run has no save
+    in flight.
+    """
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.glob(f".*.tmp-{owner[:8]}-*") if is_temporary(p)]
+    for path in found:
+        remove(path)
+    return found
 
 
 def write_file(obj: Any, path: Path) -> None:
@@ -80,4 +108,4 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["commit", "remove", "temporary_name", "write_file"]
+__all__ = ["commit", "is_temporary", "remove", "remove_leftovers", "temporary_name", "write_file"]

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_smp.checkpoint.atomic import is_temporary
 from lightning_smp.errors import CheckpointError
 from lightning_smp.names import FULL, SHARDED, StateDictType
 
@@ -24,7 +25,13 @@ MODEL_KEY, OPTIMIZERS_KEY = "state_dict", "optimizer_states"
 
 
 def checkpoint_kind(path: Path) -> StateDictType:
-    """``"sharded"`` for a DCP folder, ``"full"`` for a file; raises :class:`CheckpointError` for anything else."""
+    """``"sharded"`` for a DCP folder, ``"full"`` for a file; raises :class:`CheckpointError` for anything else,
+    including a save's temporary (uncommitted, possibly half written, whatever files it holds)."""
+    if is_temporary(path):
+        raise CheckpointError(
+            f"ckpt_path={str(path)!r} is the temporary of a save that was never committed (it may be half written)."
+            " Fix: pass the checkpoint under its own name; the run that left this removes it at its next save."
+        )
     if path.is_dir() and ((path / DCP_METADATA).is_file() or (path / META_FILENAME).is_file()):
         return SHARDED
     if path.is_file():

@@ -14,8 +14,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from lightning_smp.checkpoint.atomic import commit, remove, temporary_name, write_file
+from lightning_smp.checkpoint.atomic import commit, remove, remove_leftovers, temporary_name, write_file
+from lightning_smp.checkpoint.background import BackgroundSaver, describe_failure, stage
 from lightning_smp.checkpoint.format import FORMAT_VERSION, META_FILENAME, RUN_KEY
 from lightning_smp.checkpoint.safety import plain_checkpoint, unsafe_entry
 from lightning_smp.collectives import Collectives
@@ -90,11 +93,17 @@ def collision(path: Path, run_id: str) -> str | None:
 
 
 def save(checkpoint: dict[str, Any], filepath: PathLike, *, kind: StateDictType, collectives: Collectives,
-         run: CheckpointRun, layout: Layout | None = None, storage_options: Any | None = None) -> None:
+         run: CheckpointRun, layout: Layout | None = None, storage_options: Any | None = None,
+         background: BackgroundSaver | None = None, writes_data: bool = True) -> None:
     """Write ``checkpoint`` (Lightning's ``dump_checkpoint`` layout) to ``filepath`` atomically. Call it on every rank.
 
     ``kind="sharded"``: ``checkpoint["state_dict"]`` and ``["optimizer_states"]`` hold this rank's shards and go to a
     ``torch.distributed.checkpoint`` folder; ``"full"``: they are full on rank 0, which writes one file.
+
+    ``background`` (sharded only): return once the state is staged and let the saver write and commit it (see
+    :mod:`~lightning_smp.checkpoint.background`); a save still in flight is waited for first, and its failure raised.
+    ``writes_data``: whether this rank's shards are the ones written (the lowest rank of its replica group; see
+    :meth:`~lightning_smp.checkpoint.state_dict.ShardedModel.writes_data`): only those ranks stage a copy.
 
     Raises:
         UnsupportedOptionError: ``storage_options`` was given (a ``TypeError`` too, as in Lightning's FSDPStrategy).
@@ -103,6 +112,10 @@ def save(checkpoint: dict[str, Any], filepath: PathLike, *, kind: StateDictType,
             objects that only unpickling code could load, or writing failed on some rank.
     """
     check_storage_options(storage_options)
+    if background is not None and kind != SHARDED:
+        raise UnsupportedOptionError(f"a background save writes sharded checkpoints, not {kind!r} ones")
+    if background is not None:
+        background.wait()  # one save in flight; its failure is raised here, on every rank
     rank = collectives.rank
     path = Path(collectives.broadcast(os.fspath(filepath)))
     run_id = run.ensure(collectives)
@@ -120,12 +133,21 @@ def save(checkpoint: dict[str, Any], filepath: PathLike, *, kind: StateDictType,
         raise (CheckpointPathError if folder else CheckpointError)(problem)
 
     checkpoint[RUN_KEY] = run_record(run_id, kind, collectives.world_size, layout)
-    tmp = Path(collectives.broadcast(str(temporary_name(path))))
+    tmp = Path(collectives.broadcast(str(temporary_name(path, owner=run_id))))
 
-    def write() -> None:
+    def prepare() -> None:
         if rank == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
+            remove_leftovers(path.parent, run_id)  # of a save of this run that was killed part way
         collectives.barrier()
+
+    if background is not None:
+        _on_every_rank(collectives, prepare, path, tmp)
+        _submit(checkpoint, path, tmp, collectives, background, writes_data)
+        return
+
+    def write() -> None:
+        prepare()
         if kind == SHARDED:
             _save_sharded(checkpoint, tmp, rank)
         elif rank == 0:
@@ -134,6 +156,37 @@ def save(checkpoint: dict[str, Any], filepath: PathLike, *, kind: StateDictType,
     # every rank's files must be complete before the checkpoint becomes visible under its name
     _on_every_rank(collectives, write, path, tmp)
     _on_every_rank(collectives, lambda: commit(tmp, path) if rank == 0 else None, path, tmp)
+
+
+def _submit(checkpoint: dict[str, Any], path: Path, tmp: Path, collectives: Collectives,
+            background: BackgroundSaver, writes_data: bool) -> None:
+    """Stage what this rank writes (on every rank alike: a failure raises everywhere), then hand it to ``background``.
+
+    A rank whose shards another replica writes passes its live state: DCP plans from its shapes only and removes its
+    items (:class:`_WritesNothing` checks that it does).
+    """
+    rank = collectives.rank
+    shards = _dcp_state(checkpoint)
+    staged: dict[str, Any] = {}
+
+    def copy_off() -> None:
+        nbytes = 0
+        if writes_data:
+            staged["shards"], nbytes = stage(shards)
+        else:
+            staged["shards"] = shards
+        if rank == 0:
+            staged["meta"], more = stage(checkpoint)
+            nbytes += more
+        staged["bytes"] = nbytes
+
+    _on_every_rank(collectives, copy_off, path, tmp)
+
+    def write() -> None:
+        _write_sharded(staged["shards"], tmp, writes_data, staged.get("meta"), background.group)
+
+    background.submit(path, write, lambda: commit(tmp, path), lambda: remove(tmp), staged_bytes=staged["bytes"],
+                      rank=rank)
 
 
 def check_storage_options(storage_options: Any) -> None:
@@ -152,8 +205,9 @@ def _on_every_rank(collectives: Collectives, step: Callable[[], Any], path: Path
     failure: str | None = None
     try:
         step()
-    except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
-        failure = f"rank {collectives.rank}: {type(err).__name__}: {err}"
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised below, on every rank (DCP's is a
+        # BaseException)
+        failure = describe_failure(err, collectives.rank)
     first = next((f for f in collectives.all_gather(failure) if f is not None), None)
     if first is None:
         return
@@ -165,22 +219,51 @@ def _on_every_rank(collectives: Collectives, step: Callable[[], Any], path: Path
     )
 
 
-def _save_sharded(checkpoint: dict[str, Any], folder: Path, rank: int) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
+def _dcp_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """What DCP writes (taken out of ``checkpoint``, which keeps what ``meta.pt`` holds): the model and optimizers."""
     state: dict[str, Any] = {"model": checkpoint.pop("state_dict")}
     for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
         state[f"optimizer_{idx}"] = optim_state
+    return state
+
+
+def _save_sharded(checkpoint: dict[str, Any], folder: Path, rank: int) -> None:
+    state = _dcp_state(checkpoint)
+    _write_sharded(state, folder, True, checkpoint if rank == 0 else None, None)
+
+
+def _write_sharded(state: dict[str, Any], folder: Path, writes_data: bool, meta: dict[str, Any] | None,
+                   group: Any) -> None:
+    """DCP's files of ``state`` into ``folder`` over ``group`` (``None``: the world), then ``meta`` (rank 0's)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
     folder.mkdir(parents=True, exist_ok=True)
     # a replicated chunk goes to the lowest rank holding it: replica group 0 writes, the other replicas write no
     # tensor data (an empty file each)
+    distributed = dist.is_available() and dist.is_initialized()
     dcp.save(state, storage_writer=FileSystemWriter(folder, sync_files=True),
-             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
-             no_dist=not (dist.is_available() and dist.is_initialized()))
-    if rank == 0:
-        write_file(checkpoint, folder / META_FILENAME)
+             planner=_WritesNothing(writes_data), process_group=group, no_dist=not distributed)
+    if meta is not None:
+        write_file(meta, folder / META_FILENAME)
+
+
+class _WritesNothing(DefaultSavePlanner):
+    """DCP's planner, deduplicating each replicated chunk to the lowest rank holding it; on a rank that staged nothing
+    (``writes_data=False``) it refuses a final plan that would still read its live training tensors."""
+
+    def __init__(self, writes_data: bool) -> None:
+        super().__init__(dedup_save_to_lowest_rank=True)
+        self.writes_data = writes_data
+
+    def finish_plan(self, new_plan: Any) -> Any:
+        if not self.writes_data and new_plan.items:
+            keys = ", ".join(sorted({item.index.fqn for item in new_plan.items})[:3])
+            raise CheckpointError(
+                f"this rank was to write {len(new_plan.items)} item(s) ({keys}, ...) of another replica's shards, but"
+                " only the lowest rank of each replica group stages a copy; refusing to write live training tensors"
+            )
+        return super().finish_plan(new_plan)
 
 
 __all__ = ["CheckpointRun", "check_storage_options", "collision", "run_id_of", "run_record", "save"]

@@ -15,8 +15,8 @@ from torch.optim import Optimizer
 
 from lightning_smp.collectives import Collectives
 from lightning_smp.engines import Engine
-from lightning_smp.mesh import axis_group, shard_group_of
-from lightning_smp.names import FULL, SHARD_AXIS, StateDictType
+from lightning_smp.mesh import axis_group, group_ranks, shard_group_of
+from lightning_smp.names import FULL, REPLICATE_AXIS, SHARD_AXIS, StateDictType
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -54,6 +54,13 @@ class ShardedModel:
         if self.mesh is None:
             return list(range(self.collectives.world_size))
         return shard_group_of(self.mesh, 0)
+
+    def writes_data(self) -> bool:
+        """Whether this rank's shards are the ones a sharded checkpoint stores: it is the lowest rank of its replica
+        group (DCP gives each replicated chunk to the lowest rank holding it). Every rank, without a mesh."""
+        if self.mesh is None:
+            return True
+        return self.rank == min(group_ranks(self.mesh, REPLICATE_AXIS))
 
     def writer_group(self) -> ProcessGroup | None:
         """The process group full optimizer state is gathered over: this rank's shard group (the world without a

@@ -1,0 +1,450 @@
+"""``async_save=True``: sharded checkpoints written in the background, with every guarantee of a blocking save.
+
+Real 4-rank runs (fork launcher, gloo), both engines, both front ends. Writes are slowed down where a test needs a
+save to be in flight (:func:`slow_writes`), so that an ordering mistake shows as a wrong order, not as a race.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+from lightning_smp import CheckpointError, HybridShardConfigError, HybridShardFSDPStrategy
+from lightning_smp import checkpoint as ckpt
+from lightning_smp.checkpoint import META_FILENAME
+from lightning_smp.checkpoint.atomic import is_temporary
+from lightning_smp.fabric import HybridShardFSDPStrategy as FabricStrategy
+from tests.helpers import GLOO_TIMEOUT, cpu_trainer, make_loader
+from tests.test_checkpoint import CkptModel, Probe, assert_same_state, probe, run
+
+ENGINES = [pytest.param(1, id="fsdp1"), pytest.param(2, id="fsdp2")]
+WORLD, DEGREE = 4, 2  # replica groups {0, 2} and {1, 3}: ranks 0 and 1 write, 2 and 3 hold the same shards
+
+
+def slow_writes(monkeypatch: pytest.MonkeyPatch, seconds: float, fail_on: tuple[int, int] | None = None) -> None:
+    """Make every background write take ``seconds`` longer (inherited by the forked ranks); with ``fail_on=(rank,
+    n)``, that rank's ``n``-th background write raises instead."""
+    real = FileSystemWriter.write_data
+    count = {"n": 0}
+
+    def write_data(self: Any, plan: Any, planner: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            count["n"] += 1
+            if fail_on is not None and (torch.distributed.get_rank(), count["n"]) == fail_on:
+                raise OSError(28, "No space left on device")
+            time.sleep(seconds)
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+
+
+def committed(path: Path) -> bool:
+    """Whether ``path`` is a whole sharded checkpoint: DCP's metadata, every rank's file and ours."""
+    return (path / ".metadata").is_file() and (path / META_FILENAME).is_file() and all(
+        (path / f"__{rank}_0.distcp").is_file() for rank in range(WORLD))
+
+
+class StagingProbe(Callback):
+    """Each rank records how much host memory its staged copies took."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        # what a save of this rank holds: its shards of the model and of the optimizer state (collective)
+        shards = [strategy.lightning_module_state_dict(), *[strategy.optimizer_state(o) for o in trainer.optimizers]]
+        record = {"staged": strategy.checkpoint_staging_bytes, "shard_bytes": _local_bytes(shards)}
+        (self.folder / f"staging_rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def _local_bytes(obj: Any) -> int:
+    if hasattr(obj, "to_local"):
+        obj = obj.to_local()
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_local_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_local_bytes(v) for v in obj)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------ equality
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", ENGINES)
+def test_background_checkpoints_equal_blocking_ones(tmp_path: Path, version: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step's checkpoint, written while the next steps change the weights, equals the blocking one bitwise;
+    only the lowest rank of each replica group stages a copy, of its shards and their optimizer state."""
+    slow_writes(monkeypatch, 0.2)
+    names = {}
+    for background in (False, True):
+        folder = tmp_path / f"async_{background}"
+        callback = ModelCheckpoint(dirpath=folder / "ckpts", save_top_k=-1, every_n_train_steps=1)
+        run(folder, WORLD, DEGREE, tag="run", max_steps=4, callbacks=(callback, StagingProbe(folder)),
+            strategy_kwargs={"async_save": background, "fsdp_version": version})
+        names[background] = sorted(p.name for p in (folder / "ckpts").iterdir())
+    assert names[True] == names[False] == [f"epoch=0-step={s}.ckpt" for s in range(1, 5)]
+    for name in names[True]:
+        blocking = ckpt.read_full(tmp_path / "async_False" / "ckpts" / name)
+        background = ckpt.read_full(tmp_path / "async_True" / "ckpts" / name)
+        assert_same_checkpoint(background, blocking)
+    # training itself is unchanged
+    assert_same_state(probe(tmp_path / "async_True", "run", "end"), probe(tmp_path / "async_False", "run", "end"))
+    staging = [json.loads((tmp_path / "async_True" / f"staging_rank{r}.json").read_text()) for r in range(WORLD)]
+    assert [s["staged"] for s in staging[1:]] == [staging[1]["shard_bytes"], 0, 0]  # its shards, exactly
+    assert staging[0]["staged"] >= staging[0]["shard_bytes"] > 0  # and rank 0 the rest (meta.pt's tensors)
+
+
+def assert_same_checkpoint(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    for key in ("epoch", "global_step", "loops"):
+        assert actual[key] == expected[key], key
+    assert list(actual["state_dict"]) == list(expected["state_dict"])
+    for key, value in expected["state_dict"].items():
+        assert torch.equal(actual["state_dict"][key], value), key
+    for mine, theirs in zip(actual["optimizer_states"], expected["optimizer_states"], strict=True):
+        assert mine["param_groups"] == theirs["param_groups"]
+        assert sorted(mine["state"]) == sorted(theirs["state"])
+        for idx, state in theirs["state"].items():
+            for name, value in state.items():
+                assert torch.equal(torch.as_tensor(mine["state"][idx][name]), torch.as_tensor(value)), (idx, name)
+
+
+def _fabric_saves(fabric: L.Fabric, folder: str) -> dict[str, Any]:
+    """Three steps, a save after each (each written while the next step runs); the full state after each step."""
+    from tests.test_fabric import _batches, _state, make_net
+
+    model = fabric.setup_module(make_net())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    states = []
+    for step, (x, y) in enumerate(_batches(fabric)[:3]):
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        fabric.save(Path(folder) / f"step{step}", {"model": model, "optimizer": optimizer, "step": step})
+        states.append(_state(fabric, model, optimizer))
+    fabric.strategy.wait_for_checkpoint()
+    return {"states": states, "staged": fabric.strategy.checkpoint_staging_bytes}
+
+
+def _fabric_loads(fabric: L.Fabric, path: str) -> dict[str, Any]:
+    from tests.test_fabric import _load
+
+    return _load(fabric, path)
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", ENGINES)
+def test_fabric_background_saves_hold_the_state_at_the_call(tmp_path: Path, version: int,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    slow_writes(monkeypatch, 0.2)
+    strategy = FabricStrategy(hybrid_shard_degree=DEGREE, fsdp_version=version, async_save=True, start_method="fork")
+    saved = L.Fabric(strategy=strategy, accelerator="cpu", devices=WORLD).launch(_fabric_saves, str(tmp_path))
+    assert saved["staged"] > 0  # rank 0 writes
+    for step in range(3):
+        path = tmp_path / f"step{step}"
+        assert committed(path)
+        other = FabricStrategy(hybrid_shard_degree=4, fsdp_version=version, start_method="fork")
+        loaded = L.Fabric(strategy=other, accelerator="cpu", devices=WORLD).launch(_fabric_loads, str(path))
+        assert loaded["step"] == step
+        assert loaded["weights"] == saved["states"][step]["weights"]
+        assert loaded["optimizer"] == saved["states"][step]["optimizer"]
+
+
+# ---------------------------------------------------------------------------------------- side effects and readers
+
+
+class StepMetric(CkptModel):
+    """Logs the step as a metric that grows: each new top-k checkpoint replaces the oldest."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("progress", float(self.global_step), sync_dist=True)
+        return loss
+
+
+class RecordingLogger(Logger):
+    """Records, at each ``after_save_checkpoint``, whether the checkpoint it is told about is committed."""
+
+    def __init__(self, events: Path) -> None:
+        super().__init__()
+        self.events = events
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        pass
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        path = Path(checkpoint_callback._last_checkpoint_saved)
+        _record(self.events, "logger", path.name, committed(path))
+
+
+def _record(events: Path, kind: str, name: str, ok: bool, **extra: Any) -> None:
+    with open(events, "a") as f:
+        f.write(json.dumps({"kind": kind, "name": name, "ok": ok, **extra}) + "\n")
+
+
+def _watch(folder: Path, stop: threading.Event, seen: list[str], bad: list[str]) -> None:
+    """A reader polling the checkpoint folder: every name it sees must be a whole checkpoint."""
+    while not stop.is_set():
+        entries = list(folder.iterdir()) if folder.is_dir() else []
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue  # a temporary: never under a checkpoint's name
+            if not committed(entry):
+                time.sleep(0.05)
+                if os.path.lexists(entry):  # (not merely removed while we looked)
+                    bad.append(entry.name)
+            elif entry.name not in seen:
+                seen.append(entry.name)
+        time.sleep(0.002)
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize(("version", "save_last"), [(1, True), (2, "link")], ids=["fsdp1-copy", "fsdp2-link"])
+def test_links_removals_and_loggers_wait_for_the_commit(tmp_path: Path, version: int, save_last: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    slow_writes(monkeypatch, 0.3)
+    ckpts, events = tmp_path / "ckpts", tmp_path / "events.jsonl"
+    real_remove, real_symlink = TorchCheckpointIO.remove_checkpoint, os.symlink
+
+    def remove_checkpoint(self: Any, path: Any) -> None:
+        names = [p.name for p in ckpts.iterdir() if not p.name.startswith(".") and p.name.startswith("epoch")]
+        _record(events, "remove", Path(path).name, Path(path).name in names, top_k_present=len(names))
+        real_remove(self, path)
+
+    def symlink(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        _record(events, "link", Path(src).name, committed(Path(dst).parent / src))
+        real_symlink(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(TorchCheckpointIO, "remove_checkpoint", remove_checkpoint)
+    monkeypatch.setattr(os, "symlink", symlink)
+    stop, seen, bad = threading.Event(), [], []
+    watcher = threading.Thread(target=_watch, args=(ckpts, stop, seen, bad), daemon=True)
+    watcher.start()
+    try:
+        callback = ModelCheckpoint(dirpath=ckpts, monitor="progress", mode="max", save_top_k=2,
+                                   every_n_train_steps=1, save_last=save_last)
+        torch.manual_seed(0)
+        run(tmp_path, WORLD, DEGREE, tag="order", max_steps=5, callbacks=(callback,), model=StepMetric(),
+            logger=RecordingLogger(events), strategy_kwargs={"async_save": True, "fsdp_version": version})
+    finally:
+        stop.set()
+        watcher.join(10)
+    assert not bad, f"a reader saw a partial checkpoint under its name: {bad}"
+    assert "last.ckpt" in seen and "epoch=1-step=5.ckpt" in seen  # (4 steps an epoch on 4 ranks)
+    recorded = [json.loads(line) for line in events.read_text().splitlines()]
+    removals = [e for e in recorded if e["kind"] == "remove"]
+    # steps 3, 4, 5 each replaced the oldest of the two kept: removed only once the replacement was committed
+    assert [e["name"] for e in removals] == [f"epoch=0-step={s}.ckpt" for s in (1, 2, 3)]
+    assert all(e["ok"] and e["top_k_present"] == 3 for e in removals), removals
+    loggers = [e for e in recorded if e["kind"] == "logger"]
+    assert loggers and all(e["ok"] for e in loggers), loggers
+    links = [e for e in recorded if e["kind"] == "link"]
+    assert all(e["ok"] for e in links), links
+    assert (len(links) == 5) == (save_last == "link")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=0-step=4.ckpt", "epoch=1-step=5.ckpt", "last.ckpt"]
+    last = ckpt.read_full(ckpts / "last.ckpt")
+    assert last["global_step"] == 5
+
+
+# ------------------------------------------------------------------------------------------------------ failures
+
+
+def record_checkpoint_errors(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    """Each rank records a ``CheckpointError`` raised where the Trainer strategy takes a background save's outcome
+    (inside the ranks: the fork launcher calls the callbacks' ``on_exception`` in the launching process only)."""
+    for name in ("on_train_batch_start", "on_train_end", "save_checkpoint"):
+        real = getattr(HybridShardFSDPStrategy, name)
+
+        def recording(self: Any, *args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            try:
+                return _real(self, *args, **kwargs)
+            except CheckpointError as err:
+                record = {"type": type(err).__name__, "message": str(err), "where": _name,
+                          "step": self.lightning_module.trainer.global_step}
+                (folder / f"error_rank{self.global_rank}.json").write_text(json.dumps(record))
+                raise
+
+        monkeypatch.setattr(HybridShardFSDPStrategy, name, recording)
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", ENGINES)
+def test_a_failed_background_write_raises_on_every_rank(tmp_path: Path, version: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1's second write fails: every rank raises at the same step, naming the path; the checkpoint it would
+    have replaced is kept, and nothing is left under a temporary name."""
+    slow_writes(monkeypatch, 0.1, fail_on=(1, 2))
+    record_checkpoint_errors(monkeypatch, tmp_path)
+    ckpts = tmp_path / "ckpts"
+    callback = ModelCheckpoint(dirpath=ckpts, monitor="progress", mode="max", save_top_k=1, every_n_train_steps=1)
+    torch.manual_seed(0)
+    with pytest.raises(Exception, match="in the background failed on rank 1: OSError"):
+        run(tmp_path, WORLD, DEGREE, tag="fail", max_steps=6, callbacks=(callback,),
+            model=StepMetric(), strategy_kwargs={"async_save": True, "fsdp_version": version})
+    errors = [json.loads((tmp_path / f"error_rank{r}.json").read_text()) for r in range(WORLD)]
+    assert len({json.dumps(e, sort_keys=True) for e in errors}) == 1, errors  # the same error, at the same step
+    target = ckpts / "epoch=0-step=2.ckpt"
+    assert errors[0]["type"] == "CheckpointError" and repr(str(target)) in errors[0]["message"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=0-step=1.ckpt"]  # kept: its replacement failed
+    assert committed(ckpts / "epoch=0-step=1.ckpt")
+
+
+def _fabric_fails(fabric: L.Fabric, folder: str) -> dict[str, Any]:
+    from tests.test_fabric import _batches, make_net
+
+    model = fabric.setup_module(make_net())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    outcome: dict[str, Any] = {}
+    for step, (x, y) in enumerate(_batches(fabric)[:6]):
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        try:
+            optimizer.step()
+        except CheckpointError as err:
+            outcome = {"step": step, "message": str(err)}
+            break
+        optimizer.zero_grad()
+        if step == 0:
+            fabric.save(Path(folder) / "ckpt", {"model": model, "optimizer": optimizer})
+    everyone = [None] * fabric.world_size
+    torch.distributed.all_gather_object(everyone, outcome)
+    return {"outcomes": everyone}
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_fabric_background_failure_raises_at_a_step_on_every_rank(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    slow_writes(monkeypatch, 0.0, fail_on=(2, 1))
+    strategy = FabricStrategy(hybrid_shard_degree=DEGREE, fsdp_version=2, async_save=True, start_method="fork")
+    result = L.Fabric(strategy=strategy, accelerator="cpu", devices=WORLD).launch(_fabric_fails, str(tmp_path))
+    outcomes = result["outcomes"]
+    assert all(o == outcomes[0] for o in outcomes) and outcomes[0], outcomes
+    assert f"{str(tmp_path / 'ckpt')!r} in the background failed on rank 2: OSError" in outcomes[0]["message"]
+    assert not list(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------------- configuration
+
+
+def test_async_save_needs_the_sharded_format_and_a_boolean(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(HybridShardConfigError, match="async_save=True .* state_dict_type='full'.* Fix"):
+        HybridShardFSDPStrategy(hybrid_shard_degree=2, state_dict_type="full", async_save=True)
+    with pytest.raises(HybridShardConfigError, match=r"async_save='yes' \(str\) is not a boolean"):
+        FabricStrategy(hybrid_shard_degree=2, async_save="yes")
+    # from a configuration source: refused when the Trainer is created, the same on every rank
+    monkeypatch.setenv("LIGHTNING_SMP_CONFIG", json.dumps({"hybrid_shard_degree": 2, "async_save": True}))
+    with pytest.raises(HybridShardConfigError, match="async_save=True"):
+        cpu_trainer(HybridShardFSDPStrategy(state_dict_type="full"), devices=4)
+    trainer = cpu_trainer(HybridShardFSDPStrategy(), devices=4)
+    assert trainer.strategy.async_save is True
+    assert cpu_trainer(HybridShardFSDPStrategy(async_save=False), devices=4).strategy.async_save is False
+
+
+def test_a_temporary_is_never_loaded(tmp_path: Path) -> None:
+    leftover = tmp_path / ".last.ckpt.tmp-0123abcd-0123456789ab"
+    leftover.mkdir()
+    (leftover / ".metadata").write_bytes(b"")
+    assert is_temporary(leftover) and not is_temporary(tmp_path / "last.ckpt")
+    with pytest.raises(CheckpointError, match="never committed"):
+        ckpt.read_full(leftover)
+
+
+# ---------------------------------------------------------------------------------------------------------- killed
+
+
+def _killed_scenario(folder: Path, ready: Path) -> None:
+    """In a new session: a 4-rank fit saving last.ckpt every step in the background; the second write stops after
+    the shards are on disk (DCP's .metadata and meta.pt are not), until the test kills every rank."""
+    os.setsid()
+    real = FileSystemWriter.write_data
+    saves = {"n": 0}
+
+    def write_data(self: Any, plan: Any, planner: Any) -> Any:
+        saves["n"] += 1
+        future = real(self, plan, planner)
+        if saves["n"] >= 2:
+            future.wait()
+            if torch.distributed.get_rank() == 0:
+                ready.write_text(str(os.getpid()))
+            time.sleep(600)
+        return future
+
+    FileSystemWriter.write_data = write_data
+    callback = ModelCheckpoint(dirpath=folder / "ckpts", save_top_k=0, every_n_train_steps=1, save_last=True)
+    run(folder, WORLD, DEGREE, tag="killed", max_steps=4, callbacks=(callback,),
+        strategy_kwargs={"async_save": True})
+
+
+@pytest.mark.timeout(240)
+def test_killed_while_writing_in_the_background(tmp_path: Path) -> None:
+    import multiprocessing as mp
+
+    ready = tmp_path / "ready"
+    child = mp.get_context("fork").Process(target=_killed_scenario, args=(tmp_path, ready))
+    child.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and child.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), "the second background write never started"
+        os.killpg(child.pid, signal.SIGKILL)  # every rank dies while the thread writes
+        child.join(30)
+    finally:
+        if child.is_alive():
+            os.killpg(child.pid, signal.SIGKILL)
+            child.join(10)
+    ckpts = tmp_path / "ckpts"
+    leftovers = [p for p in ckpts.iterdir() if is_temporary(p)]
+    assert len(leftovers) == 1 and leftovers[0].name.startswith(".last.ckpt.tmp-")
+    last = ckpts / "last.ckpt"
+    assert committed(last) and ckpt.read_full(last)["global_step"] == 1  # the previous checkpoint, whole
+    with pytest.raises(CheckpointError, match="never committed"):
+        ckpt.read_full(leftovers[0])
+    saved = ckpt.read_full(last)
+
+    # resume at another degree from "last" (the temporary is not a candidate), saving into the same folder again
+    again = ModelCheckpoint(dirpath=ckpts, save_top_k=0, every_n_train_steps=1, save_last=True)
+    torch.manual_seed(0)
+    trainer = cpu_trainer(HybridShardFSDPStrategy(hybrid_shard_degree=4, async_save=True, start_method="fork"),
+                          tmp_path / "resume", WORLD, max_steps=3, limit_val_batches=0, num_sanity_val_steps=0,
+                          enable_checkpointing=True,
+                          callbacks=[Probe(tmp_path, "resumed"), again])
+    trainer.fit(CkptModel(), make_loader(), ckpt_path="last")
+    start = probe(tmp_path, "resumed", "start")
+    assert start["global_step"] == 1
+    for key, value in saved["state_dict"].items():
+        assert torch.equal(start["model"][key], value), key
+    state = start["optimizers"][0]["state"]
+    for idx, values in saved["optimizer_states"][0]["state"].items():
+        for name, value in values.items():
+            assert torch.equal(torch.as_tensor(state[idx][name]), torch.as_tensor(value)), (idx, name)
+    # the resumed run continued the killed one, and its next save removed the leftover
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt"]
+    assert ckpt.read_full(last)["global_step"] == 3
