@@ -10,7 +10,7 @@ LITGPT_SPEC ?= litgpt==0.5.13
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install install-litgpt demo test lint bench bench-cluster clean
+.PHONY: install install-litgpt demo test lint bench bench-cluster bench-async clean
 
 install: $(STAMP)
 
@@ -42,6 +42,10 @@ bench: $(STAMP)
 # two nodes in network namespaces joined by a throttled link (needs root or CAP_NET_ADMIN); see docs/cluster.md
 bench-cluster: $(STAMP)
 	$(BIN)/python -m benchmarks.cluster $(ARGS)
+
+# how long a sharded save blocks training, blocking against async_save=True (4 CPU ranks); see docs/checkpoints.md
+bench-async: $(STAMP)
+	$(BIN)/python -m benchmarks.async_checkpoint $(ARGS)
 
 clean:
 	rm -rf $(VENV) lightning_logs .pytest_cache

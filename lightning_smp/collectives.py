@@ -86,8 +86,7 @@ def checkpoint_group(device_type: str) -> dist.ProcessGroup | None:
         return None
     from lightning_smp.mesh import default_group_timeout
 
-    timeout = default_group_timeout(device_type)
-    return dist.new_group(backend="gloo", **({"timeout": timeout} if timeout is not None else {}))
+    return dist.new_group(backend="gloo", timeout=default_group_timeout(device_type))
 
 
 _exit_hook_registered = False

@@ -167,6 +167,11 @@ class HybridShardFrontEnd:
         ``async_save``, and on ranks whose shards another replica writes)."""
         return self._background.peak_staged_bytes if self._background is not None else 0
 
+    @property
+    def checkpoint_in_flight(self) -> bool:
+        """Whether a background save was submitted whose outcome has not been taken yet (see :meth:`wait_for_checkpoint`)."""
+        return self._background is not None and self._background.in_flight
+
     def wait_for_checkpoint(self) -> None:
         """Block until the checkpoint being written in the background is committed (and what waited for it has run);
         raise its failure, the same on every rank. Nothing without ``async_save`` or a save in flight. Call it on

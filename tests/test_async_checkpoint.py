@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-from lightning_smp import CheckpointError, HybridShardConfigError, HybridShardFSDPStrategy
+from lightning_smp import CheckpointError, HybridShardConfigError, HybridShardFSDPStrategy, MemorySavingsCallback
 from lightning_smp import checkpoint as ckpt
 from lightning_smp.checkpoint import META_FILENAME
 from lightning_smp.checkpoint.atomic import is_temporary
@@ -97,7 +97,8 @@ def test_background_checkpoints_equal_blocking_ones(tmp_path: Path, version: int
     for background in (False, True):
         folder = tmp_path / f"async_{background}"
         callback = ModelCheckpoint(dirpath=folder / "ckpts", save_top_k=-1, every_n_train_steps=1)
-        run(folder, WORLD, DEGREE, tag="run", max_steps=4, callbacks=(callback, StagingProbe(folder)),
+        report = (MemorySavingsCallback(),) if background else ()
+        run(folder, WORLD, DEGREE, tag="run", max_steps=4, callbacks=(callback, StagingProbe(folder), *report),
             strategy_kwargs={"async_save": background, "fsdp_version": version})
         names[background] = sorted(p.name for p in (folder / "ckpts").iterdir())
     assert names[True] == names[False] == [f"epoch=0-step={s}.ckpt" for s in range(1, 5)]
@@ -110,6 +111,9 @@ def test_background_checkpoints_equal_blocking_ones(tmp_path: Path, version: int
     staging = [json.loads((tmp_path / "async_True" / f"staging_rank{r}.json").read_text()) for r in range(WORLD)]
     assert [s["staged"] for s in staging[1:]] == [staging[1]["shard_bytes"], 0, 0]  # its shards, exactly
     assert staging[0]["staged"] >= staging[0]["shard_bytes"] > 0  # and rank 0 the rest (meta.pt's tensors)
+    # the memory report says the same, per rank
+    reports = json.loads((tmp_path / "async_True" / "memory_report.json").read_text())["reports"]
+    assert [r["checkpoint_staging_bytes"] for r in reports["fit_end"]] == [s["staged"] for s in staging]
 
 
 def assert_same_checkpoint(actual: dict[str, Any], expected: dict[str, Any]) -> None:

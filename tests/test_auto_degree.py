@@ -172,11 +172,11 @@ def clean_sources(monkeypatch):
 
 
 @pytest.mark.parametrize("source", ["argument", "cli", "init", "env_json", "env_file", "sagemaker"])
-def test_every_configuration_source_accepts_auto_and_a_budget(clean_sources, tmp_path, source):
-    values = {"hybrid_shard_degree": "auto", "memory_budget": "1.5GB"}
+def test_every_configuration_source_accepts_auto_a_budget_and_async_save(clean_sources, tmp_path, source):
+    values = {"hybrid_shard_degree": "auto", "memory_budget": "1.5GB", "async_save": True}
     kwargs: dict[str, Any] = {}
     if source == "argument":
-        kwargs = {"hybrid_shard_degree": "AUTO", "memory_budget": "1.5GB"}
+        kwargs = {"hybrid_shard_degree": "AUTO", "memory_budget": "1.5GB", "async_save": True}
     elif source == "cli":
         set_cli_config(values)
     elif source == "init":
@@ -184,7 +184,7 @@ def test_every_configuration_source_accepts_auto_and_a_budget(clean_sources, tmp
     elif source == "env_json":
         clean_sources.setenv(ENV_CONFIG, json.dumps(values))
     elif source == "env_file":
-        (tmp_path / "smp.yaml").write_text("hybrid_shard_degree: auto\nmemory_budget: 1.5GB\n")
+        (tmp_path / "smp.yaml").write_text("hybrid_shard_degree: auto\nmemory_budget: 1.5GB\nasync_save: true\n")
         clean_sources.setenv(ENV_CONFIG, str(tmp_path / "smp.yaml"))
     else:
         clean_sources.setenv(ENV_SAGEMAKER, json.dumps(values))
@@ -193,6 +193,7 @@ def test_every_configuration_source_accepts_auto_and_a_budget(clean_sources, tmp
     strategy = cpu_trainer(HybridShardFSDPStrategy(**kwargs), devices=WORLD).strategy
     assert strategy.hybrid_shard_degree == AUTO and strategy.degree_plan is None
     assert strategy.core.config.memory_budget == 1_500_000_000
+    assert strategy.async_save is True
     with pytest.raises(HybridShardConfigError, match="layout is not known yet: it is chosen by the planner"):
         strategy.layout  # noqa: B018
 

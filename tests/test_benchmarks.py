@@ -294,3 +294,28 @@ def test_tiny_run_measures_every_configuration_on_every_rank(tmp_path: Path):
     report_only(paths["json"], again, echo=False)
     assert (again / "quick.md").read_text() == markdown
     assert json.loads((again / "quick.json").read_text()) == payload
+
+
+# ---------------------------------------------------------------------------------------------- make bench-async
+
+
+def test_async_checkpoint_benchmark_runs_and_reports(tmp_path: Path) -> None:
+    """A tiny real run of ``make bench-async``: every row, the staging of the writing ranks only, the verdicts."""
+    from benchmarks.async_checkpoint import TARGET, main
+
+    result = main(["--width", "64", "--layers", "2", "--steps", "4", "--every", "2", "--output",
+                   str(tmp_path / "async")])
+    rows = result["rows"]
+    assert [(r["fsdp_version"], r["async_save"]) for r in rows] == [(1, False), (1, True), (2, False), (2, True)]
+    for row in rows:
+        assert len(row["blocked_each_s"]) == 2 and row["final_wait_s"] >= 0
+        # degree 2 on 4 ranks: ranks 0 and 1 write (and stage) the two shards, 2 and 3 hold the same ones
+        if row["async_save"]:
+            assert row["staged_bytes"][2:] == [0, 0] and min(row["staged_bytes"][:2]) > 0
+        else:
+            assert row["staged_bytes"] == [0, 0, 0, 0]
+    assert [v["fsdp_version"] for v in result["verdicts"]] == [1, 2]
+    assert all(v["target"] == TARGET and v["met"] == (v["ratio"] <= TARGET) for v in result["verdicts"])
+    saved = json.loads((tmp_path / "async.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(rows))
+    assert "background blocked / blocking blocked" in (tmp_path / "async.md").read_text()

@@ -75,6 +75,10 @@ def tables_text(tables: Sequence[TableSpec], left: Sequence[str] = (), width: in
 def memory_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
     """Header and one row per rank of the memory table."""
     header = ["rank", "params", "grads", "optimizer", "total", "unsharded", "saved", "floor", "measured/floor", "peak"]
+    # host memory of background checkpoint saves (async_save), a column only where they run
+    staging = any(r.get("checkpoint_staging_bytes") is not None for r in records)
+    if staging:
+        header.append("ckpt staging")
     rows = []
     for r in records:
         peak = r["peak_allocated_bytes"] if r["peak_allocated_bytes"] is not None else r["peak_rss_bytes"]
@@ -83,6 +87,7 @@ def memory_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
             fmt_bytes(r["total_bytes"]), fmt_bytes(r["unsharded_total_bytes"]),
             f"{fmt_bytes(r['saved_bytes'])} ({r['saved_ratio']:.1%})", fmt_bytes(r["floor_bytes"]),
             f"{r['measured_over_floor']:.3f}", fmt_bytes(peak),
+            *([fmt_bytes(r.get("checkpoint_staging_bytes") or 0)] if staging else []),
         ])
     return header, rows
 

@@ -61,6 +61,7 @@ def memory_report(
     step: int = 0,
     strategy: str | None = None,
     print_table: bool = True,
+    checkpoint_staging_bytes: int | None = None,
 ) -> list[dict[str, Any]]:
     """Measure what this rank holds, gather every rank's record (a collective: call it on every rank) and, on rank
     0, print the memory and communication tables; return the records, sorted by rank, on every rank.
@@ -74,6 +75,8 @@ def memory_report(
         grads_bytes: the gradient memory to report (e.g. the most held during the step); measured now if ``None``.
         root_gathered: a forward without backward ran right before the counted step (see the textbook).
         stage, step, strategy: labels of the record.
+        checkpoint_staging_bytes: host memory this rank's background checkpoint saves stage (the strategy's
+            ``checkpoint_staging_bytes``), or ``None`` without ``async_save``.
     """
     module: Module = _module(model)
     plain: list[Optimizer] = [_module(o) for o in optimizers]
@@ -87,6 +90,7 @@ def memory_report(
     }
     record.update(measure_memory(module, plain, grads_bytes))
     record.update(peak_memory(collectives.device))
+    record["checkpoint_staging_bytes"] = checkpoint_staging_bytes
     record["comm"] = comm
     record["comm_textbook"] = textbook(module, backward_passes, accumulation, root_gathered=root_gathered)
     record["backward_passes"] = backward_passes

@@ -29,6 +29,9 @@ Record fields (one plain ``dict`` per rank; all sizes in bytes):
 ``peak_allocated_bytes``,      ``torch.accelerator.max_memory_allocated`` / ``max_memory_reserved`` of the root
 ``peak_reserved_bytes``        device (CUDA, XPU, ...), ``None`` on the CPU
 ``peak_rss_bytes``             peak resident memory of the process (``getrusage``), on every device type
+``checkpoint_staging_bytes``   with ``async_save``: host memory the largest background checkpoint save so far staged
+                               on this rank (its shards, copied off the training tensors; 0 on ranks whose shards
+                               another replica writes, and before the first save); ``None`` without it
 ``comm``                       collectives of optimizer step ``comm_step`` (all its micro-batches), as counted by
                                :class:`~lightning_smp.accounting.CommCounter`: ``{axis: {op: {"count", "bytes"}}}``;
                                ``None`` when counting is off
@@ -235,6 +238,8 @@ class MemorySavingsCallback(Callback):
             accumulation=getattr(strategy, "gradient_accumulation", NO_SYNC), grads_bytes=self._grads_bytes,
             root_gathered=self._root_gathered, stage=stage, step=trainer.global_step,
             strategy=type(strategy).__name__, print_table=False,
+            checkpoint_staging_bytes=getattr(strategy, "checkpoint_staging_bytes", None)
+            if getattr(strategy, "async_save", False) else None,
         )
         # a collective (broadcast of the directory) on every rank
         log_dir = trainer.log_dir if trainer.loggers else trainer.default_root_dir

@@ -11,6 +11,7 @@ callback and the loggers themselves, so :func:`defer_until_commit` routes those 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from lightning_smp.checkpoint.background import BackgroundSaver
@@ -33,7 +34,7 @@ def defer_until_commit(trainer: pl.Trainer, saver: BackgroundSaver) -> Callable[
                 saver.after_commit(lambda: _link(trainer, filepath, linkpath))
 
             callback._link_checkpoint = deferred_link  # type: ignore[method-assign]  # this instance only
-            undo.append(lambda callback=callback: vars(callback).pop("_link_checkpoint", None))
+            undo.append(partial(_forget, callback, "_link_checkpoint"))
     for logger in trainer.loggers:
         if "after_save_checkpoint" in vars(logger):
             continue
@@ -43,13 +44,18 @@ def defer_until_commit(trainer: pl.Trainer, saver: BackgroundSaver) -> Callable[
             saver.after_commit(lambda: _notify(checkpoint_callback))
 
         logger.after_save_checkpoint = deferred_notify  # type: ignore[method-assign]  # this instance only
-        undo.append(lambda logger=logger: vars(logger).pop("after_save_checkpoint", None))
+        undo.append(partial(_forget, logger, "after_save_checkpoint"))
 
     def restore() -> None:
         for step in undo:
             step()
 
     return restore
+
+
+def _forget(obj: Any, name: str) -> None:
+    """Drop the instance attribute ``name`` of ``obj``: its class's method is in effect again."""
+    obj.__dict__.pop(name, None)
 
 
 __all__ = ["defer_until_commit"]

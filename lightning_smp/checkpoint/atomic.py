@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-
 #: a temporary of :func:`temporary_name`: never a checkpoint, whatever it holds (it may be half written)
 _TEMPORARY = re.compile(r"^\..+\.(tmp|old)(-[0-9a-f]{8})?-[0-9a-f]{12}$")
 
@@ -35,15 +34,16 @@ def is_temporary(path: Path) -> bool:
     return bool(_TEMPORARY.match(path.name))
 
 
-def remove_leftovers(folder: Path, owner: str) -> list[Path]:
-    """Remove the temporaries that run ``owner`` left in ``folder`` (a save killed part way); return them.
+def remove_leftovers(folder: Path, owner: str, keep: Path | None = None) -> list[Path]:
+    """Remove the temporaries that run ``owner`` left in ``folder`` (a save killed part way), except ``keep`` (the
+    save starting now); return them.
 
-    Only this run's: another run may be writing into the same folder right now. Call it when this run has no save
-    in flight.
+    Only this run's: another run may be writing into the same folder right now. Call it when this run has no other
+    save in flight.
     """
     if not folder.is_dir():
         return []
-    found = [p for p in folder.glob(f".*.tmp-{owner[:8]}-*") if is_temporary(p)]
+    found = [p for p in folder.glob(f".*.tmp-{owner[:8]}-*") if is_temporary(p) and p != keep]
     for path in found:
         remove(path)
     return found

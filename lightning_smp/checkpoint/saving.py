@@ -10,7 +10,7 @@ import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -32,18 +32,12 @@ PathLike = str | os.PathLike
 class CheckpointRun:
     """The identity of the run that writes checkpoints: a path holding another run's checkpoint is never overwritten.
 
-    The id is made on rank 0 at the first save and shared with every rank; a run resumed from a checkpoint takes
+    The id is made on rank 0 at the first save and shared with every rank (by :func:`save`); a run resumed from a checkpoint takes
     over the id of the run that wrote it (:meth:`continue_from`), so that it may replace that run's files.
     """
 
     def __init__(self, run_id: str | None = None) -> None:
         self.run_id = run_id
-
-    def ensure(self, collectives: Collectives) -> str:
-        """This run's id, made and shared now if it has none yet. Collective the first time."""
-        if self.run_id is None:
-            self.run_id = collectives.broadcast(uuid.uuid4().hex)
-        return self.run_id
 
     def continue_from(self, checkpoint: dict[str, Any]) -> None:
         """Continue the run that wrote ``checkpoint`` (a checkpoint dict as loaded)."""
@@ -117,37 +111,39 @@ def save(checkpoint: dict[str, Any], filepath: PathLike, *, kind: StateDictType,
     if background is not None:
         background.wait()  # one save in flight; its failure is raised here, on every rank
     rank = collectives.rank
-    path = Path(collectives.broadcast(os.fspath(filepath)))
-    run_id = run.ensure(collectives)
     checkpoint = plain_checkpoint(checkpoint)  # what is written, and what the check below judges
-    # decide on rank 0, fail on every rank alike (and with the same type), before anything is written
-    problem, error = None, CheckpointError
+    # decide on rank 0 (the path, the run id, any problem, the temporary name) and tell every rank in one collective,
+    # so that all fail alike (and with the same type) before anything is written
+    decision: tuple[str, str, str | None, bool, str] | None = None
     if rank == 0:
-        problem = collision(path, run_id)
-        if problem is not None and path.is_dir() and not path.is_symlink():
-            error = CheckpointPathError
-        elif problem is None:
+        path = Path(os.fspath(filepath))
+        run_id = run.run_id or uuid.uuid4().hex
+        problem, folder = collision(path, run_id), False
+        if problem is not None:
+            folder = path.is_dir() and not path.is_symlink()
+        else:
             problem = unsafe_entry({k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")})
-    problem, folder = collectives.broadcast((problem, error is CheckpointPathError))
+        decision = (str(path), run_id, problem, folder, str(temporary_name(path, owner=run_id)))
+    where, run_id, problem, folder, temporary = cast("tuple[str, str, str | None, bool, str]",
+                                                     collectives.broadcast(decision))
+    path, tmp = Path(where), Path(temporary)
+    run.run_id = run_id
     if problem is not None:
         raise (CheckpointPathError if folder else CheckpointError)(problem)
-
     checkpoint[RUN_KEY] = run_record(run_id, kind, collectives.world_size, layout)
-    tmp = Path(collectives.broadcast(str(temporary_name(path, owner=run_id))))
 
     def prepare() -> None:
         if rank == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
-            remove_leftovers(path.parent, run_id)  # of a save of this run that was killed part way
-        collectives.barrier()
+            remove_leftovers(path.parent, run_id, keep=tmp)  # of a save of this run that was killed part way
 
     if background is not None:
-        _on_every_rank(collectives, prepare, path, tmp)
-        _submit(checkpoint, path, tmp, collectives, background, writes_data)
+        _submit(checkpoint, path, tmp, collectives, background, writes_data, prepare)
         return
 
     def write() -> None:
         prepare()
+        collectives.barrier()  # the folder exists before any rank writes into it
         if kind == SHARDED:
             _save_sharded(checkpoint, tmp, rank)
         elif rank == 0:
@@ -159,20 +155,22 @@ def save(checkpoint: dict[str, Any], filepath: PathLike, *, kind: StateDictType,
 
 
 def _submit(checkpoint: dict[str, Any], path: Path, tmp: Path, collectives: Collectives,
-            background: BackgroundSaver, writes_data: bool) -> None:
+            background: BackgroundSaver, writes_data: bool, prepare: Callable[[], None]) -> None:
     """Stage what this rank writes (on every rank alike: a failure raises everywhere), then hand it to ``background``.
 
     A rank whose shards another replica writes passes its live state: DCP plans from its shapes only and removes its
-    items (:class:`_WritesNothing` checks that it does).
+    items (:class:`_WritesNothing` checks that it does). Rank 0 ``prepare``s the folder meanwhile; the agreement that
+    ends this step also keeps every writing thread from starting before that.
     """
     rank = collectives.rank
     shards = _dcp_state(checkpoint)
     staged: dict[str, Any] = {}
 
     def copy_off() -> None:
+        prepare()
         nbytes = 0
         if writes_data:
-            staged["shards"], nbytes = stage(shards)
+            staged["shards"], nbytes = stage(shards, background.buffers)
         else:
             staged["shards"] = shards
         if rank == 0:
