@@ -27,7 +27,15 @@ from lightning_smp import checkpoint as ckpt
 from lightning_smp.checkpoint import META_FILENAME
 from lightning_smp.checkpoint.atomic import is_temporary
 from lightning_smp.fabric import HybridShardFSDPStrategy as FabricStrategy
-from tests.helpers import GLOO_TIMEOUT, cpu_trainer, make_loader
+from tests.helpers import (
+    BACKENDS,
+    GLOO_TIMEOUT,
+    accelerator_for,
+    cpu_trainer,
+    make_loader,
+    process_group_backend_for,
+    require_devices,
+)
 from tests.test_checkpoint import CkptModel, Probe, assert_same_state, probe, run
 
 ENGINES = [pytest.param(1, id="fsdp1"), pytest.param(2, id="fsdp2")]
@@ -86,12 +94,14 @@ def _local_bytes(obj: Any) -> int:
 # ------------------------------------------------------------------------------------------------------ equality
 
 
-@pytest.mark.timeout(GLOO_TIMEOUT)
 @pytest.mark.parametrize("version", ENGINES)
-def test_background_checkpoints_equal_blocking_ones(tmp_path: Path, version: int,
+@pytest.mark.parametrize("backend", BACKENDS)  # the timeout comes with the backend
+def test_background_checkpoints_equal_blocking_ones(tmp_path: Path, backend: str, version: int,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Every step's checkpoint, written while the next steps change the weights, equals the blocking one bitwise;
-    only the lowest rank of each replica group stages a copy, of its shards and their optimizer state."""
+    only the lowest rank of each replica group stages a copy, of its shards and their optimizer state (on the GPU:
+    into pinned host memory)."""
+    require_devices(backend, WORLD)
     slow_writes(monkeypatch, 0.2)
     names = {}
     for background in (False, True):
@@ -99,7 +109,9 @@ def test_background_checkpoints_equal_blocking_ones(tmp_path: Path, version: int
         callback = ModelCheckpoint(dirpath=folder / "ckpts", save_top_k=-1, every_n_train_steps=1)
         report = (MemorySavingsCallback(),) if background else ()
         run(folder, WORLD, DEGREE, tag="run", max_steps=4, callbacks=(callback, StagingProbe(folder), *report),
-            strategy_kwargs={"async_save": background, "fsdp_version": version})
+            accelerator=accelerator_for(backend),
+            strategy_kwargs={"async_save": background, "fsdp_version": version,
+                             "process_group_backend": process_group_backend_for(backend)})
         names[background] = sorted(p.name for p in (folder / "ckpts").iterdir())
     assert names[True] == names[False] == [f"epoch=0-step={s}.ckpt" for s in range(1, 5)]
     for name in names[True]:
