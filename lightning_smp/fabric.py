@@ -244,7 +244,37 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
                 " create the optimizer from model.parameters() and call fabric.setup_optimizers(optimizer)."
             )
         self._choose(module, optimizers)
-        return super().setup_module_and_optimizers(module, optimizers, scheduler)
+        module, optimizers, scheduler = super().setup_module_and_optimizers(module, optimizers, scheduler)
+        for optimizer in optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]:
+            self._discarding_on_zero_grad(optimizer)
+        return module, optimizers, scheduler
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        return self._discarding_on_zero_grad(super().setup_optimizer(optimizer))
+
+    def _discarding_on_zero_grad(self, optimizer: Optimizer) -> Optimizer:
+        """``optimizer.zero_grad()`` also discards gradient sums the engine holds outside ``.grad`` (FSDP2's deferred
+        all-reduce), so that a loop that drops an accumulation window drops all of it, as under DDP.
+
+        Through a subclass of the optimizer's class (same name): Fabric's optimizer wrapper subclasses that class and
+        finds ``zero_grad`` there, so an instance attribute of the optimizer would never be called.
+        """
+        base = type(optimizer)
+        if getattr(base, "_discards_unreduced_gradients", False):
+            return optimizer
+        strategy = self
+
+        def zero_grad(opt: Optimizer, set_to_none: bool = True) -> None:
+            if strategy._module is not None:
+                strategy.engine.discard_unreduced_gradients(strategy._module)
+            strategy._unreduced = False
+            base.zero_grad(opt, set_to_none=set_to_none)
+
+        namespace = {"zero_grad": zero_grad, "_discards_unreduced_gradients": True, "__module__": base.__module__,
+                     "__qualname__": base.__qualname__}
+        optimizer.__class__ = type(base.__name__, (base,), namespace)
+        return optimizer
 
     def _choose(self, module: Module, optimizers: list[Optimizer]) -> None:
         """hybrid_shard_degree="auto": chosen from the module handed to Fabric, before it is sharded."""

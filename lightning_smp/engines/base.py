@@ -171,6 +171,11 @@ class Engine(Protocol):
         with gradient reduction still turned off (the gradients would be missing or unreduced, silently)."""
         ...
 
+    def discard_unreduced_gradients(self, model: Module) -> None:
+        """Forget gradients accumulated for a later reduction and held outside ``.grad`` (``optimizer.zero_grad()``
+        in the middle of an accumulation window discards them, as it does under DDP)."""
+        ...
+
     def gradient_bytes(self, model: Module) -> int:
         """Bytes of gradient memory this rank holds now: reduced gradients, padding included, and any unsharded or
         partially reduced gradient buffers of gradient accumulation; each storage counted once."""

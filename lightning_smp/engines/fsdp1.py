@@ -185,6 +185,11 @@ class FSDP1Engine:
             return cast(AbstractContextManager[None], model.no_sync())
         return nullcontext()
 
+    def discard_unreduced_gradients(self, model: Module) -> None:
+        # no_sync accumulates the unsharded gradient in .grad (the original parameters' views of it), which
+        # zero_grad clears itself; nothing is held elsewhere
+        return None
+
     def check_gradients_synced(self, model: Module) -> None:
         off = [unit for unit in _fsdp().fsdp_modules(model) if not unit._sync_gradients]
         if off:

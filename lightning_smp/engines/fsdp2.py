@@ -446,6 +446,19 @@ class FSDP2Engine:
                 " or discard the window with model.reset_iter_state() on the sharded root."
             )
 
+    def discard_unreduced_gradients(self, model: Module) -> None:
+        # the deferred all-reduce keeps each group's partial sum outside .grad; the root's reset_iter_state (torch's
+        # recovery API) discards it, as zero_grad discards DDP's accumulated .grad
+        if any(getattr(group, "_partial_reduce_output", None) is not None for _, group in _param_groups(model)):
+            reset = getattr(model, "reset_iter_state", None)
+            if reset is None:
+                raise GradientSyncError(
+                    "optimizer.zero_grad() in the middle of an accumulation window: the deferred gradient sums cannot"
+                    " be discarded on this model (no sharded root with reset_iter_state). Fix: call zero_grad at an"
+                    " optimizer step boundary, or use gradient_accumulation='every_micro_batch'."
+                )
+            reset()
+
     def gradient_bytes(self, model: Module) -> int:
         # sharded gradients are views of one reduce-scatter output per module: count each storage once
         held: dict[int, int] = {}
