@@ -184,8 +184,10 @@ def _rewrite(arguments: dict[str, Any]) -> Any | None:
     arguments["device_mesh"] = fsdp_mesh(mesh, layout)
     if arguments.get("device_id") is None and device.type == "cpu":
         arguments["device_id"] = device
-    # DDP semantics: all replicas train from global rank 0's weights, however the ranks were seeded
-    if broadcast_before_wrapping(module, device):
+    # DDP semantics: all replicas train from global rank 0's weights, however the ranks were seeded; units the user
+    # wrapped by hand before this outer call (FSDP(layer), enable_wrap/wrap) were synced by their own call, and
+    # their shards differ between ranks by design: only the rest is sent
+    if broadcast_before_wrapping(module, device, is_shard=FSDP1Engine().is_shard):
         return None
     return lambda wrapped: broadcast_across_replicas(wrapped, mesh, device)
 

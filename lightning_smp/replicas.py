@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -74,17 +74,21 @@ def broadcast_module_state(module: Module, device: torch.device, src: int = 0) -
     _broadcast_tensors(itertools.chain(module.parameters(), module.buffers()), src, None, device)
 
 
-def broadcast_before_wrapping(module: Module, device: torch.device) -> bool:
+def broadcast_before_wrapping(module: Module, device: torch.device,
+                              is_shard: Callable[[torch.Tensor], bool] | None = None) -> bool:
     """Give every rank global rank 0's weights now if ``module`` exists in full; return whether it did.
 
     A module with parameters or buffers on the meta device has nothing to send yet: it returns ``False``, and the
-    caller syncs the replicas after wrapping with :func:`broadcast_across_replicas`.
+    caller syncs the replicas after wrapping with :func:`broadcast_across_replicas`. Parameters for which
+    ``is_shard`` is true are an inner unit's shards (wrapped by hand before this outer call, and synced then): their
+    sizes and contents differ between ranks by design, and rank 0's would overwrite the others'.
     """
     from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 
     if _has_meta_device_parameters_or_buffers(module):
         return False
-    broadcast_module_state(module, device, src=0)
+    parameters = [p for p in module.parameters() if is_shard is None or not is_shard(p)]
+    _broadcast_tensors(itertools.chain(parameters, module.buffers()), 0, None, device)
     return True
 
 

@@ -170,3 +170,33 @@ def test_plain_fsdp_example_under_torchrun_matches_ddp(tmp_path):
         assert f["max_abs_diff_vs_ddp"] <= 1e-5
         assert f["losses"] == pytest.approx(f["ddp_losses"], abs=1e-5)
     assert "shard group of rank 0: [0, 1], FSDP ran HYBRID_SHARD" in out.stdout
+
+
+def _wrapped_by_hand(rank: int, world_size: int, how: str) -> dict:
+    """The first layer wrapped by hand (``FSDP(layer)`` or ``enable_wrap``/``wrap``), the last left to the outer
+    ``FSDP(model)``; every rank seeded differently. The full weights right after wrapping, on every rank."""
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import enable_wrap, wrap
+
+    lightning_smp.init({"hybrid_shard_degree": 2})
+    model = _model(seed=rank)
+    cpu = torch.device("cpu")
+    if how == "fsdp_each_layer":
+        model[0] = FSDP(model[0], device_id=cpu)
+    else:
+        with enable_wrap(wrapper_cls=FSDP, device_id=cpu):
+            model[0] = wrap(model[0])
+    model = FSDP(model, device_id=cpu)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
+        return {k.replace("_fsdp_wrapped_module.", ""): v.detach().tolist() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(PROCESS_TIMEOUT)
+@pytest.mark.parametrize("how", ["fsdp_each_layer", "enable_wrap"])
+def test_units_wrapped_by_hand_keep_rank0s_weights(how):
+    """DDP semantics for a script that wraps layers itself: the hand-wrapped unit and the rest both start from global
+    rank 0's model (the outer call must not send rank 0's shards of the inner unit over the other ranks' shards)."""
+    results = run_distributed(_wrapped_by_hand, 4, how)
+    expected = {k: v.tolist() for k, v in _model(seed=0).state_dict().items()}
+    assert all(r == expected for r in results)

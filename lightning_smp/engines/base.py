@@ -140,6 +140,10 @@ class Engine(Protocol):
         """Whether ``module``'s parameters are already this engine's shards (sizes then differ between ranks)."""
         ...
 
+    def is_shard(self, parameter: torch.Tensor) -> bool:
+        """Whether ``parameter`` is this engine's shard (of a unit wrapped already), not a full tensor."""
+        ...
+
     def full_model_state(self, model: Module, device: torch.device) -> dict[str, Any]:
         """The unsharded model state, gathered inside this rank's shard group. Collective over that group."""
         ...

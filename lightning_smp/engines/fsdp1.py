@@ -139,9 +139,13 @@ class FSDP1Engine:
         return isinstance(module, _fsdp()) or any(isinstance(m, _fsdp()) for m in module.modules())
 
     def holds_shards(self, module: Module) -> bool:
+        return any(self.is_shard(p) for p in module.parameters())
+
+    def is_shard(self, parameter: torch.Tensor) -> bool:
+        # a FlatParameter, or (use_orig_params) one of its original parameters' views
         from torch.distributed.fsdp._common_utils import _is_fsdp_flattened
 
-        return any(_is_fsdp_flattened(p) for p in module.parameters())
+        return bool(_is_fsdp_flattened(parameter))
 
     # ------------------------------------------------------------------ state dicts
 

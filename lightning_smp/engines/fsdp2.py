@@ -358,9 +358,12 @@ class FSDP2Engine:
             root.forward = original_forward
 
     def holds_shards(self, module: Module) -> bool:
+        return any(self.is_shard(p) for p in module.parameters())
+
+    def is_shard(self, parameter: torch.Tensor) -> bool:
         from torch.distributed.tensor import DTensor
 
-        return any(isinstance(p, DTensor) for p in module.parameters())
+        return isinstance(parameter, DTensor)
 
     # ------------------------------------------------------------------ state dicts
 
