@@ -330,14 +330,16 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     @override
     def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: float | int,
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> Tensor:
-        """The norm over the whole model (every shard counted once, replicas not double-counted), as DDP's."""
+        """The norm over ``optimizer``'s parameters, every shard counted once and replicas not double-counted, as
+        Lightning's and DDP's."""
         engine = engine_of(module)
         if float(norm_type) != 2.0:
             raise UnsupportedOptionError(
                 f"norm_type={norm_type!r}: lightning_smp clips by the 2-norm only. Fix: norm_type=2.0."
             )
         self.precision.unscale_gradients(optimizer)
-        total = engine.clip_grad_norm(module, float(max_norm)) if engine is not None else None
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        total = engine.clip_grad_norm(module, float(max_norm), parameters) if engine is not None else None
         if total is None:
             raise TypeError(
                 "Gradient clipping by norm needs the module that fabric.setup_module() returned (one sharded root)."

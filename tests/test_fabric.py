@@ -749,3 +749,30 @@ def test_zero_grad_inside_an_accumulation_window_drops_what_it_accumulated(versi
     reference = _fabric(DDPStrategy(start_method="fork")).launch(_window_dropped)
     ours = _fabric(_ours(2, version)).launch(_window_dropped)
     assert _max_diff(ours, {k: torch.tensor(v) for k, v in reference.items()}) <= TOL
+
+
+def _clipped_by_optimizer(fabric: L.Fabric, two: bool) -> dict[str, list]:
+    """Norm clipping per optimizer: the head's optimizer alone while the body still requires grad (``two=False``), or
+    one optimizer for the body and one for the head, each clipped on its own (``two=True``)."""
+    model = fabric.setup_module(make_net())
+    head = list(model.module[2].parameters())
+    body = [p for p in model.module.parameters() if all(p is not h for h in head)]
+    groups = [body, head] if two else [head]
+    optimizers = [fabric.setup_optimizers(torch.optim.AdamW(params, lr=0.05)) for params in groups]
+    for x, y in _batches(fabric)[:3]:
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        for optimizer in optimizers:
+            fabric.clip_gradients(model, optimizer, max_norm=0.05)  # below every norm here: always clips
+            optimizer.step()
+            optimizer.zero_grad()
+    return _full(fabric, model)
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("two", [False, True], ids=["head_only", "two_optimizers"])
+@pytest.mark.parametrize("version", [1, 2])
+def test_norm_clipping_takes_the_optimizers_parameters(version, two):
+    """As Lightning and DDP clip: the norm of the optimizer's own parameters, not of the whole model."""
+    reference = _fabric(DDPStrategy(start_method="fork")).launch(_clipped_by_optimizer, two)
+    ours = _fabric(_ours(2, version)).launch(_clipped_by_optimizer, two)
+    assert _max_diff(ours, {k: torch.tensor(v) for k, v in reference.items()}) <= TOL

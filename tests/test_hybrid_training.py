@@ -286,6 +286,26 @@ class _SGDModel(TinyModel):
         super().__init__(optimizer="sgd", lr=0.5)
 
 
+class _HeadOnlySGD(_SGDModel):
+    """An optimizer over the head alone while the body still requires grad (and gets gradients)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.net[2].parameters(), lr=self.lr)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("version", [1, 2])
+def test_norm_clipping_takes_the_optimizers_parameters(tmp_path, version):
+    """Lightning and DDP clip the norm of the optimizer's parameters: the body's gradients must not shrink the
+    head's."""
+    clip = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=version, start_method="fork")
+    torch.manual_seed(0)
+    _, model, _ = fit_and_record(strategy, tmp_path, 4, model=_HeadOnlySGD(), **clip)
+    _, ddp_weights = ddp_reference(4, _HeadOnlySGD, **clip)
+    assert _max_diff(_state(model), ddp_weights) <= TOL
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)])
 def test_mixed_precision_autocasts_on_cpu(tmp_path, precision, dtype):

@@ -9,7 +9,7 @@ implementation's internals.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -159,9 +159,12 @@ class Engine(Protocol):
         """A full optimizer state keyed by parameter index, re-keyed by parameter name for ``set_optimizer_state_dict``."""
         ...
 
-    def clip_grad_norm(self, model: Module, max_norm: float) -> torch.Tensor | None:
-        """Clip the gradients of the whole model to ``max_norm`` (the norm over all shards, each counted once) and
-        return the total norm; ``None``, clipping nothing, when ``model`` has no single root to clip over."""
+    def clip_grad_norm(self, model: Module, max_norm: float,
+                       parameters: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Clip the gradients of ``parameters`` (an optimizer's, as Lightning and DDP clip; ``None``: the whole model)
+        to ``max_norm``, the norm taken over all their shards, each counted once, and return that norm; ``None``,
+        clipping nothing, when ``model`` has no single root to clip over. Collective: same ``parameters`` on every
+        rank."""
         ...
 
     def accumulation_context(self, model: Module, accumulation: GradientAccumulation) -> AbstractContextManager[None]:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -173,13 +174,30 @@ class FSDP1Engine:
 
     # ------------------------------------------------------------------ clipping
 
-    def clip_grad_norm(self, model: Module, max_norm: float) -> torch.Tensor | None:
-        """FSDP1's own ``clip_grad_norm_`` on the root unit, which is hybrid-aware: the norm is taken once over all
-        shards (counted once across replicas), exactly as DDP's over the full gradients. ``None`` (nothing clipped)
-        when ``model`` is not one root unit."""
+    def clip_grad_norm(self, model: Module, max_norm: float,
+                       parameters: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
+        """FSDP1's own ``clip_grad_norm_`` on the root unit when ``parameters`` cover every trainable parameter: it is
+        hybrid-aware, the norm taken once over all shards (counted once across replicas), exactly as DDP's over the
+        full gradients. Over a subset (an optimizer of part of the model), the same norm of that subset: each
+        rank's shards of it summed over the shard group (FSDP's process group; nothing to sum under NO_SHARD, whose
+        gradients are whole), parameters FSDP does not manage added once. ``None`` (nothing clipped) when ``model``
+        is not one root unit."""
         if not isinstance(model, _fsdp()):
             return None
-        return model.clip_grad_norm_(max_norm)
+        chosen = {id(p) for p in parameters} if parameters is not None else None
+        if chosen is None or all(id(p) in chosen for p in model.parameters() if p.requires_grad):
+            return model.clip_grad_norm_(max_norm)
+        params = [p for p in model.parameters() if id(p) in chosen and p.grad is not None]
+        device = model.compute_device  # every rank reduces, with or without gradients of its own
+        shards, whole = torch.zeros((), device=device), torch.zeros((), device=device)
+        for param in params:
+            grad = cast(torch.Tensor, param.grad)
+            (shards if self.is_shard(param) else whole).add_(grad.detach().float().pow(2).sum())
+        if model.sharding_strategy.name != "NO_SHARD":
+            dist.all_reduce(shards, group=model.process_group)
+        total = (shards + whole).sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
 
     # ------------------------------------------------------------------ gradient accumulation
 

@@ -16,9 +16,9 @@ protocol for ``fully_shard``, plus the argument tables it checks; splitting it w
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.nn import Module
@@ -391,16 +391,18 @@ class FSDP2Engine:
 
     # ------------------------------------------------------------------ clipping
 
-    def clip_grad_norm(self, model: Module, max_norm: float) -> torch.Tensor | None:
-        """The 2-norm over every gradient of ``model``: each DTensor's local norm, reduced over the shard axis only
-        (the replicate axis holds identical copies, counted once), as a plain tensor; then scaled like
-        ``torch.nn.utils.clip_grad_norm_``. ``None`` when ``model`` has no FSDP2 root."""
+    def clip_grad_norm(self, model: Module, max_norm: float,
+                       parameters: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
+        """The 2-norm over the gradients of ``parameters`` (``None``: every one of ``model``): each DTensor's local
+        norm, reduced over the shard axis only (the replicate axis holds identical copies, counted once), as a plain
+        tensor; then scaled like ``torch.nn.utils.clip_grad_norm_``. ``None`` when ``model`` has no FSDP2 root."""
         from torch.distributed.tensor import DTensor
 
         if not isinstance(model, _fsdp_module_cls()):
             return None
-        params = [p for p in model.parameters() if p.grad is not None]
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        source: Iterable[torch.Tensor] = model.parameters() if parameters is None else parameters
+        params = [p for p in source if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([cast(torch.Tensor, p.grad) for p in params], norm_type=2.0)
         if isinstance(total, DTensor):
             total = total.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
