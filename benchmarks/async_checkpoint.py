@@ -143,7 +143,7 @@ def render(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--every", type=int, default=4)

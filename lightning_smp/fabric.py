@@ -51,6 +51,7 @@ from typing_extensions import override
 
 from lightning_smp import checkpoint as checkpoint_lib
 from lightning_smp.checkpoint import FABRIC_KEYS
+from lightning_smp.checkpoint.local import background_module_state, background_optimizer_state
 from lightning_smp.checkpoint.saving import check_storage_options
 from lightning_smp.collectives import Collectives
 from lightning_smp.core import FSDP2_OFFLOAD_CONFIGS, HybridShardCore
@@ -384,13 +385,23 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         sharded = self._sharded(module)  # refuses a module that was not set up here, on every rank alike
         kind = self.core.state_dict_type
         checkpoint: dict[str, Any] = {k: _state_of(v) for k, v in rest.items()}
-        model_state = checkpoint_lib.module_state_dict(sharded, kind)
+        background = self._background
+        if background is not None and kind == checkpoint_lib.SHARDED:
+            # built without gathering where the engine can (lightning_smp.checkpoint.local)
+            model_state = background_module_state(sharded, background.local_state)
+        else:
+            model_state = checkpoint_lib.module_state_dict(sharded, kind)
         if filter and module_key in filter:
             keep = filter[module_key]
             model_state = {k: v for k, v in model_state.items() if keep(k, v)}
         checkpoint["state_dict"] = model_state
-        checkpoint["optimizer_states"] = [checkpoint_lib.optimizer_state(sharded, state[k], kind)
-                                          for k in optimizer_keys]
+        if background is not None and kind == checkpoint_lib.SHARDED:
+            checkpoint["optimizer_states"] = [
+                background_optimizer_state(sharded, state[k], i, background.local_state)
+                for i, k in enumerate(optimizer_keys)]
+        else:
+            checkpoint["optimizer_states"] = [checkpoint_lib.optimizer_state(sharded, state[k], kind)
+                                              for k in optimizer_keys]
         if kind == checkpoint_lib.FULL:
             checkpoint = checkpoint_lib.fabric_layout(checkpoint, module_key, optimizer_keys)
         else:
@@ -402,8 +413,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             checkpoint[FABRIC_KEYS] = {"module": module_key, "optimizers": optimizer_keys, "for_the_trainer": added}
         checkpoint_lib.save(checkpoint, path, kind=kind, collectives=Collectives.current(self.root_device),
                             run=self.core.checkpoint_run, layout=self.core.layout, storage_options=storage_options,
-                            background=self._background,
-                            writes_data=self._background is None or sharded.writes_data())
+                            background=background, writes_data=background is None or sharded.writes_data())
 
     @override
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,

@@ -39,6 +39,7 @@ from lightning_smp.accounting.memory import no_sync_extra_bytes
 from lightning_smp.accounting.render import fmt_bytes
 from lightning_smp.checkpoint import ShardedModel
 from lightning_smp.checkpoint.after_commit import defer_until_commit
+from lightning_smp.checkpoint.local import background_module_state, background_optimizer_state
 from lightning_smp.collectives import Collectives
 from lightning_smp.core import FSDP2_OFFLOAD_CONFIGS, HybridShardCore
 from lightning_smp.engines import ShardingPlan
@@ -48,6 +49,7 @@ from lightning_smp.launcher import HybridShardMultiProcessingLauncher, MainProce
 from lightning_smp.names import (
     FULL,
     NO_SYNC,
+    SHARDED,
     STRATEGY_NAMES,
     GradientAccumulation,
     ShardingStrategyName,
@@ -485,10 +487,17 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         if self._in_launching_process():
             module = self.lightning_module
             return module.state_dict() if module is not None else {}
+        if self._background is not None and self._state_dict_type == SHARDED:
+            # a background save: built without gathering where the engine can (lightning_smp.checkpoint.local)
+            return background_module_state(self._sharded_model(), self._background.local_state)
         return checkpoint_lib.module_state_dict(self._sharded_model(), self._state_dict_type)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        if self._background is not None and self._state_dict_type == SHARDED:
+            index = next(i for i, o in enumerate(self.optimizers) if _unwrap(o) is _unwrap(optimizer))
+            return background_optimizer_state(self._sharded_model(), _unwrap(optimizer), index,
+                                              self._background.local_state)
         return checkpoint_lib.optimizer_state(self._sharded_model(), _unwrap(optimizer), self._state_dict_type)
 
     # ------------------------------------------------------------------ registration

@@ -26,6 +26,7 @@ from lightning_smp import CheckpointError, HybridShardConfigError, HybridShardFS
 from lightning_smp import checkpoint as ckpt
 from lightning_smp.checkpoint import META_FILENAME
 from lightning_smp.checkpoint.atomic import is_temporary
+from lightning_smp.engines.chunks import TensorChunks
 from lightning_smp.fabric import HybridShardFSDPStrategy as FabricStrategy
 from tests.helpers import (
     BACKENDS,
@@ -80,6 +81,8 @@ class StagingProbe(Callback):
 
 
 def _local_bytes(obj: Any) -> int:
+    if isinstance(obj, TensorChunks):  # the engine's own pieces (FSDP1: flat-shard ranges, gathered from nothing)
+        return sum(data.numel() * data.element_size() for _, data in obj.pieces)
     if hasattr(obj, "to_local"):
         obj = obj.to_local()
     if isinstance(obj, torch.Tensor):
@@ -120,12 +123,26 @@ def test_background_checkpoints_equal_blocking_ones(tmp_path: Path, backend: str
         assert_same_checkpoint(background, blocking)
     # training itself is unchanged
     assert_same_state(probe(tmp_path / "async_True", "run", "end"), probe(tmp_path / "async_False", "run", "end"))
+    # FSDP1's background saves describe each rank's flat-shard range as it is (nothing gathered): the first layer's
+    # weight (33 x 16, 528 elements in two ranges of 350 and 178) is four rectangles, not torch's two row blocks
+    layout = {background: _chunks_of(tmp_path / f"async_{background}" / "ckpts" / names[True][-1], "model.net.0.weight")
+              for background in (False, True)}
+    assert layout[False] == [((0, 0), (17, 16)), ((17, 0), (16, 16))]
+    assert layout[True] == ([((0, 0), (21, 16)), ((21, 0), (1, 14)), ((21, 14), (1, 2)), ((22, 0), (11, 16))]
+                            if version == 1 else layout[False])
     staging = [json.loads((tmp_path / "async_True" / f"staging_rank{r}.json").read_text()) for r in range(WORLD)]
     assert [s["staged"] for s in staging[1:]] == [staging[1]["shard_bytes"], 0, 0]  # its shards, exactly
     assert staging[0]["staged"] >= staging[0]["shard_bytes"] > 0  # and rank 0 the rest (meta.pt's tensors)
     # the memory report says the same, per rank
     reports = json.loads((tmp_path / "async_True" / "memory_report.json").read_text())["reports"]
     assert [r["checkpoint_staging_bytes"] for r in reports["fit_end"]] == [s["staged"] for s in staging]
+
+
+def _chunks_of(folder: Path, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    from lightning_smp.checkpoint.safety import SafeFileSystemReader
+
+    chunks = SafeFileSystemReader(folder).read_metadata().state_dict_metadata[key].chunks
+    return sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks)
 
 
 def assert_same_checkpoint(actual: dict[str, Any], expected: dict[str, Any]) -> None:
@@ -156,7 +173,8 @@ def _fabric_saves(fabric: L.Fabric, folder: str) -> dict[str, Any]:
         fabric.save(Path(folder) / f"step{step}", {"model": model, "optimizer": optimizer, "step": step})
         states.append(_state(fabric, model, optimizer))
     fabric.strategy.wait_for_checkpoint()
-    return {"states": states, "staged": fabric.strategy.checkpoint_staging_bytes}
+    return {"states": states, "staged": fabric.strategy.checkpoint_staging_bytes,
+            "described": dict(fabric.strategy._background.local_state.verdicts)}
 
 
 def _fabric_loads(fabric: L.Fabric, path: str) -> dict[str, Any]:
@@ -169,14 +187,20 @@ def _fabric_loads(fabric: L.Fabric, path: str) -> dict[str, Any]:
 @pytest.mark.parametrize("version", ENGINES)
 def test_fabric_background_saves_hold_the_state_at_the_call(tmp_path: Path, version: int,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each save holds the state at its call although the next steps run while it is written; it loads under the
+    other engine at another degree (one unit per layer: several flat parameters under FSDP1)."""
     slow_writes(monkeypatch, 0.2)
-    strategy = FabricStrategy(hybrid_shard_degree=DEGREE, fsdp_version=version, async_save=True, start_method="fork")
+    strategy = FabricStrategy(hybrid_shard_degree=DEGREE, fsdp_version=version, async_save=True, start_method="fork",
+                              auto_wrap_policy={torch.nn.Linear})
     saved = L.Fabric(strategy=strategy, accelerator="cpu", devices=WORLD).launch(_fabric_saves, str(tmp_path))
     assert saved["staged"] > 0  # rank 0 writes
+    # FSDP1 described its flat shards itself (checked equal to torch's state dicts at the first save); FSDP2's own
+    # state dicts are its shards already
+    assert saved["described"] == {"model": version == 1, "optimizer_0": version == 1}
     for step in range(3):
         path = tmp_path / f"step{step}"
         assert committed(path)
-        other = FabricStrategy(hybrid_shard_degree=4, fsdp_version=version, start_method="fork")
+        other = FabricStrategy(hybrid_shard_degree=4, fsdp_version=3 - version, start_method="fork")
         loaded = L.Fabric(strategy=other, accelerator="cpu", devices=WORLD).launch(_fabric_loads, str(path))
         assert loaded["step"] == step
         assert loaded["weights"] == saved["states"][step]["weights"]
@@ -381,6 +405,27 @@ def test_async_save_needs_the_sharded_format_and_a_boolean(monkeypatch: pytest.M
     trainer = cpu_trainer(HybridShardFSDPStrategy(), devices=4)
     assert trainer.strategy.async_save is True
     assert cpu_trainer(HybridShardFSDPStrategy(async_save=False), devices=4).strategy.async_save is False
+
+
+def test_a_description_that_differs_from_torchs_state_is_caught() -> None:
+    """The check the first background save runs before trusting an engine's own description of its shards."""
+    from lightning_smp.checkpoint.local import differences
+
+    reference = {"w": torch.arange(12.0).view(4, 3), "step": torch.tensor(3.0), "groups": [{"lr": 0.1}]}
+    mine = {"w": TensorChunks.of_flat_range((4, 3), 2, torch.arange(2.0, 12.0)), "step": torch.tensor(3.0),
+            "groups": [{"lr": 0.1}]}
+    other = {"w": TensorChunks.of_flat_range((4, 3), 0, torch.arange(2.0)), "step": torch.tensor(3.0),
+             "groups": [{"lr": 0.1}]}
+
+    def gather(obj: Any) -> list[Any]:
+        return [obj]  # one rank
+
+    assert differences(mine, reference, gather) is None  # elements 2..11: a piece of row 0, then rows 1 to 3
+    assert differences(other, reference, gather) is None  # elements 0..1, as another rank would hold them
+    wrong = {**mine, "w": mine["w"].map_tensors(lambda data, i: data + (i == 1))}
+    assert "the values at (1, 0)" in differences(wrong, reference, gather)
+    assert "groups.0.lr" in differences({**mine, "groups": [{"lr": 0.2}]}, reference, gather)
+    assert "keys differ" in differences({"w": mine["w"]}, reference, gather)
 
 
 def test_a_temporary_is_never_loaded(tmp_path: Path) -> None:

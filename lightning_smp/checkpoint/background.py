@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_smp.checkpoint.local import LocalStateCheck
+from lightning_smp.engines.chunks import TensorChunks
 from lightning_smp.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -73,6 +75,8 @@ def stage(obj: Any, buffers: dict[tuple[Any, ...], Tensor] | None = None) -> tup
 
     def visit(value: Any, where: tuple[Any, ...]) -> Any:
         nonlocal nbytes
+        if isinstance(value, TensorChunks):  # an engine's own pieces of a tensor (lightning_smp.checkpoint.local)
+            return value.map_tensors(lambda data, i: copy_tensor(data, (*where, i)))
         if isinstance(value, DTensor):
             return DTensor.from_local(copy_tensor(value.to_local(), where), value.device_mesh, value.placements,
                                       run_check=False, shape=value.shape, stride=value.stride())
@@ -142,6 +146,8 @@ class BackgroundSaver:
         self.peak_staged_bytes = 0
         #: staging memory kept between saves (see :func:`stage`); free to reuse once the previous save is over
         self.buffers: dict[tuple[Any, ...], Tensor] = {}
+        #: whether the engine's own description of its shards was found equal to torch's state dicts
+        self.local_state = LocalStateCheck()
         self._save: _Save | None = None
         atexit.register(self._report_at_exit)
 

@@ -23,6 +23,7 @@ from lightning_smp.checkpoint.format import FORMAT_VERSION, META_FILENAME, RUN_K
 from lightning_smp.checkpoint.safety import plain_checkpoint, unsafe_entry
 from lightning_smp.collectives import Collectives
 from lightning_smp.degree import Layout
+from lightning_smp.engines.chunks import TensorChunks
 from lightning_smp.errors import CheckpointError, CheckpointPathError, UnsupportedOptionError
 from lightning_smp.names import SHARDED, StateDictType
 
@@ -262,6 +263,13 @@ class _WritesNothing(DefaultSavePlanner):
                 " only the lowest rank of each replica group stages a copy; refusing to write live training tensors"
             )
         return super().finish_plan(new_plan)
+
+    def lookup_object(self, index: Any) -> Any:
+        # an engine's own pieces of a tensor (TensorChunks): the piece at the chunk's offsets
+        found = self.state_dict.get(index.fqn)
+        if isinstance(found, TensorChunks):
+            return found.tensor_at(index.offset)
+        return super().lookup_object(index)
 
 
 __all__ = ["CheckpointRun", "check_storage_options", "collision", "run_id_of", "run_record", "save"]

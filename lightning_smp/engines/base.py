@@ -159,6 +159,17 @@ class Engine(Protocol):
         """A full optimizer state keyed by parameter index, re-keyed by parameter name for ``set_optimizer_state_dict``."""
         ...
 
+    def local_model_state(self, model: Module) -> dict[str, Any] | None:
+        """The model's sharded state as ``get_model_state_dict`` holds it, described from this rank's shards without
+        any collective (pieces that are views of the live tensors); ``None`` where torch's state dict is as cheap, or
+        the layout is not one the engine can describe. See :mod:`lightning_smp.checkpoint.local`."""
+        ...
+
+    def local_optimizer_state(self, model: Module, optimizer: Optimizer) -> dict[str, Any] | None:
+        """The optimizer's sharded state as ``get_optimizer_state_dict`` holds it, described like
+        :meth:`local_model_state`; ``None`` where that is not needed or not possible."""
+        ...
+
     def clip_grad_norm(self, model: Module, max_norm: float,
                        parameters: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
         """Clip the gradients of ``parameters`` (an optimizer's, as Lightning and DDP clip; ``None``: the whole model)

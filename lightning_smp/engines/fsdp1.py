@@ -174,6 +174,17 @@ class FSDP1Engine:
 
     # ------------------------------------------------------------------ clipping
 
+    def local_model_state(self, model: Module) -> dict[str, Any] | None:
+        # torch's sharded state dict gathers every flat parameter to cut it per parameter; this one gathers nothing
+        from lightning_smp.engines.fsdp1_state import local_model_state
+
+        return local_model_state(model) if isinstance(model, _fsdp()) else None
+
+    def local_optimizer_state(self, model: Module, optimizer: Optimizer) -> dict[str, Any] | None:
+        from lightning_smp.engines.fsdp1_state import local_optimizer_state
+
+        return local_optimizer_state(model, optimizer) if isinstance(model, _fsdp()) else None
+
     def clip_grad_norm(self, model: Module, max_norm: float,
                        parameters: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
         """FSDP1's own ``clip_grad_norm_`` on the root unit when ``parameters`` cover every trainable parameter: it is

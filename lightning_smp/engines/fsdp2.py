@@ -391,6 +391,12 @@ class FSDP2Engine:
 
     # ------------------------------------------------------------------ clipping
 
+    def local_model_state(self, model: Module) -> dict[str, Any] | None:
+        return None  # torch's sharded state dict is this rank's DTensor shards already: nothing to gather
+
+    def local_optimizer_state(self, model: Module, optimizer: Optimizer) -> dict[str, Any] | None:
+        return None
+
     def clip_grad_norm(self, model: Module, max_norm: float,
                        parameters: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
         """The 2-norm over the gradients of ``parameters`` (``None``: every one of ``model``): each DTensor's local
