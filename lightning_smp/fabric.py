@@ -115,6 +115,29 @@ class _HybridBackwardSyncControl(_BackwardSyncControl):
             self.active = False
 
 
+class _WaitingLauncher(_MultiProcessingLauncher):
+    """Fabric's fork/spawn launcher, whose ranks take the outcome of a background checkpoint save before they end: a
+    failed last save raises there, on every rank, and ``fabric.launch`` raises it (the process would wait for the
+    writing thread anyway, but a rank that ends through ``os._exit`` runs no exit handler that could report it)."""
+
+    _strategy: HybridShardFSDPStrategy
+
+    def _wrapping_function(self, process_idx: int, function: Callable, args: Any, kwargs: Any, return_queue: Any,
+                           global_states: Any = None) -> None:
+        strategy = self._strategy
+
+        def run(*run_args: Any, **run_kwargs: Any) -> Any:
+            try:
+                results = function(*run_args, **run_kwargs)
+            except BaseException:
+                strategy._end_checkpoint_after_error()
+                raise
+            strategy.wait_for_checkpoint()
+            return results
+
+        super()._wrapping_function(process_idx, run, args, kwargs, return_queue, global_states)
+
+
 class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     r"""Hybrid sharding (SMP's ``hybrid_shard_degree``) for Lightning Fabric.
 
@@ -221,7 +244,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         if self._start_method == "popen" or self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _WaitingLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:

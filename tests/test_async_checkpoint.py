@@ -160,7 +160,8 @@ def assert_same_checkpoint(actual: dict[str, Any], expected: dict[str, Any]) -> 
 
 
 def _fabric_saves(fabric: L.Fabric, folder: str) -> dict[str, Any]:
-    """Three steps, a save after each (each written while the next step runs); the full state after each step."""
+    """Three steps, a save after each (each written while the next step runs, the last one as the loop ends); the
+    full state after each step."""
     from tests.test_fabric import _batches, _state, make_net
 
     model = fabric.setup_module(make_net())
@@ -172,7 +173,8 @@ def _fabric_saves(fabric: L.Fabric, folder: str) -> dict[str, Any]:
         optimizer.zero_grad()
         fabric.save(Path(folder) / f"step{step}", {"model": model, "optimizer": optimizer, "step": step})
         states.append(_state(fabric, model, optimizer))
-    fabric.strategy.wait_for_checkpoint()
+    # no wait_for_checkpoint(): the last save is still being written as the loop returns, and the rank waits for it
+    assert fabric.strategy.checkpoint_in_flight
     return {"states": states, "staged": fabric.strategy.checkpoint_staging_bytes,
             "described": dict(fabric.strategy._background.local_state.verdicts)}
 
@@ -387,6 +389,26 @@ def test_fabric_background_failure_raises_at_a_step_on_every_rank(tmp_path: Path
     outcomes = result["outcomes"]
     assert all(o == outcomes[0] for o in outcomes) and outcomes[0], outcomes
     assert f"{str(tmp_path / 'ckpt')!r} in the background failed on rank 2: OSError" in outcomes[0]["message"]
+    assert not list(tmp_path.iterdir())
+
+
+def _fabric_last_save_fails(fabric: L.Fabric, folder: str) -> None:
+    from tests.test_fabric import _batches, make_net
+
+    model = fabric.setup_module(make_net())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    x, y = _batches(fabric)[0]
+    fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+    optimizer.step()
+    fabric.save(Path(folder) / "last", {"model": model, "optimizer": optimizer})  # returns; the loop ends
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_fabric_raises_a_failed_last_save_when_the_loop_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    slow_writes(monkeypatch, 0.2, fail_on=(3, 1))
+    strategy = FabricStrategy(hybrid_shard_degree=DEGREE, fsdp_version=1, async_save=True, start_method="fork")
+    with pytest.raises(Exception, match=r"/last' in the background failed on rank 3: OSError"):
+        L.Fabric(strategy=strategy, accelerator="cpu", devices=WORLD).launch(_fabric_last_save_fails, str(tmp_path))
     assert not list(tmp_path.iterdir())
 
 
