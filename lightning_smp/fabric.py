@@ -362,8 +362,10 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
                 f"norm_type={norm_type!r}: lightning_smp clips by the 2-norm only. Fix: norm_type=2.0."
             )
         self.precision.unscale_gradients(optimizer)
-        parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        total = engine.clip_grad_norm(module, float(max_norm), parameters) if engine is not None else None
+        total = None
+        if engine is not None:  # (the module is checked first: the optimizer's parameters are read only then)
+            parameters = [p for group in optimizer.param_groups for p in group["params"]]
+            total = engine.clip_grad_norm(module, float(max_norm), parameters)
         if total is None:
             raise TypeError(
                 "Gradient clipping by norm needs the module that fabric.setup_module() returned (one sharded root)."

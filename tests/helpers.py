@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -206,3 +207,27 @@ def fit_and_record(strategy: Any, folder: Path, devices: int, model: L.Lightning
     trainer.fit(model, train_loader if train_loader is not None else make_loader())
     records = [torch.load(Path(folder) / "records" / f"rank{r}.pt", weights_only=False) for r in range(devices)]
     return trainer, model, records
+
+
+def kill_when_ready(target: Callable[..., None], args: tuple, ready: Path, what: str) -> None:
+    """Run ``target(*args)`` in a forked child (``target`` calls ``os.setsid()`` first, so that the ranks it starts
+    share its process group); once the file ``ready`` exists, SIGKILL the child and every rank it started (a save
+    interrupted half way). Fails naming ``what`` if ``ready`` never appears."""
+    import multiprocessing as mp
+    import signal
+    import time
+
+    child = mp.get_context("fork").Process(target=target, args=args)
+    child.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and child.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), f"{what} never started"
+        os.killpg(child.pid, signal.SIGKILL)
+        child.join(30)
+    finally:
+        if child.is_alive():
+            os.killpg(child.pid, signal.SIGKILL)
+            child.join(10)
+    assert child.exitcode == -signal.SIGKILL

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from tests.helpers import (
     GLOO_TIMEOUT,
     accelerator_for,
     cpu_trainer,
+    kill_when_ready,
     make_loader,
     process_group_backend_for,
     require_devices,
@@ -487,22 +487,8 @@ def _killed_scenario(folder: Path, ready: Path) -> None:
 
 @pytest.mark.timeout(240)
 def test_killed_while_writing_in_the_background(tmp_path: Path) -> None:
-    import multiprocessing as mp
-
-    ready = tmp_path / "ready"
-    child = mp.get_context("fork").Process(target=_killed_scenario, args=(tmp_path, ready))
-    child.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not ready.exists() and child.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert ready.exists(), "the second background write never started"
-        os.killpg(child.pid, signal.SIGKILL)  # every rank dies while the thread writes
-        child.join(30)
-    finally:
-        if child.is_alive():
-            os.killpg(child.pid, signal.SIGKILL)
-            child.join(10)
+    # every rank dies while the thread writes
+    kill_when_ready(_killed_scenario, (tmp_path, tmp_path / "ready"), tmp_path / "ready", "the second background write")
     ckpts = tmp_path / "ckpts"
     leftovers = [p for p in ckpts.iterdir() if is_temporary(p)]
     assert len(leftovers) == 1 and leftovers[0].name.startswith(".last.ckpt.tmp-")

@@ -14,7 +14,6 @@ import enum
 import io
 import os
 import runpy
-import signal
 import subprocess
 import sys
 import time
@@ -34,7 +33,7 @@ from lightning_smp import CheckpointError, HybridShardFSDPStrategy
 from lightning_smp import checkpoint as ckpt
 from lightning_smp.checkpoint import convert, safety, saving
 from lightning_smp.names import FULL, SHARDED, STATE_DICT_TYPES, STRATEGY_NAMES
-from tests.helpers import TinyModel, cpu_trainer, make_loader
+from tests.helpers import TinyModel, cpu_trainer, kill_when_ready, make_loader
 
 #: every registered strategy name but the notebook one (the same as smp_hybrid, launched by fork): its init args
 STRATEGIES = {name: {k: v for k, v in args.items() if k != "start_method"}
@@ -539,23 +538,8 @@ def _kill_scenario(folder: Path, kind: str, ready: Path) -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind", STATE_DICT_TYPES)
 def test_save_killed_midway_leaves_previous_checkpoint_loadable(tmp_path: Path, kind: str) -> None:
-    import multiprocessing as mp
-
-    ready = tmp_path / "ready"
-    child = mp.get_context("fork").Process(target=_kill_scenario, args=(tmp_path, kind, ready))
-    child.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not ready.exists() and child.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert ready.exists(), "the second save never started"
-        os.killpg(child.pid, signal.SIGKILL)  # the writer and every rank die mid-write
-        child.join(30)
-    finally:
-        if child.is_alive():
-            os.killpg(child.pid, signal.SIGKILL)
-            child.join(10)
-    assert child.exitcode == -signal.SIGKILL
+    # the writer and every rank die mid-write
+    kill_when_ready(_kill_scenario, (tmp_path, kind, tmp_path / "ready"), tmp_path / "ready", "the second save")
     ckpts = tmp_path / "ckpts"
     leftovers = [p for p in ckpts.iterdir() if p.name.startswith(".last.ckpt.tmp-")]
     assert len(leftovers) == 1  # the interrupted write went to a temporary name ...
