@@ -461,6 +461,8 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     @override
     def teardown(self) -> None:
         self._end_checkpoint_after_error()  # a save still in flight here: fit ended with an error
+        if self._background is not None:
+            self._background.buffers.clear()  # the staging memory, until the next save
         if self._undo_deferral is not None:
             self._undo_deferral()
             self._undo_deferral = None

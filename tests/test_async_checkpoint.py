@@ -259,9 +259,15 @@ def _watch(folder: Path, stop: threading.Event, seen: list[str], bad: list[str])
         for entry in entries:
             if entry.name.startswith("."):
                 continue  # a temporary: never under a checkpoint's name
-            if not committed(entry):
+            target = entry
+            if entry.is_symlink():
+                try:
+                    target = entry.parent / os.readlink(entry)
+                except OSError:
+                    continue  # re-linked while we looked (Lightning removes the link, then makes the new one)
+            if not committed(target):
                 time.sleep(0.05)
-                if os.path.lexists(entry):  # (not merely removed while we looked)
+                if os.path.lexists(target):  # (not merely removed while we looked)
                     bad.append(entry.name)
             elif entry.name not in seen:
                 seen.append(entry.name)

@@ -5,15 +5,19 @@
 crash in that window would leave nothing to resume from. The removal goes through the strategy
 (``remove_checkpoint``, deferred there); the link and the loggers' ``after_save_checkpoint`` are called on the
 callback and the loggers themselves, so :func:`defer_until_commit` routes those two, on these objects only and for one
-``fit``, through :meth:`BackgroundSaver.after_commit`.
+``fit``, through :meth:`BackgroundSaver.after_commit`; the link itself is switched in one step
+(:func:`link_atomically`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_smp.checkpoint.atomic import commit, temporary_name
 from lightning_smp.checkpoint.background import BackgroundSaver
 
 if TYPE_CHECKING:
@@ -28,10 +32,9 @@ def defer_until_commit(trainer: pl.Trainer, saver: BackgroundSaver) -> Callable[
     undo: list[Callable[[], None]] = []
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and "_link_checkpoint" not in vars(callback):
-            link = callback._link_checkpoint  # a staticmethod: (trainer, filepath, linkpath)
 
-            def deferred_link(trainer: Any, filepath: str, linkpath: str, _link: Any = link) -> None:
-                saver.after_commit(lambda: _link(trainer, filepath, linkpath))
+            def deferred_link(trainer: Any, filepath: str, linkpath: str) -> None:
+                saver.after_commit(lambda: link_atomically(trainer, filepath, linkpath))
 
             callback._link_checkpoint = deferred_link  # type: ignore[method-assign]  # this instance only
             undo.append(partial(_forget, callback, "_link_checkpoint"))
@@ -51,6 +54,18 @@ def defer_until_commit(trainer: pl.Trainer, saver: BackgroundSaver) -> Callable[
             step()
 
     return restore
+
+
+def link_atomically(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
+    """``ModelCheckpoint._link_checkpoint`` (``last`` as a relative link to ``filepath``), but switched in one step:
+    the link is made under a temporary name and exchanged with what ``linkpath`` held (Lightning deletes that first,
+    so that a reader could find ``last`` half removed or missing)."""
+    if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+        link = Path(linkpath)
+        tmp = temporary_name(link, "link")
+        os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), tmp)
+        commit(tmp, link)
+    trainer.strategy.barrier()
 
 
 def _forget(obj: Any, name: str) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 #: a temporary of :func:`temporary_name`: never a checkpoint, whatever it holds (it may be half written)
-_TEMPORARY = re.compile(r"^\..+\.(tmp|old)(-[0-9a-f]{8})?-[0-9a-f]{12}$")
+_TEMPORARY = re.compile(r"^\..+\.(tmp|old|link)(-[0-9a-f]{8})?-[0-9a-f]{12}$")
 
 
 def temporary_name(dest: Path, tag: str = "tmp", owner: str | None = None) -> Path:

@@ -26,6 +26,7 @@ import collections
 import copy
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +107,15 @@ def stage(obj: Any, buffers: dict[tuple[Any, ...], Tensor] | None = None) -> tup
     return staged, nbytes
 
 
+def _report_at_exit(saver: weakref.ref[BackgroundSaver]) -> None:
+    # the interpreter joined the writing thread before atexit handlers run; a failure nobody took is logged
+    owner = saver()
+    save = owner._save if owner is not None else None
+    if save is not None and save.done.is_set() and save.failure is not None:
+        log.error("Saving the checkpoint %s in the background failed on %s; nothing was written under that name.",
+                  save.path, save.failure)
+
+
 def describe_failure(err: BaseException, rank: int) -> str:
     """``rank N: Type: message`` of what failed: for DCP's ``CheckpointException`` (raised on every rank alike), the
     rank where it happened and its own error."""
@@ -149,14 +159,7 @@ class BackgroundSaver:
         #: whether the engine's own description of its shards was found equal to torch's state dicts
         self.local_state = LocalStateCheck()
         self._save: _Save | None = None
-        atexit.register(self._report_at_exit)
-
-    def _report_at_exit(self) -> None:
-        # the interpreter joined the writing thread before atexit handlers run; a failure nobody took is logged
-        save = self._save
-        if save is not None and save.done.is_set() and save.failure is not None:
-            log.error("Saving the checkpoint %s in the background failed on %s; nothing was written under that name.",
-                      save.path, save.failure)
+        atexit.register(_report_at_exit, weakref.ref(self))  # (a weak reference: the buffers go with the saver)
 
     @property
     def in_flight(self) -> bool:

@@ -39,7 +39,15 @@ def _clean(name: str) -> str:
 
 def _parameter_chunks(root: Module) -> dict[int, tuple[str, Any, int]] | None:
     """``id(parameter) -> (fqn, its chunks builder)`` for every parameter FSDP manages: the parameter's shape, the
-    start of this rank's range in its row-major elements, and where that range sits in the local flat shard."""
+    start of this rank's range in its row-major elements, and where that range sits in the local flat shard.
+    ``None`` for a layout this module does not describe, or FSDP1 internals it does not find (another torch)."""
+    try:
+        return _read_parameter_chunks(root)
+    except AttributeError:
+        return None
+
+
+def _read_parameter_chunks(root: Module) -> dict[int, tuple[str, Any, int]] | None:
     names = {id(p): _clean(n) for n, p in root.named_parameters()}
     out: dict[int, tuple[str, Any, int]] = {}
     for unit in _fsdp().fsdp_modules(root):
