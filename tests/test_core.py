@@ -18,18 +18,17 @@ from lightning_smp.launcher import rank_error
 from lightning_smp.names import FULL
 
 
-@pytest.mark.parametrize(
-    ("literal", "values"),
-    [
-        (names.MeshAxis, names.MESH_AXES),
-        (names.ShardingStrategyName, names.SHARDING_STRATEGIES),
-        (names.StartMethod, names.START_METHODS),
-        (names.StateDictType, names.STATE_DICT_TYPES),
-    ],
-)
-def test_each_option_is_defined_once(literal, values):
-    assert typing.get_args(literal) == values
-    assert len(set(values)) == len(values)
+@pytest.mark.parametrize("values", [names.MESH_AXES, names.SHARDING_STRATEGIES, names.START_METHODS,
+                                    names.STATE_DICT_TYPES, names.GRADIENT_ACCUMULATIONS, names.FSDP_VERSIONS])
+def test_each_option_is_defined_once(values):
+    # each tuple is read from its Literal (names.py); what can differ is a value listed twice
+    assert values and len(set(values)) == len(values)
+
+
+def test_start_methods_are_the_platforms_and_the_script_launcher():
+    import multiprocessing as mp
+
+    assert set(names.START_METHODS) == {"popen", *mp.get_all_start_methods()}
 
 
 def test_names_spell_the_values_torch_and_lightning_use():
