@@ -364,8 +364,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         self.precision.unscale_gradients(optimizer)
         total = None
         if engine is not None:  # (the module is checked first: the optimizer's parameters are read only then)
-            parameters = [p for group in optimizer.param_groups for p in group["params"]]
-            total = engine.clip_grad_norm(module, float(max_norm), parameters)
+            total = engine.clip_grad_norm(module, float(max_norm), list(self.precision.main_params(optimizer)))
         if total is None:
             raise TypeError(
                 "Gradient clipping by norm needs the module that fabric.setup_module() returned (one sharded root)."

@@ -91,7 +91,7 @@ class HybridShardPrecision(FSDPPrecision):
         engine = engine_of(module) if module is not None else None
         # the optimizer's parameters, as Lightning and DDP clip (not the whole model's: another optimizer's, or a
         # trainable part that no optimizer steps, must not shrink this optimizer's gradients)
-        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        parameters = list(self.main_params(optimizer))
         if module is None or engine is None or engine.clip_grad_norm(module, float(clip_val), parameters) is None:
             # A model the user wrapped module by module has no single root to clip over: Lightning's refusal.
             super().clip_grad_by_norm(optimizer, clip_val)

@@ -204,7 +204,7 @@ class FSDP1Engine:
         for param in params:
             grad = cast(torch.Tensor, param.grad)
             (shards if self.is_shard(param) else whole).add_(grad.detach().float().pow(2).sum())
-        if model.sharding_strategy.name != "NO_SHARD":
+        if model.sharding_strategy.name != NO_SHARD:
             dist.all_reduce(shards, group=model.process_group)
         total = (shards + whole).sqrt()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)

@@ -16,7 +16,7 @@ dicts. The caller also checks the description against torch's once per run befor
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn import Module
@@ -37,9 +37,19 @@ def _clean(name: str) -> str:
     return clean_tensor_name(name)
 
 
-def _parameter_chunks(root: Module) -> dict[int, tuple[str, Any, int]] | None:
-    """``id(parameter) -> (fqn, its chunks builder)`` for every parameter FSDP manages: the parameter's shape, the
-    start of this rank's range in its row-major elements, and where that range sits in the local flat shard.
+class _Range(NamedTuple):
+    """Where this rank's part of one parameter is: its ``shape``, the ``start`` of the range in its row-major
+    elements, and the range's ``offset`` and ``numel`` in the local ``flat`` shard."""
+
+    shape: tuple[int, ...]
+    start: int
+    flat: torch.Tensor
+    offset: int
+    numel: int
+
+
+def _parameter_chunks(root: Module) -> dict[int, _Range] | None:
+    """``id(parameter) -> its range`` for every parameter FSDP manages.
     ``None`` for a layout this module does not describe, or FSDP1 internals it does not find (another torch)."""
     try:
         return _read_parameter_chunks(root)
@@ -47,9 +57,9 @@ def _parameter_chunks(root: Module) -> dict[int, tuple[str, Any, int]] | None:
         return None
 
 
-def _read_parameter_chunks(root: Module) -> dict[int, tuple[str, Any, int]] | None:
-    names = {id(p): _clean(n) for n, p in root.named_parameters()}
-    out: dict[int, tuple[str, Any, int]] = {}
+def _read_parameter_chunks(root: Module) -> dict[int, _Range] | None:
+    registered = {id(p) for p in root.parameters()}
+    out: dict[int, _Range] = {}
     for unit in _fsdp().fsdp_modules(root):
         handle = unit._handle
         if handle is None:
@@ -58,22 +68,20 @@ def _read_parameter_chunks(root: Module) -> dict[int, tuple[str, Any, int]] | No
         if not handle.uses_sharded_strategy or not handle._use_orig_params or flat._shared_param_infos:
             return None
         for param, shape, info in zip(flat._params, flat._shapes, flat._shard_param_infos, strict=True):
-            if id(param) not in names:
+            if id(param) not in registered:
                 return None
             if info.in_shard:
-                start, offset, numel = info.intra_param_start_idx, info.offset_in_shard, info.numel_in_shard
+                out[id(param)] = _Range(tuple(shape), info.intra_param_start_idx, flat, info.offset_in_shard,
+                                        info.numel_in_shard)
             else:
-                start, offset, numel = 0, 0, 0
-            out[id(param)] = (names[id(param)], (tuple(shape), start, flat, offset, numel), numel)
+                out[id(param)] = _Range(tuple(shape), 0, flat, 0, 0)
     return out
 
 
-def _chunks(spec: tuple[tuple[int, ...], int, torch.Tensor, int, int], values: torch.Tensor | None = None,
-            ) -> TensorChunks:
+def _chunks(where: _Range, values: torch.Tensor | None = None) -> TensorChunks:
     """The chunks of one parameter (``values``: a state of it shaped like its local range, e.g. Adam's ``exp_avg``)."""
-    shape, start, flat, offset, numel = spec
-    local = values.reshape(-1) if values is not None else flat.detach()[offset:offset + numel]
-    return TensorChunks.of_flat_range(shape, start, local)
+    local = values.reshape(-1) if values is not None else where.flat.detach()[where.offset:where.offset + where.numel]
+    return TensorChunks.of_flat_range(where.shape, where.start, local)
 
 
 def local_model_state(root: Module) -> dict[str, Any] | None:
@@ -84,8 +92,8 @@ def local_model_state(root: Module) -> dict[str, Any] | None:
         return None
     state: dict[str, Any] = {}
     for name, param in root.named_parameters():
-        entry = params.get(id(param))
-        state[_clean(name)] = _chunks(entry[1]) if entry is not None else param.detach()
+        where = params.get(id(param))
+        state[_clean(name)] = _chunks(where) if where is not None else param.detach()
     for prefix, module in root.named_modules():
         for name, buffer in module._buffers.items():
             if buffer is not None and name not in module._non_persistent_buffers_set:
@@ -113,12 +121,12 @@ def local_optimizer_state(root: Module, optimizer: Optimizer) -> dict[str, Any] 
             if not values:
                 continue
             entry: dict[str, Any] = {}
-            spec = params.get(id(param))
+            where = params.get(id(param))
             for key, value in values.items():
                 if isinstance(value, torch.Tensor) and value.dim() == 0:
                     entry[key] = value
-                elif isinstance(value, torch.Tensor) and spec is not None and value.shape == param.shape:
-                    entry[key] = _chunks(spec[1], value)
+                elif isinstance(value, torch.Tensor) and where is not None and value.shape == param.shape:
+                    entry[key] = _chunks(where, value)
                 else:
                     return None  # a state of a layout this description does not know
             state[names[id(param)]] = entry
