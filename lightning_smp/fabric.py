@@ -329,6 +329,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
 
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+        engine = engine_of(module) if module is not None else None
+        if module is not None and engine is not None:
+            engine.before_backward(module)
         super().backward(tensor, module, *args, **kwargs)
         self._unreduced = self._backward_sync_control.active
 

@@ -330,6 +330,12 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             yield
 
     @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self.model is not None:
+            self.engine.before_backward(self.model)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
     def _setup_model(self, model: Module) -> Module:
         model = self.core.shard(
             model, self._plan(),

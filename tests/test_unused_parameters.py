@@ -1,8 +1,11 @@
-"""Parameters that take no part in some micro-batches of an accumulation window: the result equals DDP's.
+"""Parameters that take no part in some micro-batches of an accumulation window, or on some ranks: the result
+equals DDP's.
 
 FSDP2 keeps one pending sum per parameter group between the micro-batches of a window (``defer_all_reduce``); its
 layout followed whichever parameters had gradients in each micro-batch, so a head used on even batches only never
-moved (its sum was never all-reduced), or two heads of the same shape swapped gradients, silently.
+moved (its sum was never all-reduced), or two heads of the same shape swapped gradients, silently. FSDP1 under
+``no_sync`` reduces a unit only in its own post-backward hook, so a unit left out of the last micro-batch stopped on
+an ``AssertionError`` (sharded) or was never all-reduced (degree 1).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from lightning_smp import HybridShardFSDPStrategy
 from tests.helpers import GLOO_TIMEOUT, TinyModel, fit_and_record, make_loader
@@ -51,11 +55,14 @@ def ddp(tmp_path_factory) -> dict:
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
-@pytest.mark.parametrize("degree", [2, 4])
+@pytest.mark.parametrize("degree", [1, 2, 4])
 @pytest.mark.parametrize("units", ["each_linear_a_unit", "one_root_unit"])
-def test_heads_used_in_some_micro_batches_train_as_under_ddp(tmp_path, ddp, degree, units):
+@pytest.mark.parametrize(("version", "accumulation"), [(1, "no_sync"), (1, "every_micro_batch"), (2, "defer_all_reduce"),
+                                                       (2, "no_sync"), (2, "every_micro_batch")])
+def test_heads_used_in_some_micro_batches_train_as_under_ddp(tmp_path, ddp, degree, units, version, accumulation):
     policy = {torch.nn.Linear} if units == "each_linear_a_unit" else None
-    ours = _fit(HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=2, auto_wrap_policy=policy,
+    ours = _fit(HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version, auto_wrap_policy=policy,
+                                        gradient_accumulation=accumulation,
                                         start_method="fork"), tmp_path)
     moved_by_ddp = {k for k in ddp["end"] if not torch.equal(ddp["end"][k], ddp["start"][k])}
     assert {"aux_even.weight", "aux_odd.weight"} <= moved_by_ddp
@@ -63,3 +70,57 @@ def test_heads_used_in_some_micro_batches_train_as_under_ddp(tmp_path, ddp, degr
         assert torch.allclose(ours["end"][key], ddp["end"][key], atol=1e-5, rtol=0), key
         if key in moved_by_ddp:
             assert not torch.equal(ours["end"][key], ours["start"][key]), f"{key} did not move"
+
+
+class DataDependentBranch(TinyModel):
+    """An auxiliary loss only where this rank's batch meets a condition: some ranks use ``aux``, others do not.
+    ``net`` is the body, ``head`` and ``aux`` sit beside it."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.05)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.Tanh())
+        self.head = torch.nn.Linear(33, 4)
+        self.aux = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.net(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        if y[:, 0].mean() > 0:  # true on 1 to 3 of the 4 ranks in each step of this data
+            loss = loss + torch.nn.functional.mse_loss(self.aux(x), y)
+        return loss
+
+
+#: the body a unit of its own; ``aux`` stays in the root unit with ``head``, which every rank uses
+BODY_ONLY = ModuleWrapPolicy({torch.nn.Sequential})
+
+
+def _fit_branch(strategy: Any, folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = DataDependentBranch()
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    _, model, _ = fit_and_record(strategy, folder, WORLD, model=model, max_steps=4,
+                                 train_loader=make_loader(samples=64, batch_size=2))
+    return {"start": start, "end": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.fixture(scope="module")
+def ddp_branch(tmp_path_factory) -> dict:
+    return _fit_branch(DDPStrategy(start_method="fork", find_unused_parameters=True), tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("degree", [2, 4])
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_branch_taken_on_some_ranks_trains_as_under_ddp_inside_an_always_run_unit(tmp_path, ddp_branch, degree,
+                                                                                   version):
+    """DDP needs ``find_unused_parameters=True``; FSDP needs the branch's module inside a unit whose forward every
+    rank runs and some of whose parameters every rank uses (here the root, with ``head``: ``auto_wrap_policy`` leaves
+    ``aux`` out). That unit's reduction then gives ``aux`` zeros on the ranks that did not use it, as DDP does."""
+    ours = _fit_branch(HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version,
+                                               auto_wrap_policy=BODY_ONLY, start_method="fork"), tmp_path)
+    assert not torch.equal(ddp_branch["end"]["aux.weight"], ddp_branch["start"]["aux.weight"])
+    for key in ddp_branch["end"]:
+        assert torch.allclose(ours["end"][key], ddp_branch["end"][key], atol=1e-5, rtol=0), key

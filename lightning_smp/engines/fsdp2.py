@@ -457,6 +457,10 @@ class FSDP2Engine:
                 " or discard the window with model.reset_iter_state() on the sharded root."
             )
 
+    def before_backward(self, model: Module) -> None:
+        # every unit reduce-scatters at the end of each backward, used or not (set_reduce_scatter_unused_params)
+        return None
+
     def discard_unreduced_gradients(self, model: Module) -> None:
         # the deferred all-reduce keeps each group's partial sum outside .grad; the root's reset_iter_state (torch's
         # recovery API) discards it, as zero_grad discards DDP's accumulated .grad
