@@ -315,7 +315,7 @@ class HybridShardCore:
         self.layout = self.resolve_layout(num_nodes, devices)
 
     def plan(self, device: torch.device, *, mixed_precision: Any, cpu_offload: Any, options: dict[str, Any],
-             precision: str) -> ShardingPlan:
+             precision: str, steps_inside_a_step: bool = False) -> ShardingPlan:
         """What the engine builds: the layout on ``device``, with the user's own engine arguments."""
         if self.layout is None:
             raise HybridShardConfigError("the layout is not known yet: the strategy has not been configured.")
@@ -325,7 +325,8 @@ class HybridShardCore:
         if type(self.cpu_offload_arg).__name__ in FSDP2_OFFLOAD_CONFIGS:
             cpu_offload = self.cpu_offload_arg  # FSDP2's own config, kept as the user gave it
         return ShardingPlan(layout=self.layout, device=device, mesh=mesh, mixed_precision=mixed_precision,
-                            cpu_offload=cpu_offload, options=options, precision=precision)
+                            cpu_offload=cpu_offload, options=options, precision=precision,
+                            steps_inside_a_step=steps_inside_a_step)
 
     # ------------------------------------------------------------------ 4. sharding the module
 

@@ -263,8 +263,10 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
 
     def _plan(self) -> ShardingPlan:
         """What the engine builds: this layout on the root device, with the user's own FSDP arguments."""
+        module = self.lightning_module
         return self.core.plan(self.root_device, mixed_precision=self.mixed_precision_config, cpu_offload=self.cpu_offload,
-                              options=dict(self.kwargs), precision=str(self.precision_plugin.precision))
+                              options=dict(self.kwargs), precision=str(self.precision_plugin.precision),
+                              steps_inside_a_step=module is not None and not module.automatic_optimization)
 
     # ------------------------------------------------------------------ model wrapping
 
@@ -281,6 +283,14 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             if problem is not None:
                 raise CheckpointError(f"ModelCheckpoint could not save this run: {problem}")
         module = trainer.lightning_module
+        if (trainer.state.fn == TrainerFn.FITTING and module is not None and not module.automatic_optimization
+                and not self.engine.steps_inside_a_step):
+            raise UnsupportedOptionError(
+                f"automatic_optimization=False with fsdp_version={self.engine.version}: a Lightning step runs inside"
+                " the sharded root's forward, and FSDP1 cannot run manual_backward there (Lightning's FSDPStrategy"
+                " fails alike). Fix: fsdp_version=2, which runs manual optimization (several backward passes and"
+                " optimizers per step included), or automatic optimization."
+            )
         if module is not None and self.core.auto and self.core.chosen is None:
             # hybrid_shard_degree="auto": chosen from the finished model, before sharding
             if is_overridden("configure_model", module) and not self.core.engine_options.get("auto_wrap_policy"):

@@ -43,6 +43,8 @@ class ShardingPlan:
         precision: the Trainer's precision (``"32-true"``, ``"bf16-mixed"``, ...).
         options: every other argument the user passed for the FSDP implementation (``auto_wrap_policy``,
             ``process_group``, ``use_orig_params``, ...), passed through unchanged.
+        steps_inside_a_step: whether backward passes and optimizer steps run inside a step that runs as the root's
+            forward (Lightning's manual optimization).
     """
 
     layout: Layout
@@ -52,6 +54,7 @@ class ShardingPlan:
     cpu_offload: Any = None
     options: Mapping[str, Any] = field(default_factory=dict)
     precision: str = "32-true"
+    steps_inside_a_step: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,8 @@ class Engine(Protocol):
     accumulations: tuple[GradientAccumulation, ...]
     #: whether activation checkpointing is applied before sharding (else after, on the wrapped model)
     checkpoint_activations_first: bool
+    #: whether backward passes and optimizer steps can run inside a Lightning step (manual optimization)
+    steps_inside_a_step: bool
 
     def check_options(self, options: Mapping[str, Any], mixed_precision: Any, cpu_offload: Any) -> None:
         """Refuse, with :class:`~lightning_smp.errors.UnsupportedOptionError`, arguments this engine does not take,

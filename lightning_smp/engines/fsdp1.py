@@ -85,6 +85,8 @@ class FSDP1Engine:
     # no_sync first: Lightning's behaviour, kept as the default for drop-in compatibility with FSDPStrategy
     accumulations: tuple[GradientAccumulation, ...] = (NO_SYNC, EVERY_MICRO_BATCH)
     checkpoint_activations_first = False  # Lightning's FSDPStrategy wraps first, then checkpoints
+    # a Lightning step runs inside the root's forward (Lightning's redirection), where FSDP1 cannot run a backward
+    steps_inside_a_step = False
 
     def check_options(self, options: Mapping[str, Any], mixed_precision: Any, cpu_offload: Any) -> None:
         for key, fix in _FSDP2_ONLY.items():

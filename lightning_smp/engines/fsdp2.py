@@ -155,6 +155,28 @@ def wrap_targets(module: Module, policy: Any) -> list[Module]:
     )
 
 
+def _shard_below_the_root(module: Module, kwargs: dict[str, Any]) -> None:
+    """Manual optimization: every parameter in a unit below the root, each child that holds some a unit of its own.
+
+    Lightning's step runs as the root's forward (:meth:`FSDP2Engine.call_through_root`), so a backward inside it comes
+    before the root's post-forward, which is what hooks the root's parameters into a backward: their gradients would
+    stay None, and the step would silently skip them. A unit below the root gathers, hooks and reduces around each
+    of its own calls, and follows ``requires_grad`` as ``toggle_optimizer`` sets it, whatever the step does between.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    own = [name for name, p in module.named_parameters(recurse=False) if p.requires_grad]
+    if own:
+        raise UnsupportedOptionError(
+            f"automatic_optimization=False with parameters held by the LightningModule itself ({', '.join(own)}):"
+            " under fsdp_version=2 every parameter must be in a submodule, whose FSDP unit takes part in each"
+            " backward inside the step. Fix: move them into a submodule (e.g. a small nn.Module holding them)."
+        )
+    for child in module.children():
+        if not isinstance(child, _fsdp_module_cls()) and any(p.requires_grad for p in child.parameters()):
+            fully_shard(child, **kwargs)
+
+
 def _post_order(module: Module) -> Iterator[Module]:
     for child in module.children():
         yield from _post_order(child)
@@ -228,6 +250,7 @@ class FSDP2Engine:
     accumulations: tuple[GradientAccumulation, ...] = (DEFER_ALL_REDUCE, EVERY_MICRO_BATCH, NO_SYNC)
     # torchtitan's order: checkpoint wrappers inside, then fully_shard (hooks see the wrapped layers)
     checkpoint_activations_first = True
+    steps_inside_a_step = True  # with every parameter in a unit below the root (see _shard_root)
 
     # ------------------------------------------------------------------ options
 
@@ -284,12 +307,14 @@ class FSDP2Engine:
         for target in wrap_targets(module, plan.options.get("auto_wrap_policy")):
             fully_shard(target, **kwargs)
         _SHARDED_AS[module] = plan.layout.sharding_strategy
-        return self._shard_root(module, kwargs, plan.device)
+        return self._shard_root(module, kwargs, plan)
 
-    def _shard_root(self, module: Module, kwargs: dict[str, Any], device: torch.device) -> Module:
+    def _shard_root(self, module: Module, kwargs: dict[str, Any], plan: ShardingPlan) -> Module:
         from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
         from torch.distributed.fsdp import fully_shard
 
+        if plan.steps_inside_a_step:
+            _shard_below_the_root(module, kwargs)
         # the root keeps its parameters gathered from forward to backward, as FSDP1's root does (it is needed again
         # at once); under ZeRO-2 nothing reshards after forward anyway
         fully_shard(module, **{**kwargs, "reshard_after_forward": None if kwargs["reshard_after_forward"] else False})
@@ -300,7 +325,7 @@ class FSDP2Engine:
         for unit in fsdp_modules(module):
             unit.set_reduce_scatter_unused_params(True, recurse=False)
         # meta-device parameters become real local shards, initialised by each module's reset_parameters()
-        _materialize_distributed_module(module, device)
+        _materialize_distributed_module(module, plan.device)
         return module
 
     def complete(self, module: Module, plan: ShardingPlan) -> Module:
@@ -311,7 +336,7 @@ class FSDP2Engine:
 
         if not isinstance(module, _fsdp_module_cls()):
             _SHARDED_AS[module] = plan.layout.sharding_strategy
-            module = self._shard_root(module, self.shard_kwargs(plan), plan.device)
+            module = self._shard_root(module, self.shard_kwargs(plan), plan)
         if plan.mesh is not None and plan.mesh.ndim == 2:
             broadcast_across_replicas(module, plan.mesh, plan.device)
         return module

@@ -1,0 +1,106 @@
+"""Manual optimization (``automatic_optimization = False``): one or several backward passes and optimizer steps inside
+``training_step``, as in a GAN. FSDP2 equals DDP; FSDP1, which runs the step inside its root's forward and cannot run
+a backward there (Lightning's FSDPStrategy fails alike, pytorch-lightning#19685), refuses before any step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_smp import HybridShardFSDPStrategy, UnsupportedOptionError
+from tests.helpers import GLOO_TIMEOUT, fit_and_record, make_loader
+
+WORLD = 4
+STEPS = 3
+
+
+class GAN(L.LightningModule):
+    """A generator and a discriminator, each with its own optimizer, stepped in turn with ``toggle_optimizer``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.Tanh(), torch.nn.Linear(33, 16))
+        self.discriminator = torch.nn.Sequential(torch.nn.Linear(16, 17), torch.nn.Tanh(), torch.nn.Linear(17, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        real, _ = batch
+        noise = real[:, :8].flip(0)  # from the batch: no random numbers that could differ between strategies
+        opt_g, opt_d = self.optimizers()
+        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+        bce = torch.nn.functional.binary_cross_entropy_with_logits
+
+        self.toggle_optimizer(opt_g)
+        fake = self.generator(noise)
+        self.manual_backward(bce(self.discriminator(fake), ones))
+        self.clip_gradients(opt_g, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+
+        self.toggle_optimizer(opt_d)
+        for half in (slice(0, 1), slice(1, 2)):  # two forward/backward passes before the step: they accumulate
+            loss = bce(self.discriminator(real[half]), ones[half]) + bce(self.discriminator(fake[half].detach()),
+                                                                         zeros[half])
+            self.manual_backward(loss / 2)
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+        return loss.detach()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.AdamW(self.generator.parameters(), lr=0.05),
+                torch.optim.AdamW(self.discriminator.parameters(), lr=0.05)]
+
+
+def _fit(strategy: Any, folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = GAN()
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    _, model, _ = fit_and_record(strategy, folder, WORLD, model=model, max_steps=2 * STEPS,
+                                 train_loader=make_loader(samples=64, batch_size=2))
+    return {"start": start, "end": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory) -> dict:
+    return _fit(DDPStrategy(start_method="fork", find_unused_parameters=True), tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("degree", [2, 4])
+@pytest.mark.parametrize("units", ["each_linear_a_unit", "one_root_unit"])
+def test_a_gan_step_under_fsdp2_trains_as_under_ddp(tmp_path, ddp, degree, units):
+    policy = {torch.nn.Linear} if units == "each_linear_a_unit" else None
+    ours = _fit(HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=2, auto_wrap_policy=policy,
+                                        start_method="fork"), tmp_path)
+    for key in ddp["end"]:
+        assert not torch.equal(ddp["end"][key], ddp["start"][key]), key
+        assert not torch.equal(ours["end"][key], ours["start"][key]), f"{key} did not move"
+        assert torch.allclose(ours["end"][key], ddp["end"][key], atol=1e-5, rtol=0), key
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_manual_optimization_under_fsdp1_is_refused_before_any_step(tmp_path):
+    with pytest.raises(UnsupportedOptionError, match="automatic_optimization=False.*fsdp_version=2"):
+        _fit(HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=1, start_method="fork"), tmp_path)
+
+
+class GANWithOwnParameter(GAN):
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = torch.nn.Parameter(torch.ones(()))
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_a_parameter_held_by_the_lightning_module_itself_is_refused_under_manual_optimization(tmp_path):
+    """It would sit in the root unit, which a backward inside the step does not reach: its gradient would stay None."""
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=2, start_method="fork")
+    with pytest.raises(UnsupportedOptionError, match=r"automatic_optimization=False.*\(temperature\).*submodule"):
+        fit_and_record(strategy, tmp_path, WORLD, model=GANWithOwnParameter(), max_steps=1,
+                       train_loader=make_loader(samples=16, batch_size=2))
