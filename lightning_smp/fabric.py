@@ -329,9 +329,11 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
 
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
-        engine = engine_of(module) if module is not None else None
-        if module is not None and engine is not None:
-            engine.before_backward(module)
+        # fabric.backward(loss) passes no module unless given model=...: the sharded root set up last is the one
+        sharded = module if module is not None else self._module
+        engine = engine_of(sharded) if sharded is not None else None
+        if sharded is not None and engine is not None:
+            engine.before_backward(sharded)
         super().backward(tensor, module, *args, **kwargs)
         self._unreduced = self._backward_sync_control.active
 

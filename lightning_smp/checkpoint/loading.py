@@ -137,8 +137,9 @@ def _load_full_optimizer(model: ShardedModel, optimizer: Optimizer, optim_state:
         return
     params = [p for g in optim_state["param_groups"] for p in g["params"]]
     if params and isinstance(params[0], int):
-        optim_state = model.engine.optimizer_state_by_name(model.module, optimizer, optim_state)
-    with _keeping_hyperparameter_types(optimizer):
+        with model.engine.optimizer_state_context(model.module, optimizer):
+            optim_state = model.engine.optimizer_state_by_name(model.module, optimizer, optim_state)
+    with _keeping_hyperparameter_types(optimizer), model.engine.optimizer_state_context(model.module, optimizer):
         set_optimizer_state_dict(model.module, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
 
 
@@ -172,7 +173,8 @@ def _load_sharded(model: ShardedModel, path: Path, optimizers: list[Optimizer], 
         for idx, optimizer in enumerate(optimizers):
             if any(k.startswith(f"optimizer_{idx}.state.") for k in keys):
                 # the template holds this layout's shards; DCP reads whichever saved chunks overlap them
-                state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, optimizer)
+                with model.engine.optimizer_state_context(module, optimizer):
+                    state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, optimizer)
             else:
                 # saved without per-parameter state: DCP needs the same structure to read the groups back into
                 state[f"optimizer_{idx}"] = {"param_groups": optimizer.state_dict()["param_groups"]}
@@ -181,7 +183,7 @@ def _load_sharded(model: ShardedModel, path: Path, optimizers: list[Optimizer], 
     for idx, optimizer in enumerate(optimizers):
         optim_state = state[f"optimizer_{idx}"]
         if "state" in optim_state:
-            with _keeping_hyperparameter_types(optimizer):
+            with _keeping_hyperparameter_types(optimizer), model.engine.optimizer_state_context(module, optimizer):
                 set_optimizer_state_dict(module, optimizer, optim_state)
         else:
             _load_param_groups(optimizer, optim_state["param_groups"])

@@ -116,7 +116,8 @@ def optimizer_state(model: ShardedModel, optimizer: Optimizer, kind: StateDictTy
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(model.module, optimizer)
+    with model.engine.optimizer_state_context(model.module, optimizer):
+        return get_optimizer_state_dict(model.module, optimizer)
 
 
 __all__ = [

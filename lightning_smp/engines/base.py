@@ -160,6 +160,11 @@ class Engine(Protocol):
         layout), gathered over ``group``; meaningful on that group's first rank. Collective over ``group``."""
         ...
 
+    def optimizer_state_context(self, model: Module, optimizer: Optimizer) -> AbstractContextManager[None]:
+        """The context in which torch's state-dict functions read or load ``optimizer``'s state of ``model`` (whatever
+        part of the model it steps)."""
+        ...
+
     def optimizer_state_by_name(self, model: Module, optimizer: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         """A full optimizer state keyed by parameter index, re-keyed by parameter name for ``set_optimizer_state_dict``."""
         ...

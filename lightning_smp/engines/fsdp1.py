@@ -162,12 +162,33 @@ class FSDP1Engine:
     ) -> dict[str, Any]:
         from torch.distributed.fsdp import OptimStateKeyType
 
-        with full_state_dict_context(model, device):
+        with full_state_dict_context(model, device), self.optimizer_state_context(model, optimizer):
             state = _fsdp().optim_state_dict(model, optimizer, group=group)
         if not state:
             return {}  # not the gathering rank
         # rekey by the optimizer's own parameter order (FSDP's default is model.parameters() order)
         return _fsdp().rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, model, optim=optimizer)
+
+    @contextmanager
+    def optimizer_state_context(self, model: Module, optimizer: Optimizer) -> Generator[None, None, None]:
+        """While an optimizer's state is read or loaded: the trainable parameters of a flat parameter that
+        ``optimizer`` does not hold read as frozen. torch's FSDP1 optimizer state dicts refuse an optimizer that holds
+        some of a flat parameter's trainable parameters but not all ("... is not in the optimizer state": an
+        optimizer over the head of a model wrapped as one unit, or two optimizers sharing a unit), and handle frozen
+        parameters in a flat parameter; to this optimizer the parameters it does not step are just that."""
+        chosen = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        frozen: list[torch.Tensor] = []
+        for handle in _handles(model):
+            params = [p for p in handle.flat_param._params or () if p.requires_grad]
+            if any(id(p) in chosen for p in params):
+                frozen.extend(p for p in params if id(p) not in chosen)
+        for param in frozen:
+            param.requires_grad_(False)
+        try:
+            yield
+        finally:
+            for param in frozen:
+                param.requires_grad_(True)
 
     def optimizer_state_by_name(self, model: Module, optimizer: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         from torch.distributed.fsdp import OptimStateKeyType

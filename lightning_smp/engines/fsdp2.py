@@ -406,6 +406,9 @@ class FSDP2Engine:
                  for index, entry in local["state"].items()}
         return {"state": state, "param_groups": [dict(g) for g in local["param_groups"]]}
 
+    def optimizer_state_context(self, model: Module, optimizer: Optimizer) -> AbstractContextManager[None]:
+        return nullcontext()  # one state per parameter: any subset of the model's parameters reads and loads
+
     def optimizer_state_by_name(self, model: Module, optimizer: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
         names = {id(p): _clean_fqn(name) for name, p in model.named_parameters()}
         order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
