@@ -19,6 +19,7 @@ from lightning_smp.errors import (
     GradientSyncError,
     HybridShardConfigError,
     LightningSMPError,
+    UnitOrderError,
     UnsupportedOptionError,
 )
 from lightning_smp.mesh import build_device_mesh
@@ -48,6 +49,7 @@ __all__ = [
     "MemorySavingsCallback",
     "Plan",
     "SMPConfig",
+    "UnitOrderError",
     "UnsupportedOptionError",
     "__version__",
     "build_device_mesh",

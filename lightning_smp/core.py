@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import Module
 
+from lightning_smp import unit_order
 from lightning_smp.checkpoint import CheckpointRun, ShardedModel
 from lightning_smp.collectives import Collectives
 from lightning_smp.config import SMPConfig, check_async_save, check_fsdp_version, check_memory_budget, resolve_config
@@ -363,7 +364,14 @@ class HybridShardCore:
             broadcast_across_replicas(module, self.device_mesh, device)
         if not first:
             checkpoint_activations(module)
+        unit_order.install(module, engine.units(module), device)  # LIGHTNING_SMP_CHECK_UNIT_ORDER=1 only
         return module
+
+    def before_backward(self, module: Module) -> None:
+        """Before every backward of the sharded ``module`` (both front ends): the unit-order check's turn, then what the
+        engine must reduce first. Collective."""
+        unit_order.before_backward(module)
+        self.engine.before_backward(module)
 
     def sharded_model(self, module: Module | None, device: torch.device, owner: str) -> ShardedModel:
         """``module`` with what the state-dict code needs to know about it (``owner`` names the front end in errors)."""

@@ -45,4 +45,11 @@ class GradientSyncError(LightningSMPError, RuntimeError):
     turned off by the last backward): the step would silently do nothing, or let the replicas drift apart."""
 
 
-__all__ = ["CheckpointError", "CheckpointPathError", "GradientSyncError", "HybridShardConfigError", "LightningSMPError", "UnsupportedOptionError"]
+class UnitOrderError(LightningSMPError, RuntimeError):
+    """Ranks about to run different FSDP units (a module that only some ranks run is a unit of its own): their
+    collectives would not match, and the run would hang or exchange the wrong parameters. Raised on every rank by the
+    check that ``LIGHTNING_SMP_CHECK_UNIT_ORDER=1`` turns on."""
+
+
+__all__ = ["CheckpointError", "CheckpointPathError", "GradientSyncError", "HybridShardConfigError", "LightningSMPError",
+           "UnitOrderError", "UnsupportedOptionError"]

@@ -331,9 +331,8 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
         # fabric.backward(loss) passes no module unless given model=...: the sharded root set up last is the one
         sharded = module if module is not None else self._module
-        engine = engine_of(sharded) if sharded is not None else None
-        if sharded is not None and engine is not None:
-            engine.before_backward(sharded)
+        if sharded is not None and engine_of(sharded) is not None:
+            self.core.before_backward(sharded)
         super().backward(tensor, module, *args, **kwargs)
         self._unreduced = self._backward_sync_control.active
 

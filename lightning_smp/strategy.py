@@ -342,7 +342,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self.model is not None:
-            self.engine.before_backward(self.model)
+            self.core.before_backward(self.model)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override

@@ -13,7 +13,14 @@ from lightning_smp import names
 from lightning_smp.collectives import Collectives
 from lightning_smp.config import KNOWN_KEYS, SMPConfig, SMPSection
 from lightning_smp.engines import ENGINES, Engine, FSDP1Engine, engine_of
-from lightning_smp.errors import CheckpointError, HybridShardConfigError, LightningSMPError, UnsupportedOptionError
+from lightning_smp.errors import (
+    CheckpointError,
+    GradientSyncError,
+    HybridShardConfigError,
+    LightningSMPError,
+    UnitOrderError,
+    UnsupportedOptionError,
+)
 from lightning_smp.launcher import rank_error
 from lightning_smp.names import FULL
 
@@ -46,6 +53,8 @@ def test_names_spell_the_values_torch_and_lightning_use():
         (HybridShardConfigError, (ValueError,)),
         (UnsupportedOptionError, (HybridShardConfigError, ValueError, TypeError)),
         (CheckpointError, (ValueError, RuntimeError)),
+        (GradientSyncError, (RuntimeError,)),
+        (UnitOrderError, (RuntimeError,)),
     ],
 )
 def test_every_error_is_a_library_error_and_the_builtin_lightning_raises(error, builtins):

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from lightning_smp import HybridShardFSDPStrategy
+from lightning_smp import HybridShardFSDPStrategy, UnitOrderError, unit_order
 from tests.helpers import GLOO_TIMEOUT, TinyModel, fit_and_record, make_loader
 
 WORLD = 4
@@ -122,5 +122,27 @@ def test_a_branch_taken_on_some_ranks_trains_as_under_ddp_inside_an_always_run_u
     ours = _fit_branch(HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version,
                                                auto_wrap_policy=BODY_ONLY, start_method="fork"), tmp_path)
     assert not torch.equal(ddp_branch["end"]["aux.weight"], ddp_branch["start"]["aux.weight"])
+    for key in ddp_branch["end"]:
+        assert torch.allclose(ours["end"][key], ddp_branch["end"][key], atol=1e-5, rtol=0), key
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_branch_that_is_its_own_unit_fails_on_every_rank_under_the_unit_order_check(tmp_path, monkeypatch, version):
+    """Without the setting above, ``aux`` as a unit of its own: some ranks gather it, others do not (a hang, or two
+    units of one size exchanging parameters). ``LIGHTNING_SMP_CHECK_UNIT_ORDER=1`` finds it before that collective."""
+    monkeypatch.setenv(unit_order.ENV, "1")
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=version, auto_wrap_policy={torch.nn.Linear},
+                                       start_method="fork")
+    with pytest.raises(UnitOrderError, match=r"(?s)FSDP unit 'aux'.*auto_wrap_policy"):
+        _fit_branch(strategy, tmp_path)
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_unit_order_check_passes_runs_whose_ranks_agree(tmp_path, monkeypatch, ddp_branch, version):
+    monkeypatch.setenv(unit_order.ENV, "1")
+    ours = _fit_branch(HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=version,
+                                               auto_wrap_policy=BODY_ONLY, start_method="fork"), tmp_path)
     for key in ddp_branch["end"]:
         assert torch.allclose(ours["end"][key], ddp_branch["end"][key], atol=1e-5, rtol=0), key

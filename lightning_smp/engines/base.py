@@ -137,6 +137,10 @@ class Engine(Protocol):
         """A context in which modules the user shards by hand (``configure_model``) get ``plan``'s settings."""
         ...
 
+    def units(self, module: Module) -> list[tuple[str, Module]]:
+        """The sharded units of ``module`` (qualified name, module), in ``named_modules`` order."""
+        ...
+
     def is_sharded(self, module: Module) -> bool:
         """Whether any part of ``module`` is already sharded by this engine."""
         ...

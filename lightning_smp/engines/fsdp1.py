@@ -138,6 +138,11 @@ class FSDP1Engine:
 
         return enable_wrap(wrapper_cls=_fsdp(), **self.wrapper_kwargs(plan))
 
+    def units(self, module: Module) -> list[tuple[str, Module]]:
+        from torch.distributed.fsdp._common_utils import clean_tensor_name  # without FSDP's wrapper prefixes
+
+        return [(clean_tensor_name(name), m) for name, m in module.named_modules() if isinstance(m, _fsdp())]
+
     def is_sharded(self, module: Module) -> bool:
         return isinstance(module, _fsdp()) or any(isinstance(m, _fsdp()) for m in module.modules())
 

@@ -353,6 +353,9 @@ class FSDP2Engine:
         finally:
             restore()
 
+    def units(self, module: Module) -> list[tuple[str, Module]]:
+        return [(_clean_fqn(name), m) for name, m in module.named_modules() if isinstance(m, _fsdp_module_cls())]
+
     def is_sharded(self, module: Module) -> bool:
         return bool(fsdp_modules(module))
 
