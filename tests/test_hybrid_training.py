@@ -306,11 +306,31 @@ def test_norm_clipping_takes_the_optimizers_parameters(tmp_path, version):
     assert _max_diff(_state(model), ddp_weights) <= TOL
 
 
+class _AutocastProbe(TinyModel):
+    """Writes whether autocast runs in each rank's step, and its dtype (FSDP's param_dtype alone would give the
+    forward's output that dtype too)."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        on = torch.is_autocast_enabled(self.device.type)
+        (self.folder / f"dtype{self.global_rank}").write_text(str(torch.get_autocast_dtype(self.device.type)) if on
+                                                              else "autocast off")
+        return torch.nn.functional.mse_loss(out.float(), y)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)])
 def test_mixed_precision_autocasts_on_cpu(tmp_path, precision, dtype):
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork")
-    trainer, _, records = fit_and_record(strategy, tmp_path, 4, precision=precision, max_steps=3)
+    torch.manual_seed(0)
+    trainer, _, records = fit_and_record(strategy, tmp_path, 4, model=_AutocastProbe(tmp_path), precision=precision,
+                                         max_steps=3)
+    assert [(tmp_path / f"dtype{r}").read_text() for r in range(4)] == [str(dtype)] * 4  # the forward ran autocast
     plugin = trainer.strategy.precision_plugin
     assert plugin.device_type == "cpu"
     assert trainer.strategy.mixed_precision_config.param_dtype == dtype
