@@ -314,7 +314,7 @@ class _AutocastProbe(TinyModel):
         super().__init__()
         self.folder = folder
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         out = self(x)
         on = torch.is_autocast_enabled(self.device.type)
