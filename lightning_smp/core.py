@@ -368,10 +368,9 @@ class HybridShardCore:
         return module
 
     def before_backward(self, module: Module) -> None:
-        """Before every backward of the sharded ``module`` (both front ends): the unit-order check's turn, then what the
-        engine must reduce first. Collective."""
+        """Before every backward of the sharded ``module`` (both front ends): the unit-order check's turn (a no-op
+        unless ``LIGHTNING_SMP_CHECK_UNIT_ORDER=1``)."""
         unit_order.before_backward(module)
-        self.engine.before_backward(module)
 
     def sharded_model(self, module: Module | None, device: torch.device, owner: str) -> ShardedModel:
         """``module`` with what the state-dict code needs to know about it (``owner`` names the front end in errors)."""

@@ -6,11 +6,14 @@ its own unit) leaves that collective unanswered: the run hangs (gloo and NCCL al
 next collective has the same size (two experts of one shape), the ranks silently exchange the wrong parameters.
 Under DDP the same model fails with a clear error unless ``find_unused_parameters=True``; FSDP has no such check.
 
-With the variable set, every unit's forward first takes part in one all-reduce of two numbers over all ranks (the
-unit's index and its negative, maximised), and so does every backward (index -1): where the ranks disagree, all of
-them raise :class:`~lightning_smp.errors.UnitOrderError` there, naming the unit and the fix, before the mismatched
-collective. It costs one small all-reduce per unit call and a host synchronisation: a tool to find the cause of a
-hang, like ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (which does not catch two units of one size), not a training setting.
+With the variable set, the forward of every unit below the root first takes part in one all-reduce of two numbers
+over all ranks (the unit's index and its negative, maximised), and so does every backward (index -1): where the ranks
+disagree, the ranks that meet there raise :class:`~lightning_smp.errors.UnitOrderError`, naming the unit and the fix,
+before the mismatched collective. (A rank that is in another collective at that moment, e.g. a metric logged with
+``sync_dist``, fails or waits there instead.) It costs one small all-reduce per unit call and a host
+synchronisation: a tool to find the cause of a hang, like ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (which does not catch
+two units of one size), not a training setting. Forwards that only some ranks run on purpose (a sampling callback on
+rank 0) wait in it: leave the variable unset for such runs.
 """
 
 from __future__ import annotations
@@ -41,9 +44,12 @@ def install(root: Module, units: Sequence[tuple[str, Module]], device: torch.dev
     :func:`before_backward` checks each backward of ``root``. Nothing happens unless :func:`enabled`."""
     if not enabled() or not dist.is_initialized() or root in _CHECKED:
         return
-    names = [name or "<root>" for name, _ in units]
+    # not the root: its forward runs once per step on every rank, and calls of it inside a step (self(x)) run no
+    # collective of their own
+    below = [(name, unit) for name, unit in units if unit is not root]
+    names = [name for name, _ in below]
     _CHECKED[root] = (names, device)
-    for index, (_, unit) in enumerate(units):
+    for index, (_, unit) in enumerate(below):
         def pre_forward(module: Module, args: object, index: int = index) -> None:
             _agree(names, index, device)
 

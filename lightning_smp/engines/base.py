@@ -198,11 +198,6 @@ class Engine(Protocol):
         gradients)."""
         ...
 
-    def before_backward(self, model: Module) -> None:
-        """Called before every backward: make sure that a backward that reduces also reduces what earlier
-        micro-batches of the window accumulated for parts of ``model`` it will not reach. Collective."""
-        ...
-
     def check_gradients_synced(self, model: Module) -> None:
         """Raise :class:`~lightning_smp.errors.GradientSyncError` when the last backward before an optimizer step ran
         with gradient reduction still turned off (the gradients would be missing or unreduced, silently)."""

@@ -23,6 +23,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_smp.degree import Layout
+from lightning_smp.engines import fsdp1_left_out
 from lightning_smp.engines.base import ShardingFacts, ShardingPlan, StorageUnit, replace_attribute
 from lightning_smp.errors import GradientSyncError, UnsupportedOptionError
 from lightning_smp.names import EVERY_MICRO_BATCH, NO_SHARD, NO_SYNC, REPLICATE_AXIS, SHARD_AXIS, GradientAccumulation
@@ -125,12 +126,16 @@ class FSDP1Engine:
         return kwargs
 
     def wrap(self, module: Module, plan: ShardingPlan) -> Module:
-        return _fsdp()(module=module, **self.wrapper_kwargs(plan))
+        root = _fsdp()(module=module, **self.wrapper_kwargs(plan))
+        fsdp1_left_out.track(root)  # accumulation: units the last micro-batch did not reach are reduced too
+        return root
 
     def call_through_root(self, root: Module, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return method(*args, **kwargs)  # the FSDP1 root is a wrapper: Lightning redirects through it itself
 
     def complete(self, module: Module, plan: ShardingPlan) -> Module:
+        if isinstance(module, _fsdp()):
+            fsdp1_left_out.track(module)
         return module  # Lightning's FSDPStrategy: a model wrapped by the user is used as it is
 
     def wrap_context(self, plan: ShardingPlan) -> Any:
@@ -245,49 +250,6 @@ class FSDP1Engine:
         if accumulation == NO_SYNC and isinstance(model, _fsdp()):
             return cast(AbstractContextManager[None], model.no_sync())
         return nullcontext()
-
-    def before_backward(self, model: Module) -> None:
-        """Reduce now what earlier micro-batches accumulated under ``no_sync`` for units the coming backward will not
-        reach (their forward did not run in this micro-batch). Only a unit's post-backward hook reduces its gradient,
-        so without this a unit used early in a window but not in its last micro-batch never reduced: under a sharded
-        strategy FSDP1 stopped on an ``AssertionError`` (``_saved_grad_shard``), under ``NO_SHARD`` the replicas
-        silently stepped with their own gradients. The reduction follows the hook's, and the sharded result waits in
-        ``_saved_grad_shard``, where FSDP hands it to ``.grad`` at the end of the backward."""
-        from torch.distributed.fsdp._common_utils import HandleTrainingState, TrainingState
-        from torch.distributed.fsdp._runtime_utils import (
-            _low_precision_hook_enabled,
-            _reduce_grad,
-            _reduce_grad_no_shard,
-        )
-
-        units = _fsdp().fsdp_modules(model)
-        if not units or not units[0]._sync_gradients:
-            return  # still inside no_sync: this backward accumulates as well
-        for unit in units:
-            handle = unit._handle
-            flat = None if handle is None else handle.flat_param
-            if flat is None or flat.grad is None or not flat.requires_grad:
-                continue
-            # _post_backward_called survives no_sync's backwards (FSDP resets it only when it hands out .grad); the
-            # hook state exists only for units whose forward ran in this micro-batch (their hook will reduce)
-            if not flat._post_backward_called or hasattr(flat, "_post_backward_hook_state"):
-                continue
-            state = unit  # each FSDP1 module is its own _FSDPState
-            # the states its hook runs in (FSDP's reduction helpers check them)
-            before = state.training_state, handle._training_state
-            state.training_state, handle._training_state = TrainingState.FORWARD_BACKWARD, HandleTrainingState.BACKWARD_POST
-            current = state._device_handle.current_stream()
-            state._post_backward_stream.wait_stream(current)
-            with state._device_handle.stream(state._post_backward_stream):
-                if (not _low_precision_hook_enabled(state) and flat.grad.dtype != handle._reduce_dtype
-                        and not handle._force_full_precision):
-                    flat.grad.data = flat.grad.to(handle._reduce_dtype)
-                if handle.uses_sharded_strategy:
-                    _reduce_grad(state, handle)
-                else:
-                    _reduce_grad_no_shard(state, handle)
-            current.wait_stream(state._post_backward_stream)
-            state.training_state, handle._training_state = before
 
     def discard_unreduced_gradients(self, model: Module) -> None:
         # no_sync accumulates the unsharded gradient in .grad (the original parameters' views of it), which

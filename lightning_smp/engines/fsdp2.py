@@ -162,18 +162,27 @@ def _shard_below_the_root(module: Module, kwargs: dict[str, Any]) -> None:
     before the root's post-forward, which is what hooks the root's parameters into a backward: their gradients would
     stay None, and the step would silently skip them. A unit below the root gathers, hooks and reduces around each
     of its own calls, and follows ``requires_grad`` as ``toggle_optimizer`` sets it, whatever the step does between.
+    Frozen parameters count too (a finetuning callback may unfreeze them later); the elements of a ``ModuleList`` or
+    ``ModuleDict`` become the units (``fully_shard`` refuses containers).
     """
     from torch.distributed.fsdp import fully_shard
 
-    own = [name for name, p in module.named_parameters(recurse=False) if p.requires_grad]
+    own = [name for name, _ in module.named_parameters(recurse=False)]
     if own:
         raise UnsupportedOptionError(
             f"automatic_optimization=False with parameters held by the LightningModule itself ({', '.join(own)}):"
             " under fsdp_version=2 every parameter must be in a submodule, whose FSDP unit takes part in each"
             " backward inside the step. Fix: move them into a submodule (e.g. a small nn.Module holding them)."
         )
-    for child in module.children():
-        if not isinstance(child, _fsdp_module_cls()) and any(p.requires_grad for p in child.parameters()):
+    containers = (torch.nn.ModuleList, torch.nn.ModuleDict)
+    pending = list(module.children())
+    while pending:
+        child = pending.pop(0)
+        if isinstance(child, _fsdp_module_cls()) or not any(True for _ in child.parameters()):
+            continue
+        if isinstance(child, containers):
+            pending.extend(child.children())
+        else:
             fully_shard(child, **kwargs)
 
 
@@ -487,10 +496,6 @@ class FSDP2Engine:
                 " window. Fix: run the last micro-batch's backward with gradient sync on (outside no_backward_sync),"
                 " or discard the window with model.reset_iter_state() on the sharded root."
             )
-
-    def before_backward(self, model: Module) -> None:
-        # every unit reduce-scatters at the end of each backward, used or not (set_reduce_scatter_unused_params)
-        return None
 
     def discard_unreduced_gradients(self, model: Module) -> None:
         # the deferred all-reduce keeps each group's partial sum outside .grad; the root's reset_iter_state (torch's
