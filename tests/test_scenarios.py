@@ -87,20 +87,9 @@ def _gan() -> tuple[L.LightningModule, dict[str, Any]]:
 # -------------------------------------------------------------------------------------------- Fabric patterns
 
 
-class Heads(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = make_net()
-        self.aux_even, self.aux_odd = torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.net(x), (self.aux_even if micro == 0 else self.aux_odd)(x)
-
-
 def _fabric_heads(fabric: L.Fabric) -> dict[str, list]:
     """A head per micro-batch of each window (even, then odd) under no_backward_sync (items 1 and 6)."""
-    model = fabric.setup_module(Heads())
+    model = fabric.setup_module(_heads()[0])  # the Trainer's seeded model; forward(x, micro) picks the head
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
     batches = iter(_batches(fabric))
     for _ in range(3):
@@ -154,7 +143,7 @@ def _seeded(factory: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Mod
 
 
 SCENARIOS = [
-    Scenario("heads_in_some_micro_batches", trainer=_heads, fabric=_fabric_heads, fabric_start=Heads,
+    Scenario("heads_in_some_micro_batches", trainer=_heads, fabric=_fabric_heads, fabric_start=lambda: _heads()[0],
              policy=EACH_LINEAR),
     Scenario("branch_on_some_ranks", trainer=_branch, fabric=_fabric_branch,
              fabric_start=_seeded(DataDependentBranch), policy=BODY_ONLY),
