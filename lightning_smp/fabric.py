@@ -353,7 +353,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     def _check_synced(self, module: Module) -> None:
         engine = engine_of(module)
         if engine is not None:
-            engine.check_gradients_synced(module)
+            engine.settle_gradients(module)
 
     @override
     def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: float | int,

@@ -80,7 +80,7 @@ class HybridShardPrecision(FSDPPrecision):
         module = self.fsdp_module
         engine = engine_of(module) if module is not None else None
         if module is not None and engine is not None:
-            engine.check_gradients_synced(module)
+            engine.settle_gradients(module)
         super()._after_closure(model, optimizer)
 
     @override

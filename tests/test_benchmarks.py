@@ -27,7 +27,7 @@ from benchmarks.settings import (
     settings_from_dict,
 )
 from benchmarks.tables import GLOO_NOTE
-from benchmarks.workloads import BenchGPT, plain_mixed_precision
+from benchmarks.workloads import BenchGPT, make_model, plain_mixed_precision
 from lightning_smp import HybridShardConfigError
 from lightning_smp.accounting.shards import flat_param_numel, rank_bytes
 from lightning_smp.demo import Block
@@ -266,17 +266,19 @@ def test_tiny_run_measures_every_configuration_on_every_rank(tmp_path: Path):
         assert config["traffic_ratios"] == [1.0] and config["counts_match"], name
     sizes = {name: set(configs[name]["ranks"][0]["collectives_by_group_size"]) for name in configs}
     assert sizes["smp_hybrid d=2"] == sizes["torch_hsdp d=2"] == {"2"}
-    # FSDP2 under the strategy sends exactly what plain fully_shard sends, per axis
+    # the strategy sends exactly what plain fully_shard and FSDP1 HSDP send, per axis, and the one-byte-per-parameter
+    # bitmap that finds parameters no rank used (an all-reduce on each axis per optimizer step)
+    bitmap = sum(1 for _ in make_model(settings).parameters())
     for axis in ("shard_bytes", "replicate_bytes"):
-        assert configs["smp_hybrid_fsdp2 d=2"]["ranks"][0][axis] == configs["torch_fsdp2 d=2"]["ranks"][0][axis] > 0
+        assert configs["smp_hybrid_fsdp2 d=2"]["ranks"][0][axis] == configs["torch_fsdp2 d=2"]["ranks"][0][axis] + bitmap
     assert sizes["lightning_fsdp"] == sizes["ddp"] == {"4"}
     hybrid = configs["smp_hybrid d=2"]["ranks"][0]
-    assert hybrid["shard_bytes"] == configs["torch_hsdp d=2"]["ranks"][0]["shard_bytes"] > 0
+    assert hybrid["shard_bytes"] == configs["torch_hsdp d=2"]["ranks"][0]["shard_bytes"] + bitmap
     # HYBRID_SHARD per unit: all-gathers of the padded flat parameter (two for non-root units) and one
     # reduce-scatter inside the shard group, one all-reduce of the half-sized gradient shard across replicas
     padded = [flat_param_numel(u, 2) for u in units]
-    assert hybrid["shard_bytes"] == sum(4 * n * (2 if i == 0 else 3) for i, n in enumerate(padded))
-    assert hybrid["replicate_bytes"] == sum(4 * n // 2 for n in padded)
+    assert hybrid["shard_bytes"] == sum(4 * n * (2 if i == 0 else 3) for i, n in enumerate(padded)) + bitmap
+    assert hybrid["replicate_bytes"] == sum(4 * n // 2 for n in padded) + bitmap
 
     paths = result["paths"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["memory_by_degree.png", "quick.json", "quick.md"]

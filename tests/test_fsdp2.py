@@ -277,8 +277,11 @@ def test_accumulation_traffic_and_gradient_memory(tmp_path, version, accumulatio
         scattered = many["comm"][SHARD_AXIS]["reduce_scatter"]["count"]
         sharded_grads = one["grads_bytes"]
         assert sharded_grads == one["params_bytes"]  # k=1: the padded shard of every parameter's gradient
+        # the bitmap of parameters no rank used: one all-reduce on each axis per optimizer step, whatever k is
+        bitmap = one["comm"][SHARD_AXIS]["all_reduce"]["bytes"]
+        assert bitmap == many["comm"][SHARD_AXIS]["all_reduce"]["bytes"] > 0
         if mode == EVERY_MICRO_BATCH:
-            assert replica_bytes == k * one["comm"][REPLICATE_AXIS]["all_reduce"]["bytes"]
+            assert replica_bytes - bitmap == k * (one["comm"][REPLICATE_AXIS]["all_reduce"]["bytes"] - bitmap)
             assert scattered == k * one["comm"][SHARD_AXIS]["reduce_scatter"]["count"]
             assert many["grads_bytes"] == sharded_grads
         elif mode == DEFER_ALL_REDUCE:

@@ -96,7 +96,9 @@ def test_exact_bytes_and_collectives_per_rank(tmp_path: Path, degree: int, shard
             assert {k: record[k] for k in expected} == expected
     # the first step's collectives, per axis, equal the textbook figure for these units
     specs = [FSDPUnitSpec(flat_param_numel(u, group), is_root=not wrap) for u in units]
-    textbook = fsdp_step_textbook(specs, fsdp_runs, shard, replicas if degree > 1 else WORLD)
+    # ... and the one-byte-per-parameter bitmap of parameters no rank used, on each axis of more than one rank
+    bitmap = sum(len(u) for u in units)
+    textbook = fsdp_step_textbook(specs, fsdp_runs, shard, replicas if degree > 1 else WORLD, unused_bitmap_bytes=bitmap)
     for record in reports["first_step"]:
         measured = _measured(record["comm"])
         # nothing but FSDP communicates during the step
@@ -116,11 +118,13 @@ def test_gradient_accumulation_counts_every_micro_batch(tmp_path: Path) -> None:
     reports = _fit(tmp_path, strategy, max_steps=2, accumulate_grad_batches=3)
     specs = [FSDPUnitSpec(flat_param_numel(u, 2)) for u in PER_LAYER]
     # Lightning puts the first two micro-batches under FSDP's no_sync: they gather but do not reduce
-    textbook = _measured(fsdp_step_textbook(specs, HYBRID_SHARD, 2, 2, backward_passes=3, synced_passes=1))
+    textbook = _measured(fsdp_step_textbook(specs, HYBRID_SHARD, 2, 2, backward_passes=3, synced_passes=1,
+                                            unused_bitmap_bytes=4))
     assert textbook == {
         (SHARD_AXIS, "all_gather"): (3 * 2 * 2, 3 * 2 * 4 * (562 + 136)),
         (SHARD_AXIS, "reduce_scatter"): (2, 4 * (562 + 136)),
-        (REPLICATE_AXIS, "all_reduce"): (2, 4 * (281 + 68)),
+        (SHARD_AXIS, "all_reduce"): (1, 4),  # the bitmap of 4 parameters, once per optimizer step
+        (REPLICATE_AXIS, "all_reduce"): (2 + 1, 4 * (281 + 68) + 4),
     }
     for record in reports["first_step"]:
         assert record["backward_passes"] == 3 and record["step"] == 1

@@ -85,6 +85,54 @@ def test_heads_used_in_some_micro_batches_train_as_under_ddp(tmp_path, ddp, degr
             assert not torch.equal(ours["end"][key], ours["start"][key]), f"{key} did not move"
 
 
+class AHeadForTheFirstStepOnly(AuxiliaryHeads):
+    """``aux_even`` takes part in the first optimizer step only, ``aux_odd`` never: no rank gives them a gradient in
+    any later window. ``set_to_none``: how ``zero_grad`` clears (``False`` keeps zero tensors, which AdamW steps)."""
+
+    def __init__(self, set_to_none: bool) -> None:
+        super().__init__()
+        self.set_to_none = set_to_none
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        if self.trainer.global_step == 0:
+            loss = loss + torch.nn.functional.mse_loss(self.aux_even(x), y)
+        return loss
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        optimizer.zero_grad(set_to_none=self.set_to_none)
+
+
+def _fit_first_step_head(strategy: Any, folder: Path, set_to_none: bool) -> dict[str, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = AHeadForTheFirstStepOnly(set_to_none)
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    _, model, _ = fit_and_record(strategy, folder, WORLD, model=model, max_steps=3, accumulate_grad_batches=K,
+                                 train_loader=make_loader(samples=64, batch_size=2))
+    return {"start": start, "end": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize(("version", "accumulation"), [(1, "no_sync"), (2, "defer_all_reduce"), (2, "no_sync"),
+                                                       (2, "every_micro_batch")])
+def test_a_head_no_rank_uses_in_a_window_keeps_its_grad_as_under_ddp(tmp_path, version, accumulation, set_to_none):
+    """Under DDP such a head's ``.grad`` stays what ``zero_grad`` left: ``None`` (AdamW skips it), or zeros (AdamW
+    moves it by momentum and weight decay). FSDP2 reduce-scatters zeros for every unused parameter; before, the head
+    then moved under ``set_to_none=True`` too, silently."""
+    ddp = _fit_first_step_head(DDPStrategy(start_method="fork", find_unused_parameters=True), tmp_path / "ddp",
+                               set_to_none)
+    ours = _fit_first_step_head(HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=version,
+                                                        auto_wrap_policy={torch.nn.Linear},
+                                                        gradient_accumulation=accumulation, start_method="fork"),
+                                tmp_path / "ours", set_to_none)
+    for key in ddp["end"]:
+        assert torch.allclose(ours["end"][key], ddp["end"][key], atol=1e-5, rtol=0), key
+    assert not torch.equal(ours["end"]["aux_even.weight"], ours["start"]["aux_even.weight"])
+    assert torch.equal(ours["end"]["aux_odd.weight"], ours["start"]["aux_odd.weight"])
+
+
 class DataDependentBranch(TinyModel):
     """An auxiliary loss only where this rank's batch meets a condition: some ranks use ``aux``, others do not.
     ``net`` is the body, ``head`` and ``aux`` sit beside it."""
@@ -106,27 +154,33 @@ class DataDependentBranch(TinyModel):
         return loss
 
 
+class ABranchNoRankTakesInOddSteps(DataDependentBranch):
+    """As :class:`DataDependentBranch` in even optimizer steps; in odd ones no rank uses ``aux``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        if y[:, 0].mean() > 0 and self.trainer.global_step % 2 == 0:
+            loss = loss + torch.nn.functional.mse_loss(self.aux(x), y)
+        return loss
+
+
 #: the body a unit of its own; ``aux`` stays in the root unit with ``head``, which every rank uses
 BODY_ONLY = ModuleWrapPolicy({torch.nn.Sequential})
 
 
-def _fit_branch(strategy: Any, folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+def _fit_branch(strategy: Any, folder: Path, model_cls: type = DataDependentBranch) -> dict[str, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    model = DataDependentBranch()
+    model = model_cls()
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     _, model, _ = fit_and_record(strategy, folder, WORLD, model=model, max_steps=4,
                                  train_loader=make_loader(samples=64, batch_size=2))
     return {"start": start, "end": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}
 
 
-_NO_SHARD_VIEWS = pytest.mark.xfail(
-    strict=True, reason="open: FSDP1 NO_SHARD leaves a unit whose output no loss used without its parameter views,"
-    " and its full state dict then fails (an AssertionError, loud)")
-
-
 @pytest.mark.timeout(GLOO_TIMEOUT)
 @pytest.mark.parametrize(("version", "accumulation", "degree"), [
-    pytest.param(1, "no_sync", 1, marks=_NO_SHARD_VIEWS), (1, "no_sync", 2), (1, "no_sync", 4),
+    (1, "no_sync", 1), (1, "no_sync", 2), (1, "no_sync", 4),
     (2, "defer_all_reduce", 1), (2, "defer_all_reduce", 2), (2, "no_sync", 2)])
 def test_a_head_that_runs_but_is_left_out_of_the_last_loss_trains_as_under_ddp(tmp_path, degree, version,
                                                                                  accumulation):
@@ -169,9 +223,7 @@ def _heads_window_dropped(fabric: L.Fabric, skip: bool = False) -> dict[str, lis
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
-@pytest.mark.parametrize("version", [1, pytest.param(2, marks=pytest.mark.xfail(
-    strict=True, reason="open: under FSDP2 a unit that no micro-batch of the window used gets zero gradients (every"
-    " unit reduce-scatters, set_reduce_scatter_unused_params) where DDP leaves .grad None, so AdamW moves it"))])
+@pytest.mark.parametrize("version", [1, 2])
 def test_zero_grad_mid_window_then_a_head_left_out_trains_as_under_ddp(version):
     """FSDP1 kept a flag that the dropped gradient was still to be handed out, and stopped on its AssertionError."""
     from lightning.fabric.strategies import DDPStrategy as FabricDDP
@@ -207,6 +259,23 @@ def test_a_branch_taken_on_some_ranks_trains_as_under_ddp_inside_an_always_run_u
     assert not torch.equal(ddp_branch["end"]["aux.weight"], ddp_branch["start"]["aux.weight"])
     for key in ddp_branch["end"]:
         assert torch.allclose(ours["end"][key], ddp_branch["end"][key], atol=1e-5, rtol=0), key
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("degree", [1, 2, 4])
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_parameter_no_rank_used_beside_used_ones_in_its_unit_keeps_grad_none(tmp_path, degree, version):
+    """``aux`` shares the root unit with ``head``: the unit's reduction hands it zeros in the steps where no rank took
+    the branch. DDP leaves its ``.grad`` None there and AdamW skips it; before, AdamW moved it (6e-2) under both
+    engines (FSDP2 since every parameter reduce-scatters, FSDP1 since a flat parameter reduces whole)."""
+    ddp = _fit_branch(DDPStrategy(start_method="fork", find_unused_parameters=True), tmp_path / "ddp",
+                      ABranchNoRankTakesInOddSteps)
+    ours = _fit_branch(HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version,
+                                               auto_wrap_policy=BODY_ONLY, start_method="fork"), tmp_path / "ours",
+                       ABranchNoRankTakesInOddSteps)
+    assert not torch.equal(ddp["end"]["aux.weight"], ddp["start"]["aux.weight"])
+    for key in ddp["end"]:
+        assert torch.allclose(ours["end"][key], ddp["end"][key], atol=1e-5, rtol=0), key
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)

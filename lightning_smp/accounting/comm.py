@@ -245,6 +245,7 @@ def fsdp_step_textbook(
     reduce_scatter_passes: int | None = None,
     root_gathered: bool = False,
     keep_gathered_unsynced: bool = False,
+    unused_bitmap_bytes: int = 0,
 ) -> CommFigure:
     """What FSDP issues per rank in one optimizer step: ``{axis: {op: {"count", "bytes", "ring_bytes"}}}``.
 
@@ -268,6 +269,10 @@ def fsdp_step_textbook(
     then skips the root's first all-gather. ``keep_gathered_unsynced``: FSDP1 keeps a ZeRO-2 unit's parameters
     gathered after a backward under ``no_sync`` (it frees them only after a synced one), so the micro-batches before
     the last gather once in all. Units without parameters issue nothing and are left out of ``units``.
+
+    ``unused_bitmap_bytes``: before the optimizer step, one all-reduce of one byte per parameter on each axis of more
+    than one rank (shard group, then replicas), which finds the parameters no rank used
+    (``lightning_smp.engines.unused``).
     """
     synced = backward_passes if synced_passes is None else synced_passes
     scattered = synced if reduce_scatter_passes is None else reduce_scatter_passes
@@ -293,6 +298,12 @@ def fsdp_step_textbook(
         _add(figure, shard_axis, "reduce_scatter", scattered, grad, shard)
         if sharding_strategy in (HYBRID_SHARD, HYBRID_SHARD_ZERO2):
             _add(figure, replicate_axis, "all_reduce", synced, grad // shard, replicate)
+    if unused_bitmap_bytes:
+        axes = [(replicate_axis, replicate)] if sharding_strategy == NO_SHARD else [
+            (shard_axis, shard), (replicate_axis, replicate)]
+        for axis, size in axes:
+            if size > 1:
+                _add(figure, axis, "all_reduce", 1, unused_bitmap_bytes, size)
     return figure
 
 

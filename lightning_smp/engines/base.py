@@ -198,9 +198,11 @@ class Engine(Protocol):
         gradients)."""
         ...
 
-    def check_gradients_synced(self, model: Module) -> None:
-        """Raise :class:`~lightning_smp.errors.GradientSyncError` when the last backward before an optimizer step ran
-        with gradient reduction still turned off (the gradients would be missing or unreduced, silently)."""
+    def settle_gradients(self, model: Module) -> None:
+        """Before an optimizer step, on every rank (it may be a collective): raise
+        :class:`~lightning_smp.errors.GradientSyncError` when the last backward ran with gradient reduction still
+        turned off (the gradients would be missing or unreduced, silently); then leave each ``.grad`` as DDP would,
+        ``None`` for a parameter that no rank gave a gradient since the last step."""
         ...
 
     def discard_unreduced_gradients(self, model: Module) -> None:

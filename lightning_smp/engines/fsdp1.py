@@ -23,7 +23,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_smp.degree import Layout
-from lightning_smp.engines import fsdp1_left_out
+from lightning_smp.engines import fsdp1_left_out, fsdp1_unused, unused
 from lightning_smp.engines.base import ShardingFacts, ShardingPlan, StorageUnit, replace_attribute
 from lightning_smp.errors import GradientSyncError, UnsupportedOptionError
 from lightning_smp.names import EVERY_MICRO_BATCH, NO_SHARD, NO_SYNC, REPLICATE_AXIS, SHARD_AXIS, GradientAccumulation
@@ -128,6 +128,7 @@ class FSDP1Engine:
     def wrap(self, module: Module, plan: ShardingPlan) -> Module:
         root = _fsdp()(module=module, **self.wrapper_kwargs(plan))
         fsdp1_left_out.track(root)  # accumulation: units the last micro-batch did not reach are reduced too
+        fsdp1_unused.track(root)  # a parameter no rank used keeps .grad None (engines/unused.py)
         return root
 
     def call_through_root(self, root: Module, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -136,6 +137,7 @@ class FSDP1Engine:
     def complete(self, module: Module, plan: ShardingPlan) -> Module:
         if isinstance(module, _fsdp()):
             fsdp1_left_out.track(module)
+            fsdp1_unused.track(module)
         return module  # Lightning's FSDPStrategy: a model wrapped by the user is used as it is
 
     def wrap_context(self, plan: ShardingPlan) -> Any:
@@ -253,10 +255,10 @@ class FSDP1Engine:
 
     def discard_unreduced_gradients(self, model: Module) -> None:
         # no_sync accumulates the unsharded gradient in .grad (the original parameters' views of it), which
-        # zero_grad clears itself; nothing is held elsewhere
-        return None
+        # zero_grad clears itself; nothing is held elsewhere. What the window used so far is dropped with it.
+        unused.forget(fsdp1_unused.presences(_handles(model)))
 
-    def check_gradients_synced(self, model: Module) -> None:
+    def settle_gradients(self, model: Module) -> None:
         off = [unit for unit in _fsdp().fsdp_modules(model) if not unit._sync_gradients]
         if off:
             raise GradientSyncError(
@@ -264,6 +266,11 @@ class FSDP1Engine:
                 ".no_sync() is still active) as the optimizer is about to step: their gradients were never reduced"
                 " and the replicas would drift apart. Fix: leave no_sync() before the last backward of a step."
             )
+        handles = _handles(model)
+        if handles:
+            root = _fsdp().fsdp_modules(model)[0]  # its groups hold every rank that trains this model
+            groups = [root.process_group, getattr(root, "_inter_node_pg", None)]
+            unused.restore_unused(fsdp1_unused.presences(handles), handles[0].device, [g for g in groups if g])
 
     def gradient_bytes(self, model: Module) -> int:
         # under no_sync ``flat_param.grad`` is the unsharded gradient; the sharded one waits in ``_saved_grad_shard``
@@ -351,9 +358,11 @@ class FSDP1Engine:
         if facts.sharding_strategy == NO_SHARD:
             replicas = _handles(model)[0].world_size
         scattered, synced = accumulation_passes(accumulation, backward_passes)
+        presences = fsdp1_unused.presences(_handles(model))  # the unused-parameter bitmap
         return fsdp_step_textbook(self.comm_units(model), facts.sharding_strategy, facts.shard_degree, replicas,
                                   backward_passes, synced_passes=synced, reduce_scatter_passes=scattered,
-                                  root_gathered=root_gathered, keep_gathered_unsynced=True)
+                                  root_gathered=root_gathered, keep_gathered_unsynced=True,
+                                  unused_bitmap_bytes=unused.bitmap_bytes(presences))
 
     # ------------------------------------------------------------------ plain PyTorch
 

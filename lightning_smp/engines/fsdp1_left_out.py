@@ -35,6 +35,8 @@ def track(root: Module) -> None:
         if state in _ROOTS:
             reduce_left_out(state)
         original(state, module)
+        if state in _ROOTS:
+            register_unsharded_views(state)
 
     # FSDP looks the callback up in its module when it queues it, at the root's pre-backward hook
     _runtime_utils._post_backward_final_callback = final_callback
@@ -61,6 +63,19 @@ def reduce_left_out(root: Any) -> None:
             flat._post_backward_called = False  # the accumulated gradient was dropped: nothing left to reduce
             continue
         _reduce_as_the_hook_would(state, handle)
+
+
+def register_unsharded_views(root: Any) -> None:
+    """After FSDP's own end of backward: under ``NO_SHARD`` with ``use_orig_params``, give every unit whose forward ran
+    but whose hook did not (its output left out of the loss) its parameters back as registered ``nn.Parameter``
+    views. Its forward left them plain tensors, FSDP's catch-all reshard skips ``NO_SHARD`` (nothing to free), and a
+    full state dict then misses them (an ``AssertionError``)."""
+    for state in root._all_fsdp_states:
+        handle = state._handle
+        if handle is None or handle.uses_sharded_strategy or not handle._use_orig_params:
+            continue
+        if any(info.module._parameters.get(info.param_name) is None for info in handle.flat_param._param_infos):
+            handle._use_sharded_views()  # NO_SHARD: the unflattened views, registered as parameters
 
 
 def _reduce_as_the_hook_would(state: Any, handle: Any) -> None:
@@ -94,4 +109,4 @@ def _reduce_as_the_hook_would(state: Any, handle: Any) -> None:
         state.training_state, handle._training_state = before
 
 
-__all__ = ["reduce_left_out", "track"]
+__all__ = ["reduce_left_out", "register_unsharded_views", "track"]

@@ -25,6 +25,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_smp.degree import Layout
+from lightning_smp.engines import fsdp2_unused, unused
 from lightning_smp.engines.base import ShardingFacts, ShardingPlan, StorageUnit, replace_attribute
 from lightning_smp.errors import GradientSyncError, UnsupportedOptionError
 from lightning_smp.names import (
@@ -333,6 +334,9 @@ class FSDP2Engine:
         # micro-batch is never all-reduced (its .grad stays None) or receives another head's sum
         for unit in fsdp_modules(module):
             unit.set_reduce_scatter_unused_params(True, recurse=False)
+        # ... and a parameter that no rank used in the window gets its .grad back before the step (engines/unused.py)
+        for group in (group for _, group in _param_groups(module)):
+            fsdp2_unused.track(group)
         # meta-device parameters become real local shards, initialised by each module's reset_parameters()
         _materialize_distributed_module(module, plan.device)
         return module
@@ -477,7 +481,7 @@ class FSDP2Engine:
             for module in modules:
                 module.set_requires_gradient_sync(True, recurse=False)
 
-    def check_gradients_synced(self, model: Module) -> None:
+    def settle_gradients(self, model: Module) -> None:
         off = [group for _, group in _param_groups(model) if not (group.reduce_grads and group.all_reduce_grads)]
         if off:
             raise GradientSyncError(
@@ -496,8 +500,14 @@ class FSDP2Engine:
                 " window. Fix: run the last micro-batch's backward with gradient sync on (outside no_backward_sync),"
                 " or discard the window with model.reset_iter_state() on the sharded root."
             )
+        groups = [group for _, group in _param_groups(model)]
+        if groups:
+            mesh = groups[0].mesh_info.mesh  # the root's: every rank that trains this model
+            unused.restore_unused(fsdp2_unused.presences(groups), groups[0].device,
+                                  [mesh.get_group(axis) for axis in range(mesh.ndim)])
 
     def discard_unreduced_gradients(self, model: Module) -> None:
+        unused.forget(fsdp2_unused.presences(group for _, group in _param_groups(model)))
         # the deferred all-reduce keeps each group's partial sum outside .grad; the root's reset_iter_state (torch's
         # recovery API) discards it, as zero_grad discards DDP's accumulated .grad
         if any(getattr(group, "_partial_reduce_output", None) is not None for _, group in _param_groups(model)):
@@ -613,9 +623,11 @@ class FSDP2Engine:
         if facts is None:
             return None
         scattered, synced = accumulation_passes(accumulation, backward_passes)
+        presences = fsdp2_unused.presences(group for _, group in _param_groups(model))  # the unused-parameter bitmap
         return fsdp_step_textbook(self.comm_units(model), facts.sharding_strategy, facts.shard_degree, facts.replicas,
                                   backward_passes, synced_passes=synced, reduce_scatter_passes=scattered,
-                                  root_gathered=root_gathered)
+                                  root_gathered=root_gathered,
+                                  unused_bitmap_bytes=unused.bitmap_bytes(presences))
 
     # ------------------------------------------------------------------ plain PyTorch
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -101,11 +102,30 @@ def _fake_like(value: Any, device: torch.device) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class MicroBatchTrace:
+    """One micro-batch traced on fake tensors: its activation peak (bytes) and FLOPs (forward, and backward with any
+    recomputation of activation checkpointing), counted by ``torch.utils.flop_counter.FlopCounterMode``."""
+
+    activation_bytes: int
+    forward_flops: int
+    backward_flops: int
+
+
 def measure_activations(model: Module, example_input: Any, *, step: Callable[[Module, Any], torch.Tensor] | None = None,
                         device: torch.device | str = "cpu", precision: str = "32-true",
                         checkpoint: Callable[[Module], None] | None = None) -> int:
-    """Peak bytes of activations and temporaries of one forward and backward of ``example_input`` (one rank's
-    micro-batch: a tensor, a tuple of positional inputs, or whatever ``step`` takes).
+    """Peak bytes of activations and temporaries of one forward and backward of ``example_input``
+    (:func:`trace_micro_batch`'s ``activation_bytes``)."""
+    return trace_micro_batch(model, example_input, step=step, device=device, precision=precision,
+                             checkpoint=checkpoint).activation_bytes
+
+
+def trace_micro_batch(model: Module, example_input: Any, *, step: Callable[[Module, Any], torch.Tensor] | None = None,
+                      device: torch.device | str = "cpu", precision: str = "32-true",
+                      checkpoint: Callable[[Module], None] | None = None) -> MicroBatchTrace:
+    """One forward and backward of ``example_input`` (one rank's micro-batch: a tensor, a tuple of positional inputs,
+    or whatever ``step`` takes) on fake tensors: the peak bytes of activations and temporaries, and the FLOPs.
 
     Args:
         model: the model, on any device (the meta device included); it is neither copied with data nor changed.
@@ -116,6 +136,7 @@ def measure_activations(model: Module, example_input: Any, *, step: Callable[[Mo
         checkpoint: applied to the copy before tracing, e.g. the strategy's activation checkpointing.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
 
     device = torch.device(device)
     copy_ = _meta_copy(model)
@@ -128,16 +149,18 @@ def measure_activations(model: Module, example_input: Any, *, step: Callable[[Mo
         batch = _fake_like(example_input, device)
         tracker = ActivationTracker()
         tracker.track_external(copy_)
+        flops = FlopCounterMode(display=False)
         try:
-            with tracker, autocast_context(precision, device.type) or contextlib.nullcontext():
+            with tracker, flops, autocast_context(precision, device.type) or contextlib.nullcontext():
                 loss = (step or _default_step)(copy_, batch)
+                forward = flops.get_total_flops()
                 loss.backward()
         except (RuntimeError, TypeError, ValueError) as err:
             raise HybridShardConfigError(
                 f"example_input could not be traced through {type(model).__name__} on fake tensors: {err}. Fix: pass"
                 " an example input (or a step function) the model accepts, or activation_bytes= instead."
             ) from err
-    return int(tracker.peak())
+    return MicroBatchTrace(int(tracker.peak()), int(forward), int(flops.get_total_flops() - forward))
 
 
 def transformer_activation_bytes(*, layers: int, hidden: int, heads: int, seq_len: int, micro_batch: int,
@@ -159,4 +182,5 @@ def transformer_activation_bytes(*, layers: int, hidden: int, heads: int, seq_le
     return int(layers * per_layer * scale)
 
 
-__all__ = ["ActivationTracker", "measure_activations", "transformer_activation_bytes"]
+__all__ = ["ActivationTracker", "MicroBatchTrace", "measure_activations", "trace_micro_batch",
+           "transformer_activation_bytes"]

@@ -6,10 +6,11 @@ buffers (never sharded) and one micro-batch's activations (measured on fake
 tensors, given, or estimated). The traffic of one optimizer step per axis is the textbook figure the memory report
 compares against (equal to what is measured), and its time on the links the alpha-beta model of :mod:`.links`.
 
-The recommendation is the smallest degree that fits the budget with the headroom to spare: the fewer ranks in a shard
-group, the cheaper and more local its all-gathers (SMP's own guidance: start from the lowest degree that fits). Among
-those that fit, a divisor of the devices per node comes first (the frequent collectives stay on the intra-node
-links), then a multiple of it (whole nodes), then any other.
+The recommendation is the degree with the least predicted step time (:mod:`.timing`: compute at the device's
+throughput, and the communication FSDP cannot hide behind it) among those that fit the budget with the headroom to
+spare; degrees within :data:`TIE` of the fastest count as tied, and the smallest of them is chosen (SMP's own
+guidance, "the lowest degree that fits", is what the tie keeps: the fewer ranks in a shard group, the less can go
+wrong in it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from torch.nn import Module
 
+from lightning_smp.accounting.comm import accumulation_passes
 from lightning_smp.degree import resolve_layout, valid_degrees
 from lightning_smp.engines.fsdp2 import wrap_targets
 from lightning_smp.errors import HybridShardConfigError
@@ -33,9 +35,12 @@ from lightning_smp.planner.budget import parse_bytes
 from lightning_smp.planner.links import Links, collective_seconds, group_spans_nodes, links_for
 from lightning_smp.planner.state import fsdp_units, model_state, optimizer_name
 from lightning_smp.planner.step import textbook, transient_bytes
+from lightning_smp.planner.timing import step_time
 
 #: Where the activation figure of a plan comes from.
 MEASURED, GIVEN, NOT_INCLUDED = "measured on fake tensors", "given", "not included"
+#: Predicted step times within this fraction of the fastest count as tied (the smaller degree wins).
+TIE = 0.05
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,8 @@ class DegreePlan:
         shard_bytes, replicate_bytes: logical bytes of one optimizer step inside the shard group and across replicas.
         shard_seconds, replicate_seconds: their time on the links (alpha-beta ring model, no overlap).
         shard_link, replicate_link: ``"intra-node"``, ``"inter-node"`` or ``"-"`` (a group of one rank).
+        compute_seconds, exposed_seconds, step_seconds: one optimizer step's predicted compute, the communication
+            not hidden behind it, and their sum (:mod:`.timing`).
     """
 
     degree: int
@@ -72,6 +79,9 @@ class DegreePlan:
     replicate_seconds: float
     shard_link: str
     replicate_link: str
+    compute_seconds: float = 0.0
+    exposed_seconds: float = 0.0
+    step_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -101,7 +111,7 @@ class Plan:
         from lightning_smp.accounting.render import fmt_bytes
 
         header = ["degree", "mesh", "model state", "transient", "activations", "peak / rank", "fits",
-                  "shard bytes", "replica bytes", "comm time"]
+                  "shard bytes", "replica bytes", "comm time", "step time"]
         rows = []
         for r in self.rows:
             mark = "<- chosen" if r.degree == self.degree else ("yes" if r.fits else "no")
@@ -109,7 +119,8 @@ class Plan:
                          fmt_bytes(r.transient_bytes), fmt_bytes(r.activation_bytes), fmt_bytes(r.peak_bytes), mark,
                          f"{fmt_bytes(r.shard_bytes)} ({r.shard_link})",
                          f"{fmt_bytes(r.replicate_bytes)} ({r.replicate_link})",
-                         f"{(r.shard_seconds + r.replicate_seconds) * 1e3:.1f} ms"])
+                         f"{(r.shard_seconds + r.replicate_seconds) * 1e3:.1f} ms",
+                         f"{r.step_seconds * 1e3:.1f} ms ({r.exposed_seconds * 1e3:.1f} exposed)"])
         return header, rows
 
     def title(self) -> str:
@@ -149,7 +160,8 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
          accumulation: str | None = None, example_input: Any = None, step: Callable | None = None,
          checkpoint: Callable[[Module], None] | set[type[Module]] | None = None, activation_bytes: int | None = None,
          headroom: float = 0.1, links: str | Links | None = None, device: Any = "cpu",
-         degrees: Sequence[int] | None = None, training: bool = True, cpu_offload: bool = False) -> Plan:
+         degrees: Sequence[int] | None = None, training: bool = True, cpu_offload: bool = False,
+         flops: tuple[float, float] | None = None) -> Plan:
     """Every valid degree's figures for ``model`` on ``world_size`` ranks, and the recommended degree.
 
     Args:
@@ -167,7 +179,10 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
             set of module classes (each checkpointed, as the strategies' ``activation_checkpointing_policy``) or a
             function applying it. ``activation_bytes`` gives the activations instead.
         headroom: kept free on top of the peak, as a fraction of it.
-        links: a preset name (:data:`~.links.LINK_PRESETS`) or :class:`~.links.Links`, for the time estimate.
+        links: a preset name (:data:`~.links.LINK_PRESETS`) or :class:`~.links.Links` (links, device throughput,
+            overlap), for the step time.
+        flops: ``(forward, backward)`` FLOPs of one micro-batch; default: counted in the trace of ``example_input``,
+            else unknown (the step time is then the communication alone).
         degrees: the candidates (default: every valid degree >= 1 of ``world_size``).
         training: ``False`` for validate/test/predict: no gradients, no optimizer state.
         cpu_offload: the sharded parameters, gradients and optimizer state live in CPU memory (FSDP1
@@ -177,7 +192,7 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
     Raises:
         HybridShardConfigError: no degree fits; the message says what would help.
     """
-    from lightning_smp.planner.activations import measure_activations
+    from lightning_smp.planner.activations import trace_micro_batch
 
     budget = parse_bytes(budget_bytes, "memory_budget")
     per_node = devices_per_node or world_size
@@ -193,8 +208,11 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
     elif example_input is not None:
         if isinstance(checkpoint, (set, frozenset, list, tuple)):
             checkpoint = _checkpointing(tuple(checkpoint))
-        activations, source = measure_activations(model, example_input, step=step, device=device,
-                                                  precision=precision, checkpoint=checkpoint), MEASURED
+        trace = trace_micro_batch(model, example_input, step=step, device=device, precision=precision,
+                                  checkpoint=checkpoint)
+        activations, source = trace.activation_bytes, MEASURED
+        if flops is None:
+            flops = (trace.forward_flops, trace.backward_flops)
     else:
         activations, source = 0, NOT_INCLUDED
     rows = []
@@ -213,6 +231,13 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
         inter, intra = (link.inter_bandwidth, link.inter_latency), (link.intra_bandwidth, link.intra_latency)
         shard_s = collective_seconds(figure["shard"], layout.shard, *(inter if shard_inter else intra))
         replica_s = collective_seconds(figure["replicate"], replicas, *(inter if replica_inter else intra))
+        scattered, synced = accumulation_passes(mode, micro_batches)
+        timed = step_time(figure, sharding_strategy=layout.sharding_strategy, shard=layout.shard, replicas=replicas,
+                          shard_link=inter if shard_inter else intra, replicate_link=inter if replica_inter else intra,
+                          units=len(units), micro_batches=micro_batches, reduce_scatter_passes=scattered,
+                          synced_passes=synced, forward_flops=flops[0] if flops else 0.0,
+                          backward_flops=flops[1] if flops else 0.0, device_flops=link.device_flops,
+                          overlap=link.overlap)
         rows.append(DegreePlan(
             degree=degree, sharding_strategy=layout.sharding_strategy, shard=layout.shard, replicas=replicas,
             model_state_bytes=state, transient_bytes=transient, buffer_bytes=buffers, activation_bytes=activations,
@@ -221,21 +246,25 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
             replicate_bytes=int(sum(e["bytes"] for e in figure["replicate"].values())),
             shard_seconds=shard_s, replicate_seconds=replica_s,
             shard_link="-" if layout.shard <= 1 else ("inter-node" if shard_inter else "intra-node"),
-            replicate_link="-" if replicas <= 1 else ("inter-node" if replica_inter else "intra-node")))
+            replicate_link="-" if replicas <= 1 else ("inter-node" if replica_inter else "intra-node"),
+            compute_seconds=timed.compute, exposed_seconds=timed.exposed, step_seconds=timed.seconds))
     fitting = [r for r in rows if r.fits]
     if not fitting:
         raise HybridShardConfigError(_no_fit_message(rows, budget, headroom, world_size, source, fsdp_version, mode,
                                                      micro_batches, cpu_offload))
-    # inside a node first, then whole nodes, then groups that straddle node boundaries; the smallest of the first kind
-    kinds = {"stay inside one node": [r for r in fitting if per_node % r.degree == 0],
-             "span whole nodes": [r for r in fitting if r.degree % per_node == 0],
-             "straddle node boundaries": fitting}
-    where, group = next((k, v) for k, v in kinds.items() if v)
-    chosen = min(group, key=lambda r: r.degree)
+    chosen, runner_up = _fastest(fitting)
     from lightning_smp.accounting.render import fmt_bytes
 
-    reason = (f"degree {chosen.degree} is the smallest that fits: {fmt_bytes(chosen.peak_bytes)} of"
-              f" {fmt_bytes(budget)} per rank with {headroom:.0%} headroom; its shard groups {where}")
+    reason = (f"degree {chosen.degree} has the least predicted step time of the degrees that fit:"
+              f" {_ms(chosen.step_seconds)} (compute {_ms(chosen.compute_seconds)}, communication not hidden"
+              f" {_ms(chosen.exposed_seconds)})")
+    if runner_up is not None:
+        tied = runner_up.step_seconds <= chosen.step_seconds * (1 + TIE)
+        reason += (f"; runner-up degree {runner_up.degree}: {_ms(runner_up.step_seconds)}"
+                   + (f" (within {TIE:.0%}: the smaller degree is chosen)" if tied else ""))
+    reason += f"; {fmt_bytes(chosen.peak_bytes)} of {fmt_bytes(budget)} per rank with {headroom:.0%} headroom"
+    if not link.device_flops:
+        reason += " (device throughput unknown: compute not counted)"
     if source == NOT_INCLUDED:
         reason += " (activations not included: pass an example input or activation_bytes)"
     if cpu_offload:
@@ -243,6 +272,19 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
     return Plan(degree=chosen.degree, reason=reason, rows=tuple(rows), budget_bytes=budget, headroom=headroom,
                 world_size=world_size, devices_per_node=per_node, fsdp_version=fsdp_version, optimizer=name,
                 activations=source, links=link)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def _fastest(fitting: Sequence[DegreePlan]) -> tuple[DegreePlan, DegreePlan | None]:
+    """The chosen row, the smallest degree within :data:`TIE` of the least step time, and the runner-up: the fastest
+    of the others."""
+    best = min(r.step_seconds for r in fitting)
+    chosen = min((r for r in fitting if r.step_seconds <= best * (1 + TIE)), key=lambda r: r.degree)
+    others = [r for r in fitting if r is not chosen]
+    return chosen, min(others, key=lambda r: (r.step_seconds, r.degree)) if others else None
 
 
 def _no_fit_message(rows: Sequence[DegreePlan], budget: int, headroom: float, world_size: int, source: str,
@@ -265,4 +307,4 @@ def _no_fit_message(rows: Sequence[DegreePlan], budget: int, headroom: float, wo
             f" per rank at degree {least.degree} (activations {source}). What would help: " + "; ".join(helps) + ".")
 
 
-__all__ = ["DegreePlan", "GIVEN", "MEASURED", "NOT_INCLUDED", "Plan", "plan"]
+__all__ = ["DegreePlan", "GIVEN", "MEASURED", "NOT_INCLUDED", "Plan", "TIE", "plan"]

@@ -31,6 +31,7 @@ from lightning_smp.planner.activations import transformer_activation_bytes
 from lightning_smp.planner.budget import UNITS, default_budget, parse_bytes
 from lightning_smp.planner.choose import Plan, plan
 from lightning_smp.planner.links import DEFAULT_PRESET, LINK_PRESETS
+from lightning_smp.planner.timing import transformer_flops
 
 
 class _Block(Module):
@@ -157,6 +158,7 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
     activation_bytes = None if cfg.activation_bytes is None else parse_bytes(cfg.activation_bytes, "--activation_bytes")
     example_input = None
     checkpoint: set[type[Module]] | None = None
+    flops: tuple[float, float] | None = None
     if cfg.params is not None:
         dtype = torch.bfloat16 if precision.startswith("bf16-true") else torch.float16 if precision.startswith(
             "16-true") else torch.float32
@@ -168,6 +170,8 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
                 layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch,
                 checkpointing=cfg.activation_checkpointing, bytes_per_value=2 if "16" in precision else 4,
                 attention_scores=cfg.attention_scores)
+        flops = transformer_flops(parse_count(cfg.params), cfg.micro_batch * cfg.seq_len, cfg.layers, cfg.hidden,
+                                  cfg.seq_len, checkpointing=cfg.activation_checkpointing)
     elif cfg.model is not None:
         with torch.device("meta"):
             model = parser.instantiate_classes(cfg).model
@@ -197,7 +201,7 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
                 fsdp_version=version, auto_wrap_policy=policy, optimizer=cfg.optimizer_name, precision=precision,
                 sharding_strategy=strategy.get("sharding_strategy") or HYBRID_SHARD,
                 micro_batches=accumulate, example_input=example_input, checkpoint=checkpoint,
-                activation_bytes=activation_bytes, headroom=cfg.headroom, links=cfg.preset), cfg
+                activation_bytes=activation_bytes, headroom=cfg.headroom, links=cfg.preset, flops=flops), cfg
 
 
 def save_plot(result: Plan, path: Path) -> None:

@@ -7,8 +7,7 @@ the intra-node link; a group that spans nodes is as fast as its slowest hop, the
 node sends through its share of the node's network at once, so the per-rank share is the figure that matters).
 
 The presets are vendor figures per direction and per GPU, sourced in ``docs/planner.md``; latencies are the
-order of magnitude of one NCCL ring step. The model ignores overlap with compute: it is the time the collectives
-would take if nothing hid them, a figure for comparing degrees, not a step-time prediction.
+order of magnitude of one NCCL ring step. :mod:`.timing` turns these times and the compute into a step time.
 """
 
 from __future__ import annotations
@@ -21,29 +20,43 @@ _US = 1e-6
 _GB = 1e9
 
 
+#: The fraction of a GPU's dense 16-bit peak that large-model training achieves (model FLOPs utilisation): 38-43% in
+#: "The Llama 3 Herd of Models" (2024, table 4, 16K H100s, BF16); an assumption for the presets, which a calibration
+#: on the cluster at hand replaces with a measurement.
+ACHIEVED_FRACTION = 0.4
+
+
 @dataclass(frozen=True)
 class Links:
-    """Bandwidths (bytes/s, one direction, per rank) and latencies (s, per ring step) inside a node and across."""
+    """The cluster as the planner sees it: bandwidths (bytes/s, one direction, per rank) and latencies (s, per ring
+    step) inside a node and across, the FLOP/s one rank achieves (``0``: unknown, compute not counted), and whether
+    communication overlaps compute (CUDA streams: yes; gloo on CPU, where both share the cores: no)."""
 
     intra_bandwidth: float
     intra_latency: float
     inter_bandwidth: float
     inter_latency: float
     description: str = ""
+    device_flops: float = 0.0
+    overlap: bool = True
 
 
 #: Named presets (see ``docs/planner.md`` for the sources).
+_H100, _A100, _L40S = 989e12, 312e12, 362e12  # dense BF16 peak FLOP/s (datasheets, docs/planner.md)
 LINK_PRESETS: dict[str, Links] = {
     "h100-nvlink-ib400": Links(450 * _GB, 3 * _US, 50 * _GB, 10 * _US,
-                               "8x H100 SXM per node, NVLink 4 (900 GB/s both directions), one 400 Gb/s NIC per GPU"),
+                               "8x H100 SXM per node, NVLink 4 (900 GB/s both directions), one 400 Gb/s NIC per GPU",
+                               ACHIEVED_FRACTION * _H100),
     "a100-nvlink-ib200": Links(300 * _GB, 3 * _US, 25 * _GB, 10 * _US,
-                               "8x A100 SXM per node, NVLink 3 (600 GB/s both directions), one 200 Gb/s NIC per GPU"),
+                               "8x A100 SXM per node, NVLink 3 (600 GB/s both directions), one 200 Gb/s NIC per GPU",
+                               ACHIEVED_FRACTION * _A100),
     "aws-p5": Links(450 * _GB, 3 * _US, 50 * _GB, 15 * _US,
-                    "p5.48xlarge: 8x H100, NVLink 4, 3200 Gb/s EFA per node"),
+                    "p5.48xlarge: 8x H100, NVLink 4, 3200 Gb/s EFA per node", ACHIEVED_FRACTION * _H100),
     "aws-p4d": Links(300 * _GB, 3 * _US, 6.25 * _GB, 15 * _US,
-                     "p4d.24xlarge: 8x A100, NVLink 3, 400 Gb/s EFA per node"),
+                     "p4d.24xlarge: 8x A100, NVLink 3, 400 Gb/s EFA per node", ACHIEVED_FRACTION * _A100),
     "pcie-ethernet": Links(25 * _GB, 5 * _US, 12.5 * _GB / 8, 20 * _US,
-                           "8 GPUs on PCIe 4.0 x16, one 100 Gb/s Ethernet NIC per node"),
+                           "8 GPUs (L40S) on PCIe 4.0 x16, one 100 Gb/s Ethernet NIC per node",
+                           ACHIEVED_FRACTION * _L40S),
 }
 DEFAULT_PRESET = "h100-nvlink-ib400"
 
@@ -88,4 +101,4 @@ def group_spans_nodes(world_size: int, shard: int, axis_is_shard: bool, devices_
     return any(rank // devices_per_node != first(rank) // devices_per_node for rank in range(world_size))
 
 
-__all__ = ["DEFAULT_PRESET", "LINK_PRESETS", "Links", "collective_seconds", "group_spans_nodes", "links_for"]
+__all__ = ["ACHIEVED_FRACTION", "DEFAULT_PRESET", "LINK_PRESETS", "Links", "collective_seconds", "group_spans_nodes", "links_for"]

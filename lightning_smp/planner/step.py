@@ -48,8 +48,10 @@ def textbook(units: Sequence[Sequence[Parameter]], layout: Any, fsdp_version: in
                                   reduce_bytes=reduce, reduce_numel=reduced))
     scattered, synced = accumulation_passes(accumulation, micro_batches)
     replicas = layout.world_size if layout.sharding_strategy == NO_SHARD else layout.replicate
+    # the bitmap of parameters no rank used: one byte per parameter (FSDP1: with use_orig_params, the default)
     return fsdp_step_textbook(specs, layout.sharding_strategy, shard, replicas, micro_batches, synced_passes=synced,
-                              reduce_scatter_passes=scattered, keep_gathered_unsynced=fsdp_version == 1)
+                              reduce_scatter_passes=scattered, keep_gathered_unsynced=fsdp_version == 1,
+                              unused_bitmap_bytes=sum(len(unit) for unit in units))
 
 
 def gathered_bytes(units: Sequence[Sequence[Parameter]], root_is_last: bool, layout: Any, fsdp_version: int,

@@ -1,0 +1,85 @@
+"""FSDP1's notes for :mod:`lightning_smp.engines.unused`: which original parameters of a flat parameter had a gradient.
+
+FSDP1 reduces a flat parameter whole, so an original parameter that no rank used, beside used ones in its unit, gets
+a zero ``.grad`` view. With ``use_orig_params=True`` (Lightning's default) the optimizer steps the original parameters,
+and the forward reads each one through a fresh view of the flat parameter: a hook on that view fires exactly when
+autograd gives the parameter a gradient. With ``use_orig_params=False`` the optimizer steps whole flat parameters and
+no part of one can be left out (documented in ``docs/engines.md``).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+from torch.nn import Module
+
+from lightning_smp.engines.unused import Presence
+
+_ATTRIBUTE = "_lightning_smp_presence"
+_ROOTS: weakref.WeakSet[Module] = weakref.WeakSet()
+_INSTALLED: list[bool] = []
+
+
+def track(root: Module) -> None:
+    """Note, for each handle of ``root`` (an FSDP1 root) that keeps original parameters, which are used."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for unit in FullyShardedDataParallel.fsdp_modules(root):
+        handle = unit._handle
+        if handle is not None and handle._use_orig_params and not hasattr(handle, _ATTRIBUTE):
+            _track_handle(handle)
+    _ROOTS.add(root)
+    if not _INSTALLED:
+        _note_starts_at_the_roots_pre_backward()
+        _INSTALLED.append(True)
+
+
+def _note_starts_at_the_roots_pre_backward() -> None:
+    """The root's pre-backward hook runs first in every backward: after ``zero_grad`` (which Lightning calls between
+    the forward and the backward) and before FSDP writes any ``.grad``."""
+    from torch.distributed.fsdp import _runtime_utils
+
+    original = _runtime_utils._pre_backward_hook
+
+    @functools.wraps(original)
+    def pre_backward_hook(state: Any, module: Any, handle: Any, *args: Any, **kwargs: Any) -> Any:
+        if state in _ROOTS:
+            for presence in presences(s._handle for s in state._all_fsdp_states if s._handle is not None):
+                presence.note_start()
+        return original(state, module, handle, *args, **kwargs)
+
+    # FSDP looks the hook up in its module each time it registers it on a forward's outputs
+    _runtime_utils._pre_backward_hook = pre_backward_hook
+
+
+def _track_handle(handle: Any) -> None:
+    from torch.distributed.fsdp._flat_param import HandleTrainingState
+
+    flat = handle.flat_param
+    presence = Presence(lambda: list(flat._params or []))
+    original = handle._use_unsharded_views
+
+    @functools.wraps(original)
+    def use_unsharded_views(as_params: bool) -> None:
+        original(as_params)
+        if as_params or handle._training_state != HandleTrainingState.FORWARD:
+            return
+        # the forward's views: the module computes with these tensors (backward's recomputation reuses them)
+        for index, info in enumerate(flat._param_infos):
+            view = getattr(info.module, info.param_name, None)
+            if view is not None and view.requires_grad:
+                view.register_hook(functools.partial(_mark, presence, index))
+
+    handle._use_unsharded_views = use_unsharded_views  # FSDP calls it through the instance
+    setattr(handle, _ATTRIBUTE, presence)
+
+
+def _mark(presence: Presence, index: int, grad: Any) -> None:
+    presence.mark_used(index)
+
+
+def presences(handles: Iterable[Any]) -> list[Presence]:
+    return [getattr(handle, _ATTRIBUTE) for handle in handles if hasattr(handle, _ATTRIBUTE)]

@@ -1,0 +1,136 @@
+"""The planner's step-time model and its choice: the fastest configuration that fits, by the model's own figures."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from lightning_smp.accounting.comm import FSDPUnitSpec, fsdp_step_textbook
+from lightning_smp.names import FULL_SHARD, HYBRID_SHARD
+from lightning_smp.planner import Links, plan
+from lightning_smp.planner.choose import TIE
+from lightning_smp.planner.links import collective_seconds
+from lightning_smp.planner.timing import step_time, transformer_flops
+
+INTRA, INTER = (100e9, 5e-6), (1e9, 20e-6)
+UNITS = [FSDPUnitSpec(1_000_000) for _ in range(3)] + [FSDPUnitSpec(1_000_000, is_root=True)]
+
+
+def _figure(**kwargs):
+    return fsdp_step_textbook(UNITS, HYBRID_SHARD, shard=4, replicate=2, **kwargs)
+
+
+def _time(figure, flops: float, overlap: bool = True, k: int = 1, scattered: int = 1, synced: int = 1):
+    return step_time(figure, sharding_strategy=HYBRID_SHARD, shard=4, replicas=2, shard_link=INTRA,
+                     replicate_link=INTER, units=len(UNITS), micro_batches=k, reduce_scatter_passes=scattered,
+                     synced_passes=synced, forward_flops=flops, backward_flops=2 * flops, device_flops=1e12,
+                     overlap=overlap)
+
+
+def test_without_overlap_every_collective_adds_to_the_compute():
+    figure = _figure()
+    comm = collective_seconds(figure["shard"], 4, *INTRA) + collective_seconds(figure["replicate"], 2, *INTER)
+    timed = _time(figure, flops=3e9, overlap=False)
+    assert timed.communication == pytest.approx(comm) and timed.exposed == pytest.approx(comm)
+    assert timed.compute == pytest.approx(9e9 / 1e12) and timed.seconds == pytest.approx(timed.compute + comm)
+
+
+def test_with_overlap_only_the_first_gather_and_the_last_reduction_show_behind_long_compute():
+    figure = _figure()
+    gathers = collective_seconds({"all_gather": figure["shard"]["all_gather"]}, 4, *INTRA)
+    reduce = (collective_seconds({"reduce_scatter": figure["shard"]["reduce_scatter"]}, 4, *INTRA)
+              + collective_seconds(figure["replicate"], 2, *INTER))
+    long = _time(figure, flops=1e12)
+    forward_gathers = gathers * 4 / 7  # the root gathers once, the 3 others twice: 4 of 7 in forward
+    assert long.exposed == pytest.approx(forward_gathers / 4 + reduce / 4)
+    # with no compute to hide behind, everything shows
+    none = _time(figure, flops=0.0)
+    assert none.exposed == pytest.approx(none.communication) and none.compute == 0
+
+
+def test_accumulation_reduces_in_the_passes_its_mode_says():
+    k = 4
+    # FSDP1 no_sync: one reduce-scatter and one all-reduce, in the last micro-batch; all four gather
+    figure = _figure(backward_passes=k, synced_passes=1, reduce_scatter_passes=1)
+    timed = _time(figure, flops=1e12, k=k, scattered=1, synced=1)
+    gathers = collective_seconds({"all_gather": figure["shard"]["all_gather"]}, 4, *INTRA)
+    reduce = (collective_seconds({"reduce_scatter": figure["shard"]["reduce_scatter"]}, 4, *INTRA)
+              + collective_seconds(figure["replicate"], 2, *INTER))
+    assert timed.exposed == pytest.approx(gathers * 4 / 7 / 4 + reduce / 4)  # k first gathers of 1/k each
+    assert timed.compute == pytest.approx(k * 3e12 / 1e12)
+
+
+def test_transformer_flops_are_six_per_parameter_and_token_plus_attention():
+    forward, backward = transformer_flops(7_000_000_000, 4096, 32, 4096, 4096)
+    assert forward == 4096 * (2 * 7e9 + 4 * 32 * 4096 * 4096) and backward == 2 * forward
+    _, recomputed = transformer_flops(7_000_000_000, 4096, 32, 4096, 4096, checkpointing=True)
+    assert recomputed == 3 * forward
+
+
+def _model() -> torch.nn.Module:
+    with torch.device("meta"):
+        return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+
+
+def _plan(links: Links, **kwargs):
+    return plan(_model(), world_size=16, devices_per_node=8, budget_bytes="1TB", fsdp_version=2,
+                auto_wrap_policy={torch.nn.Linear}, links=links, **kwargs)
+
+
+def test_the_choice_follows_the_link_rates():
+    """A slow link across nodes: the node-sized group, whose all-gathers stay inside the node and whose replicas
+    all-reduce only 1/8 of the gradient across; a fast one: a smaller group (less traffic in all)."""
+    slow = _plan(Links(*INTRA, 0.1e9, 20e-6))
+    fast = _plan(Links(*INTRA, *INTRA))
+    assert slow.degree == 8 and fast.degree < slow.degree
+    for result in (slow, fast):
+        fastest = min(r.step_seconds for r in result.rows)
+        assert result.row(result.degree).step_seconds <= fastest * (1 + TIE)
+        smaller = [r for r in result.rows if r.degree < result.degree]
+        assert all(r.step_seconds > fastest * (1 + TIE) for r in smaller)
+    # the node-sized group is predicted several times faster than no sharding when the inter-node link is slow
+    assert slow.row(1).step_seconds > 3 * slow.row(8).step_seconds
+
+
+def test_the_reason_names_the_choice_its_step_time_and_the_runner_up():
+    result = _plan(Links(*INTRA, 0.1e9, 20e-6))
+    chosen = result.row(result.degree)
+    match = re.match(r"degree 8 has the least predicted step time of the degrees that fit: ([\d.]+) ms \(compute"
+                     r" [\d.]+ ms, communication not hidden [\d.]+ ms\); runner-up degree (\d+): ([\d.]+) ms",
+                     result.reason)
+    assert match, result.reason
+    assert float(match.group(1)) == pytest.approx(chosen.step_seconds * 1e3, abs=0.05)
+    runner_up = result.row(int(match.group(2)))
+    assert float(match.group(3)) == pytest.approx(runner_up.step_seconds * 1e3, abs=0.05)
+    assert runner_up.step_seconds == min(r.step_seconds for r in result.rows if r.degree != 8)
+    assert "compute not counted" in result.reason  # no FLOPs and no throughput given
+
+
+def test_near_ties_go_to_the_smaller_degree():
+    """Compute long enough to hide nearly every collective: the degrees tie, and the smallest that fits is chosen."""
+    result = _plan(Links(*INTRA, *INTER, device_flops=1e9), flops=(1e12, 2e12))
+    assert result.degree == 1 and "within 5%: the smaller degree is chosen" in result.reason
+    # a budget that only degrees from 4 up fit: 4
+    budget = int(result.row(4).peak_bytes * 1.1) + 1
+    assert result.row(2).peak_bytes * 1.1 > budget
+    limited = plan(_model(), world_size=16, devices_per_node=8, budget_bytes=budget, fsdp_version=2,
+                   auto_wrap_policy={torch.nn.Linear}, links=Links(*INTRA, *INTER, device_flops=1e9),
+                   flops=(1e12, 2e12))
+    assert limited.degree == 4
+
+
+def test_flops_are_counted_in_the_trace_of_the_example_input():
+    result = plan(_model(), world_size=8, budget_bytes="1TB", auto_wrap_policy={torch.nn.Linear},
+                  example_input=torch.zeros(4, 1024), links=Links(*INTRA, *INTER, device_flops=1e12))
+    forward = 2 * 4 * 1024 * 1024 * 8
+    backward = 2 * forward - 2 * 4 * 1024 * 1024  # the first layer's input needs no gradient
+    assert result.row(1).compute_seconds == pytest.approx((forward + backward) / 1e12)
+
+
+def test_a_degree_equal_to_the_world_has_no_replica_traffic_in_its_time():
+    result = _plan(Links(*INTRA, *INTER))
+    row = result.row(16)
+    assert row.replicate_seconds == 0 and row.step_seconds == pytest.approx(row.exposed_seconds)
+    assert FULL_SHARD == row.sharding_strategy
