@@ -74,6 +74,10 @@ class SMPConfig:
         memory_budget: this library's key: what one rank's training may use when ``hybrid_shard_degree`` is
             ``"auto"``, in bytes (given as an int or a string such as ``"40GB"``); ``None``: the device's free memory
             (on the CPU, the available RAM divided by the ranks of the node).
+        links: this library's key: what the planner of ``hybrid_shard_degree="auto"`` times the step on: a link
+            preset name (``lightning_smp.planner.LINK_PRESETS``), a JSON file written by
+            ``lightning_smp.planner.save_links``, or ``"calibrate"`` (measured on the job's own process groups when
+            the model is set up, every rank alike); ``None``: the default preset.
         async_save: this library's key: write sharded checkpoints in the background (training goes on once the
             state is copied off the training tensors); committed by rename once every rank has written, and
             ``ModelCheckpoint``'s links, removals and logger notifications wait for that commit. See
@@ -87,6 +91,7 @@ class SMPConfig:
     hybrid_shard_degree: int | str = 0
     fsdp_version: int = 1
     memory_budget: int | str | None = None
+    links: str | None = None
     async_save: bool = False
     tensor_parallel_degree: int | None = None
     context_parallel_degree: int | None = None
@@ -138,6 +143,36 @@ def _check_memory_budget(value: Any, where: str) -> int | None:
         raise HybridShardConfigError(f"{where}: {err}") from None
 
 
+#: The ``links`` value that measures the links on the running job.
+CALIBRATE = "calibrate"
+
+
+def check_links(value: Any, parameter: str = "links") -> str | None:
+    """``value`` if the planner can time on it: ``None``, :data:`CALIBRATE`, a link preset's name or a readable JSON
+    file of ``Links``."""
+    from lightning_smp.planner.links import links_for
+
+    if value is None or value == CALIBRATE:
+        return value
+    if not isinstance(value, str):
+        raise HybridShardConfigError(
+            f"{parameter}={value!r} ({_type_name(value)}) is not a link preset, a JSON file or {CALIBRATE!r}. Fix:"
+            f" pass one of those as a string."
+        )
+    try:
+        links_for(value)
+    except HybridShardConfigError as err:
+        raise HybridShardConfigError(f"{parameter}={value!r}: {err} Or {CALIBRATE!r}.") from None
+    return value
+
+
+def _check_links(value: Any, where: str) -> str | None:
+    try:
+        return check_links(value)
+    except HybridShardConfigError as err:
+        raise HybridShardConfigError(f"{where}: {err}") from None
+
+
 def check_fsdp_version(value: Any, parameter: str = "fsdp_version") -> int:
     """``value`` as an ``int`` if it names an engine: 1 (``FullyShardedDataParallel``) or 2 (``fully_shard``)."""
     if isinstance(value, bool) or not isinstance(value, int) or value not in FSDP_VERSIONS:
@@ -177,6 +212,7 @@ IMPLEMENTED_KEYS: dict[str, Callable[[Any, str], Any]] = {
     "hybrid_shard_degree": _check_hybrid_shard_degree,
     "fsdp_version": _check_fsdp_version,
     "memory_budget": _check_memory_budget,
+    "links": _check_links,
     "async_save": _check_async_save,
 }
 
@@ -423,6 +459,7 @@ def set_init_config(values: dict[str, Any] | None) -> None:
 
 
 __all__ = [
+    "CALIBRATE",
     "CLI_SOURCE",
     "ENV_CLI",
     "ENV_CONFIG",
@@ -435,6 +472,7 @@ __all__ = [
     "check_config",
     "check_fsdp_version",
     "check_async_save",
+    "check_links",
     "check_memory_budget",
     "config_layers",
     "config_source",

@@ -33,7 +33,14 @@ from torch.nn import Module
 from lightning_smp import unit_order
 from lightning_smp.checkpoint import CheckpointRun, ShardedModel
 from lightning_smp.collectives import Collectives
-from lightning_smp.config import SMPConfig, check_async_save, check_fsdp_version, check_memory_budget, resolve_config
+from lightning_smp.config import (
+    SMPConfig,
+    check_async_save,
+    check_fsdp_version,
+    check_links,
+    check_memory_budget,
+    resolve_config,
+)
 from lightning_smp.degree import (
     Layout,
     check_degree_setting,
@@ -90,6 +97,7 @@ class HybridShardCore:
             the device's free memory); ``chosen``: the planner's :class:`~lightning_smp.planner.Plan` once
             ``hybrid_shard_degree="auto"`` has been resolved by :meth:`choose_degree`.
         async_save_arg: the ``async_save`` argument, else ``None`` (the configuration sources decide).
+        links_arg: the ``links`` argument (a preset, a JSON file or ``"calibrate"``), else ``None``.
         engine: the engine in effect; config, layout, device_mesh: known after :meth:`configure` and
             :meth:`build_mesh`; checkpoint_run: who writes this run's checkpoints.
     """
@@ -106,6 +114,7 @@ class HybridShardCore:
     mesh_shape_arg: tuple[int, ...] | None = None
     memory_budget_arg: int | None = None
     async_save_arg: bool | None = None
+    links_arg: str | None = None
     chosen: Plan | None = None
     engine: Engine = field(default_factory=lambda: engine_for(1))
     config: SMPConfig | None = None
@@ -135,6 +144,7 @@ class HybridShardCore:
         kwargs: dict[str, Any],
         memory_budget: Any = None,
         async_save: Any = None,
+        links: Any = None,
     ) -> HybridShardCore:
         """Check the arguments that need no world size and no process; raise :class:`HybridShardConfigError`."""
         requested = check_sharding_strategy(sharding_strategy)
@@ -151,6 +161,7 @@ class HybridShardCore:
             )
         degree = None if hybrid_shard_degree is None else check_degree_setting(hybrid_shard_degree)
         budget = check_memory_budget(memory_budget)
+        links = check_links(links)
         background = None if async_save is None else check_async_save(async_save)
         if background and state_dict_type != SHARDED:
             raise HybridShardConfigError(_ASYNC_FULL.format(state_dict_type=state_dict_type))
@@ -174,7 +185,7 @@ class HybridShardCore:
             engine_options={**kwargs, **({"auto_wrap_policy": auto_wrap_policy} if auto_wrap_policy else {})},
             mixed_precision_arg=mixed_precision, cpu_offload_arg=cpu_offload, user_mesh=user_mesh,
             mesh_shape_arg=tuple(device_mesh) if isinstance(device_mesh, (tuple, list)) else None,
-            memory_budget_arg=budget, async_save_arg=background, engine=engine_for(version or 1),
+            memory_budget_arg=budget, async_save_arg=background, links_arg=links, engine=engine_for(version or 1),
         )
         if version is not None:
             core.check_engine()  # the engine is known already: refuse its wrong arguments now
@@ -204,6 +215,8 @@ class HybridShardCore:
             explicit["memory_budget"] = self.memory_budget_arg
         if self.async_save_arg is not None:
             explicit["async_save"] = self.async_save_arg
+        if self.links_arg is not None:
+            explicit["links"] = self.links_arg
         return resolve_config(explicit or None)
 
     def configure(self, num_nodes: int, devices: int) -> Layout | None:
@@ -296,8 +309,9 @@ class HybridShardCore:
                 " them (the strategy shards them), or pass a number as hybrid_shard_degree."
             )
         offload = self.cpu_offload_arg
+        config = self.config or self.resolve_config()
         chosen = plan_on_every_rank(
-            module, configured_budget=(self.config or self.resolve_config()).memory_budget, device=device,
+            module, configured_budget=config.memory_budget, configured_links=config.links, device=device,
             local_ranks=devices, world_size=num_nodes * devices, devices_per_node=devices,
             fsdp_version=self.engine.version, auto_wrap_policy=self.engine_options.get("auto_wrap_policy"),
             optimizer=optimizer, sharding_strategy=self.requested_strategy, precision=precision,

@@ -179,6 +179,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         gradient_accumulation: GradientAccumulation | None = None,
         memory_budget: int | str | None = None,
         async_save: bool | None = None,
+        links: str | None = None,
         **kwargs: Any,
     ) -> None:
         # static checks, before anything is built: the same on every rank (and the Trainer strategy's)
@@ -186,7 +187,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             sharding_strategy=sharding_strategy, hybrid_shard_degree=hybrid_shard_degree, device_mesh=device_mesh,
             fsdp_version=fsdp_version, gradient_accumulation=gradient_accumulation, state_dict_type=state_dict_type,
             mixed_precision=mixed_precision, cpu_offload=cpu_offload, auto_wrap_policy=auto_wrap_policy,
-            kwargs=kwargs, memory_budget=memory_budget, async_save=async_save,
+            kwargs=kwargs, memory_budget=memory_budget, async_save=async_save, links=links,
         )
         self._start_method: StartMethod = check_start_method_name(start_method) or (
             "fork" if _IS_INTERACTIVE else "popen")

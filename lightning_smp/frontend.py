@@ -134,12 +134,13 @@ class HybridShardFrontEnd:
         if layout is not None and layout.overridden and not self._warned_override:
             self._warned_override = True
             rank_zero_warn(layout.override_message())
-        budget = (self.core.config or self.core.resolve_config()).memory_budget  # from any source
-        if budget is not None and not self.core.auto and not self._warned_budget:
-            self._warned_budget = True
-            rank_zero_warn(f"memory_budget={budget} is used only with hybrid_shard_degree='auto';"
-                           f" hybrid_shard_degree={self.core.configured_degree} is in effect. Fix: drop memory_budget,"
-                           " or set hybrid_shard_degree='auto'.")
+        config = self.core.config or self.core.resolve_config()  # from any source
+        for key, value in (("memory_budget", config.memory_budget), ("links", config.links)):
+            if value is not None and not self.core.auto and not self._warned_budget:
+                self._warned_budget = True
+                rank_zero_warn(f"{key}={value} is used only with hybrid_shard_degree='auto';"
+                               f" hybrid_shard_degree={self.core.configured_degree} is in effect. Fix: drop {key},"
+                               " or set hybrid_shard_degree='auto'.")
 
     def _set_up_mesh(self, num_nodes: int, devices: int, device_type: str) -> Layout | None:
         """The mesh, once the process group exists, and where every rank runs (for :meth:`_lost_peer_note`).

@@ -206,7 +206,8 @@ def _auto_degree(module: Module, arguments: dict[str, Any], requested: Any, devi
         hosts = Collectives.current(device).all_gather(socket.gethostname())
         local_ranks = hosts.count(socket.gethostname())
         chosen = plan_on_every_rank(
-            module, configured_budget=resolve_config().memory_budget, device=device, local_ranks=local_ranks,
+            module, configured_budget=resolve_config().memory_budget, configured_links=resolve_config().links,
+            device=device, local_ranks=local_ranks,
             world_size=dist.get_world_size(), devices_per_node=local_ranks, fsdp_version=1,
             auto_wrap_policy=arguments.get("auto_wrap_policy"), sharding_strategy=getattr(requested, "name", requested),
         )

@@ -111,11 +111,15 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             ``0``), ``0`` (native FSDP: ``HYBRID_SHARD`` shards inside a node, ``FULL_SHARD`` over all ranks),
             ``1`` (no sharding: full replicas kept in sync like DDP), any divisor ``d >= 2`` of the world size
             (shard groups of ``d`` ranks, ``world_size / d`` replicas), or ``"auto"``: the planner chooses, when
-            the model is set up, the smallest degree whose per-rank peak fits ``memory_budget`` (see
-            ``docs/planner.md``; :attr:`degree_plan` holds its table).
+            the model is set up, the degree with the least predicted step time whose per-rank peak fits
+            ``memory_budget`` (see ``docs/planner.md``; :attr:`degree_plan` holds its table).
         memory_budget: with ``hybrid_shard_degree="auto"``: what one rank's training may use, in bytes or as a
             string (``"40GB"``, ``"400MB"``); ``None`` (default): the configuration sources, else the device's free
             memory (on the CPU the available RAM divided by the ranks of the node).
+        links: with ``hybrid_shard_degree="auto"``: what the planner times the step on: a link preset's name, a JSON
+            file of ``Links`` (``lightning_smp.planner.save_links``), or ``"calibrate"``: measured on this job's own
+            process groups when the model is set up (a few seconds, every rank alike); ``None`` (default): the
+            configuration sources, else the default preset.
         start_method: how processes are started. ``None`` (default): ``"fork"`` in an interactive session
             (Jupyter, IPython), else ``"popen"`` (re-run the script per rank, like Lightning's FSDP). Also
             ``"fork"``, ``"spawn"`` or ``"forkserver"`` (Lightning's multiprocessing launcher). Processes started
@@ -178,6 +182,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         gradient_accumulation: GradientAccumulation | None = None,
         memory_budget: int | str | None = None,
         async_save: bool | None = None,
+        links: str | None = None,
         **kwargs: Any,
     ) -> None:
         # static checks, before anything is built: the same on every rank
@@ -186,7 +191,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             sharding_strategy=sharding_strategy, hybrid_shard_degree=hybrid_shard_degree, device_mesh=device_mesh,
             fsdp_version=fsdp_version, gradient_accumulation=gradient_accumulation, state_dict_type=state_dict_type,
             mixed_precision=mixed_precision, cpu_offload=cpu_offload, auto_wrap_policy=auto_wrap_policy,
-            kwargs=kwargs, memory_budget=memory_budget, async_save=async_save,
+            kwargs=kwargs, memory_budget=memory_budget, async_save=async_save, links=links,
         )
         start_method = check_start_method_name(start_method)
         self._start_method: StartMethod = start_method or ("fork" if _IS_INTERACTIVE else "popen")

@@ -118,6 +118,23 @@ def test_trainer_chooses_the_smallest_degree_that_fits_on_both_sides_of_each_thr
         assert trainer.strategy.layout.degree == expected and trainer.strategy.degree_plan.degree == expected
 
 
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_trainer_plans_on_links_it_calibrates_on_its_own_ranks(tmp_path):
+    """``links="calibrate"``: the 4 ranks measure their links and compute when the model is set up, every rank
+    gets the same figures, and the degree is the fastest that fits on them."""
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree="auto", memory_budget=10**12, links="calibrate",
+                                       auto_wrap_policy={Block}, start_method="fork")
+    trainer = cpu_trainer(strategy, tmp_path, WORLD, max_steps=1, callbacks=[ChoiceRecorder(tmp_path)])
+    trainer.fit(WideModel(), _loader())
+    chosen = trainer.strategy.degree_plan
+    assert chosen.links.description.startswith(f"calibrated: 1 node(s) x {WORLD} rank(s), cpu (gloo)")
+    assert chosen.links.overlap is False and chosen.links.device_flops > 0 and chosen.links.intra_bandwidth > 0
+    fastest = min(r.step_seconds for r in chosen.rows)
+    assert chosen.row(chosen.degree).step_seconds <= fastest * 1.05 and chosen.row(1).compute_seconds > 0
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert {r["degree"] for r in records} == {chosen.degree}
+
+
 def _fabric_auto(fabric: L.Fabric) -> dict[str, Any]:
     model = fabric.setup_module(WideModel())
     strategy = fabric.strategy
@@ -173,10 +190,10 @@ def clean_sources(monkeypatch):
 
 @pytest.mark.parametrize("source", ["argument", "cli", "init", "env_json", "env_file", "sagemaker"])
 def test_every_configuration_source_accepts_auto_a_budget_and_async_save(clean_sources, tmp_path, source):
-    values = {"hybrid_shard_degree": "auto", "memory_budget": "1.5GB", "async_save": True}
+    values = {"hybrid_shard_degree": "auto", "memory_budget": "1.5GB", "async_save": True, "links": "aws-p4d"}
     kwargs: dict[str, Any] = {}
     if source == "argument":
-        kwargs = {"hybrid_shard_degree": "AUTO", "memory_budget": "1.5GB", "async_save": True}
+        kwargs = {"hybrid_shard_degree": "AUTO", "memory_budget": "1.5GB", "async_save": True, "links": "aws-p4d"}
     elif source == "cli":
         set_cli_config(values)
     elif source == "init":
@@ -184,7 +201,8 @@ def test_every_configuration_source_accepts_auto_a_budget_and_async_save(clean_s
     elif source == "env_json":
         clean_sources.setenv(ENV_CONFIG, json.dumps(values))
     elif source == "env_file":
-        (tmp_path / "smp.yaml").write_text("hybrid_shard_degree: auto\nmemory_budget: 1.5GB\nasync_save: true\n")
+        (tmp_path / "smp.yaml").write_text("hybrid_shard_degree: auto\nmemory_budget: 1.5GB\nasync_save: true\n"
+                                           "links: aws-p4d\n")
         clean_sources.setenv(ENV_CONFIG, str(tmp_path / "smp.yaml"))
     else:
         clean_sources.setenv(ENV_SAGEMAKER, json.dumps(values))
@@ -192,7 +210,7 @@ def test_every_configuration_source_accepts_auto_a_budget_and_async_save(clean_s
         assert resolve_config(None).hybrid_shard_degree == AUTO
     strategy = cpu_trainer(HybridShardFSDPStrategy(**kwargs), devices=WORLD).strategy
     assert strategy.hybrid_shard_degree == AUTO and strategy.degree_plan is None
-    assert strategy.core.config.memory_budget == 1_500_000_000
+    assert strategy.core.config.memory_budget == 1_500_000_000 and strategy.core.config.links == "aws-p4d"
     assert strategy.async_save is True
     with pytest.raises(HybridShardConfigError, match="layout is not known yet: it is chosen by the planner"):
         strategy.layout  # noqa: B018
@@ -204,6 +222,9 @@ def test_every_configuration_source_accepts_auto_a_budget_and_async_save(clean_s
      r"memory_budget='40 potatoes' is not an amount of memory. Fix: .*'40GB'"),
     ({"hybrid_shard_degree": "auto", "memory_budget": 0}, r"memory_budget=0 is not positive"),
     ({"hybrid_shard_degree": "auto", "device_mesh": (2, 2)}, r"'auto' and device_mesh were both given"),
+    ({"hybrid_shard_degree": "auto", "links": "h200-nvlink"},
+     r"links='h200-nvlink': links='h200-nvlink' is not a link preset or a JSON file.* Or 'calibrate'"),
+    ({"hybrid_shard_degree": "auto", "links": 3}, r"links=3 \(int\) is not a link preset, a JSON file or 'calibrate'"),
 ])
 def test_bad_auto_settings_fail_at_construction(kwargs, match):
     with pytest.raises(HybridShardConfigError, match=match):
@@ -256,12 +277,22 @@ def _core_choice(rank: int, world_size: int, widths: list[int], broken_rank: int
     return f"chose {chosen.degree}"
 
 
+def _alone(width: int) -> int:
+    """What one rank of :func:`_core_choice` plans for its model, planned here in one process."""
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 4))
+    return lightning_smp.plan(model, world_size=WORLD, devices_per_node=WORLD, budget_bytes=200_000,
+                              optimizer="sgd", example_input=torch.zeros(2, width)).degree
+
+
 @pytest.mark.timeout(GLOO_TIMEOUT)
 def test_ranks_that_would_choose_differently_all_fail_alike():
     """Rank 1's model is larger (its degree would differ): no rank builds a mesh, every rank raises the same error."""
-    messages = run_distributed(_core_choice, WORLD, [64, 160, 64, 64], None)
+    widths = [64, 160, 64, 64]
+    expected = [_alone(width) for width in widths]
+    assert len(set(expected)) == 2
+    messages = run_distributed(_core_choice, WORLD, widths, None)
     assert len(set(messages)) == 1, messages
-    assert "chose different degrees on different ranks ([1, 4, 1, 1], by rank)" in messages[0]
+    assert f"chose different degrees on different ranks ({expected}, by rank)" in messages[0]
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
@@ -270,4 +301,4 @@ def test_a_rank_that_cannot_plan_fails_every_rank():
     assert len(set(messages)) == 1, messages
     assert messages[0].startswith("hybrid_shard_degree='auto' could not be planned on rank 2: example_input could not"
                                   " be traced through Sequential")
-    assert run_distributed(_core_choice, WORLD, [64] * 4, None) == ["chose 1"] * WORLD
+    assert run_distributed(_core_choice, WORLD, [64] * 4, None) == [f"chose {_alone(64)}"] * WORLD

@@ -224,7 +224,7 @@ def test_auto_config_fits_what_plan_predicts(tmp_path):
     planned = _run([script, "plan", "--config", str(CONFIGS / "hybrid_auto.yaml"), "--json", str(tmp_path / "p.json")],
                    cwd=tmp_path)
     degree = yaml.safe_load((tmp_path / "p.json").read_text())["degree"]
-    assert degree == 2 and "degree 2 is the smallest that fits" in planned.stdout
+    assert degree == 2 and "degree 2 has the least predicted step time" in planned.stdout
     out = _run([script, "fit", "--config", str(CONFIGS / "hybrid_auto.yaml"), "--trainer.enable_progress_bar=false",
                 f"--trainer.default_root_dir={tmp_path}"], cwd=tmp_path)
     text = out.stdout + out.stderr

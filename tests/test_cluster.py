@@ -252,3 +252,27 @@ def test_env_names_the_node_interface():
     env = made.env(1)
     assert env["GLOO_SOCKET_IFNAME"] == made.nodes[1].interface and len(made.nodes[1].interface) <= 15
     assert os.environ.get("GLOO_SOCKET_IFNAME") != env["GLOO_SOCKET_IFNAME"]
+
+
+# ---------------------------------------------------------------------------------------- calibration
+
+
+@needs_netadmin
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_calibration_measures_the_throttled_link(tmp_path):
+    """2 nodes x 2 ranks at 200 Mbit/s: the inter-node bandwidth the planner's calibration fits is each rank's share
+    of the link (both ranks of a node send across it at once), within 20%; inside a node, loopback is far faster."""
+    links_file = tmp_path / "links.json"
+    with Cluster(2, LinkShape(rate="200mbit")) as made:
+        procs = made.torchrun(["-m", "lightning_smp", "plan", "--calibrate", "true", "--nodes", "2", "--devices", "2",
+                               "--params", "20M", "--layers", "4", "--hidden", "256", "--heads", "4",
+                               "--memory_budget", "4GB", "--save_links", str(links_file)],
+                              nproc_per_node=2, env={"PYTHONPATH": str(REPO)})
+        for node, (rc, output) in enumerate(made.wait(procs, 240)):
+            assert rc == 0, f"node {node}:\n{output[-4000:]}"
+    links = json.loads(links_file.read_text())
+    share = 200e6 / 8 / 2  # bytes per second per rank
+    assert abs(links["inter_bandwidth"] / share - 1) <= 0.2, links
+    assert links["intra_bandwidth"] > 5 * links["inter_bandwidth"]
+    assert links["description"].startswith("calibrated: 2 node(s) x 2 rank(s)")

@@ -134,3 +134,74 @@ def test_a_degree_equal_to_the_world_has_no_replica_traffic_in_its_time():
     row = result.row(16)
     assert row.replicate_seconds == 0 and row.step_seconds == pytest.approx(row.exposed_seconds)
     assert FULL_SHARD == row.sharding_strategy
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+
+
+def test_the_alpha_beta_fit_recovers_a_link():
+    from lightning_smp.planner.calibrate import fit_alpha_beta
+
+    bandwidth, latency, ranks = 2e9, 30e-6, 4
+    sizes = [1 << 12, 1 << 20, 1 << 22]
+    seconds = [2 * (ranks - 1) * latency + 2 * (ranks - 1) / ranks * s / bandwidth for s in sizes]
+    fitted = fit_alpha_beta(sizes, seconds, ranks)
+    assert fitted == pytest.approx((bandwidth, latency), rel=1e-9)
+
+
+def test_links_round_trip_through_json_and_the_cli_reads_them(tmp_path, capsys):
+    from lightning_smp.cli import main
+    from lightning_smp.errors import HybridShardConfigError
+    from lightning_smp.planner import load_links, save_links
+    from lightning_smp.planner.links import links_for
+
+    links = Links(*INTRA, 0.1e9, 20e-6, description="measured", device_flops=3e12, overlap=False)
+    path = save_links(links, tmp_path / "links.json")
+    assert load_links(path) == links == links_for(str(path))
+    main(["plan", "--params", "1B", "--layers", "16", "--hidden", "2048", "--heads", "16", "--nodes", "2",
+          "--devices", "8", "--memory_budget", "80GB", "--preset", str(path), "--json", str(tmp_path / "plan.json")])
+    import json
+
+    assert json.loads((tmp_path / "plan.json").read_text())["links"] == json.loads(path.read_text())
+    (tmp_path / "bad.json").write_text('{"intra_bandwidth": 1}')
+    with pytest.raises(HybridShardConfigError, match=r"links file .*bad.json.* cannot be read as Links"):
+        links_for(str(tmp_path / "bad.json"))
+    with pytest.raises(HybridShardConfigError, match="not a link preset or a JSON file"):
+        links_for("h200-nvlink")
+
+
+def test_calibrate_outside_a_job_says_how_to_run_it(monkeypatch):
+    from lightning_smp.cli import main
+    from lightning_smp.errors import HybridShardConfigError
+    from lightning_smp.planner import calibrate
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit, match=r"--calibrate true measures the links of a running job: run every rank"):
+        main(["plan", "--params", "1B", "--layers", "16", "--hidden", "2048", "--devices", "4", "--calibrate", "true",
+              "--memory_budget", "8GB"])
+    with pytest.raises(HybridShardConfigError, match="no process group exists"):
+        calibrate()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_cli_calibrates_on_every_rank_of_a_torchrun_job(tmp_path):
+    """4 ranks on this machine's loopback (one node): measured links and compute, saved, and planned with."""
+    import json
+    import subprocess
+    import sys
+
+    links_file, plan_file = tmp_path / "links.json", tmp_path / "plan.json"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+                          "29531", "-m", "lightning_smp", "plan", "--calibrate", "true", "--devices", "4",
+                          "--params", "20M", "--layers", "4", "--hidden", "256", "--heads", "4", "--seq_len", "128",
+                          "--memory_budget", "4GB", "--save_links", str(links_file), "--json", str(plan_file)],
+                         capture_output=True, text=True, timeout=170)
+    assert run.returncode == 0, run.stderr[-3000:]
+    links = json.loads(links_file.read_text())
+    assert links["description"].startswith("calibrated: 1 node(s) x 4 rank(s), cpu (gloo)")
+    assert links["intra_bandwidth"] == links["inter_bandwidth"] > 1e6 and links["device_flops"] > 1e8
+    assert links["overlap"] is False  # gloo on CPU: collectives and compute share the cores
+    result = json.loads(plan_file.read_text())
+    assert result["links"] == links and result["rows"][0]["compute_seconds"] > 0
+    assert run.stdout.count("least predicted step time") == 1  # rank 0 alone prints

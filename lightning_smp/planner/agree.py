@@ -15,17 +15,20 @@ import torch
 from torch.nn import Module
 
 from lightning_smp.collectives import Collectives
+from lightning_smp.config import CALIBRATE
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.planner.budget import default_budget, parse_bytes
+from lightning_smp.planner.calibrate import calibrate
 from lightning_smp.planner.choose import Plan, plan
 
 
 def plan_on_every_rank(module: Module, *, configured_budget: int | str | None, device: torch.device, local_ranks: int,
-                       **plan_kwargs: Any) -> Plan:
+                       configured_links: str | None = None, **plan_kwargs: Any) -> Plan:
     """:func:`~.choose.plan` for ``module`` with ``plan_kwargs`` on every rank; the same :class:`Plan` everywhere.
 
     The budget is ``configured_budget``, else :func:`~.budget.default_budget` of ``device`` shared by
-    ``local_ranks``; the smallest over the ranks is used.
+    ``local_ranks``; the smallest over the ranks is used. ``configured_links`` is a preset, a JSON file, or
+    ``"calibrate"``: measured here on every rank (:func:`~.calibrate.calibrate`, which agrees on one figure).
 
     Raises:
         HybridShardConfigError: on every rank alike: nothing fits (the planner's own message), a rank could not
@@ -34,10 +37,13 @@ def plan_on_every_rank(module: Module, *, configured_budget: int | str | None, d
     collectives = Collectives.current(device)
     local = default_budget(device, local_ranks) if configured_budget is None else parse_bytes(configured_budget)
     budget = min(collectives.all_gather(local))
+    links: Any = configured_links
+    if configured_links == CALIBRATE:
+        links = calibrate(plan_kwargs.get("devices_per_node"), device=device)
     chosen: Plan | None = None
     failure: Exception | None = None
     try:
-        chosen = plan(module, budget_bytes=budget, device=device, **plan_kwargs)
+        chosen = plan(module, budget_bytes=budget, device=device, links=links, **plan_kwargs)
     except Exception as err:  # noqa: BLE001  # every rank must learn of it, or the others hang; re-raised below
         failure = err
     outcomes = collectives.all_gather((None, str(failure)) if chosen is None else (chosen.degree, None))

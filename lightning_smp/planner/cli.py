@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from lightning_smp.names import HYBRID_SHARD, STRATEGY_NAMES
 from lightning_smp.planner.activations import transformer_activation_bytes
 from lightning_smp.planner.budget import UNITS, default_budget, parse_bytes
 from lightning_smp.planner.choose import Plan, plan
-from lightning_smp.planner.links import DEFAULT_PRESET, LINK_PRESETS
+from lightning_smp.planner.links import DEFAULT_PRESET, LINK_PRESETS, Links, save_links
 from lightning_smp.planner.timing import transformer_flops
 
 
@@ -97,7 +98,12 @@ def _parser() -> Any:
     parser.add_argument("--memory_budget", "--memory-budget", type=str | None, default=None,
                         help=f"Per device, e.g. 80GB (units: {', '.join(u for u in UNITS if u)}); default: the"
                              " config's, else this machine's free device memory.")
-    parser.add_argument("--preset", type=str, default=DEFAULT_PRESET, help=f"Links: {', '.join(LINK_PRESETS)}.")
+    parser.add_argument("--preset", type=str, default=DEFAULT_PRESET,
+                        help=f"Links: {', '.join(LINK_PRESETS)}, or a JSON file (--save_links).")
+    parser.add_argument("--calibrate", type=bool, default=False,
+                        help="Measure the links and the compute of this job (run under torchrun, every rank).")
+    parser.add_argument("--save_links", "--save-links", type=Path | None, default=None,
+                        help="Write the links used (a calibration) as JSON, for --preset FILE.")
     parser.add_argument("--fsdp_version", "--fsdp-version", type=int | None, default=None)
     parser.add_argument("--precision", type=str | None, default=None, help="Default: trainer.precision, else 32-true.")
     parser.add_argument("--optimizer_name", "--optimizer-name", type=str | None, default=None,
@@ -197,11 +203,12 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
         device = accelerator if accelerator is not None else torch.device("cpu")
         budget = default_budget(device, devices)
     accumulate = cfg.accumulate or int(trainer.get("accumulate_grad_batches") or 1)
+    links = _calibrated(devices) if cfg.calibrate else cfg.preset
     return plan(model, world_size=nodes * devices, devices_per_node=devices, budget_bytes=budget,
                 fsdp_version=version, auto_wrap_policy=policy, optimizer=cfg.optimizer_name, precision=precision,
                 sharding_strategy=strategy.get("sharding_strategy") or HYBRID_SHARD,
                 micro_batches=accumulate, example_input=example_input, checkpoint=checkpoint,
-                activation_bytes=activation_bytes, headroom=cfg.headroom, links=cfg.preset, flops=flops), cfg
+                activation_bytes=activation_bytes, headroom=cfg.headroom, links=links, flops=flops), cfg
 
 
 def save_plot(result: Plan, path: Path) -> None:
@@ -234,13 +241,42 @@ def save_plot(result: Plan, path: Path) -> None:
     plt.close(fig)
 
 
+def _calibrated(devices: int) -> Links:
+    """:func:`~.calibrate.calibrate` under torchrun: the process group from its environment, ``devices`` per node."""
+    import torch.distributed as dist
+
+    from lightning_smp.planner.calibrate import calibrate
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise HybridShardConfigError(
+            "--calibrate true measures the links of a running job: run every rank of it, e.g. `torchrun --nnodes M"
+            " --nproc_per_node N -m lightning_smp plan --calibrate true --devices N ...` (or calibrate in your"
+            " training script and save_links the result)."
+        )
+    if not dist.is_initialized():
+        accelerator = torch.accelerator.current_accelerator()
+        backend = dist.get_default_backend_for_device(accelerator) if accelerator is not None else "gloo"
+        dist.init_process_group(backend)
+    return calibrate(devices)
+
+
 def main(argv: list[str]) -> None:
-    """``lightning-smp plan ...``: print the plan; exit with the error message when nothing fits."""
+    """``lightning-smp plan ...``: print the plan; exit with the error message when nothing fits. Under torchrun
+    (``--calibrate true``) only rank 0 prints and writes."""
+    import torch.distributed as dist
+
     try:
         result, cfg = plan_from_args(argv)
     except HybridShardConfigError as err:
         sys.exit(f"lightning-smp plan: error: {err}")
+    finally:
+        if dist.is_available() and dist.is_initialized():  # the calibration's process group
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
     result.print()
+    if cfg.save_links is not None:
+        save_links(result.links, cfg.save_links)
     if cfg.json is not None:
         cfg.json.write_text(json.dumps(result.to_dict(), indent=2))
     if cfg.plot is not None:

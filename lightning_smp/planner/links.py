@@ -12,7 +12,9 @@ order of magnitude of one NCCL ring step. :mod:`.timing` turns these times and t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 from lightning_smp.errors import HybridShardConfigError
 
@@ -61,18 +63,40 @@ LINK_PRESETS: dict[str, Links] = {
 DEFAULT_PRESET = "h100-nvlink-ib400"
 
 
-def links_for(preset: str | Links | None) -> Links:
-    """A preset by name (``None``: :data:`DEFAULT_PRESET`), or ``Links`` as given."""
+def save_links(links: Links, path: str | Path) -> Path:
+    """Write ``links`` as JSON (what :func:`load_links` and ``lightning-smp plan --preset FILE`` read)."""
+    path = Path(path)
+    path.write_text(json.dumps(asdict(links), indent=1) + "\n")
+    return path
+
+
+def load_links(path: str | Path) -> Links:
+    """``Links`` from a JSON file written by :func:`save_links` (a calibration, or your own figures)."""
+    try:
+        values = json.loads(Path(path).read_text())
+        return Links(**values)
+    except (OSError, ValueError, TypeError) as err:
+        raise HybridShardConfigError(
+            f"links file {str(path)!r} cannot be read as Links ({err}). Fix: write it with"
+            " lightning_smp.planner.save_links (or `lightning-smp plan --calibrate true --save_links FILE`), with the"
+            f" keys {', '.join(f.name for f in fields(Links))}."
+        ) from None
+
+
+def links_for(preset: str | Path | Links | None) -> Links:
+    """A preset by name (``None``: :data:`DEFAULT_PRESET`), a JSON file (:func:`save_links`), or ``Links`` as given."""
     if isinstance(preset, Links):
         return preset
-    name = DEFAULT_PRESET if preset is None else preset
-    if name not in LINK_PRESETS:
-        raise HybridShardConfigError(
-            f"links={preset!r} is not a link preset. Valid presets: {', '.join(LINK_PRESETS)}; or pass"
-            " lightning_smp.planner.Links(intra_bandwidth=..., intra_latency=..., inter_bandwidth=...,"
-            " inter_latency=...)."
-        )
-    return LINK_PRESETS[name]
+    name = DEFAULT_PRESET if preset is None else str(preset)
+    if name in LINK_PRESETS:
+        return LINK_PRESETS[name]
+    if name.endswith(".json") or Path(name).is_file():
+        return load_links(name)
+    raise HybridShardConfigError(
+        f"links={preset!r} is not a link preset or a JSON file. Valid presets: {', '.join(LINK_PRESETS)}; or a file"
+        " written by lightning_smp.planner.save_links; or pass lightning_smp.planner.Links(intra_bandwidth=...,"
+        " intra_latency=..., inter_bandwidth=..., inter_latency=..., device_flops=...)."
+    )
 
 
 #: Ring steps of each collective over ``p`` ranks.
@@ -101,4 +125,5 @@ def group_spans_nodes(world_size: int, shard: int, axis_is_shard: bool, devices_
     return any(rank // devices_per_node != first(rank) // devices_per_node for rank in range(world_size))
 
 
-__all__ = ["ACHIEVED_FRACTION", "DEFAULT_PRESET", "LINK_PRESETS", "Links", "collective_seconds", "group_spans_nodes", "links_for"]
+__all__ = ["ACHIEVED_FRACTION", "DEFAULT_PRESET", "LINK_PRESETS", "Links", "collective_seconds", "group_spans_nodes",
+           "links_for", "load_links", "save_links"]
