@@ -218,9 +218,15 @@ class HybridShardFrontEnd:
             return
         chosen = self.core.choose_degree(
             module, num_nodes=num_nodes, devices=devices, device=device, precision=precision,
-            example_input=getattr(module, "example_input_array", None), checkpoint=self._checkpoint_activations,
+            example_input=getattr(module, "example_input_array", None),
+            checkpoint=self._checkpoint_activations if self._activation_checkpointing_kwargs else None,
             micro_batches=micro_batches, optimizer=self._optimizer_for_plan(module, optimizers), training=training)
         rank_zero_info(f"{type(self).__name__}: hybrid_shard_degree='auto' chose {chosen.degree}.\n{chosen.text()}")
+        if chosen.activation_checkpointing:
+            # nothing fitted without it: the planner checkpointed the FSDP units (auto_wrap_policy's classes), and
+            # so does the sharding that follows
+            classes = tuple(self.core.engine_options["auto_wrap_policy"])
+            self._activation_checkpointing_kwargs = {"check_fn": lambda submodule: isinstance(submodule, classes)}
         layout = self._set_up_mesh(num_nodes, devices, device.type)
         if layout is not None:
             self._warn_override_once(layout)

@@ -135,6 +135,49 @@ def test_trainer_plans_on_links_it_calibrates_on_its_own_ranks(tmp_path):
     assert {r["degree"] for r in records} == {chosen.degree}
 
 
+class LongActivations(WideModel):
+    """Micro-batches of 512 rows: activations that checkpointing the blocks shrinks several times over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = torch.zeros(512, WIDTH)
+
+
+class CheckpointRecorder(Callback):
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        wrapped = sum(type(m).__name__ == "CheckpointWrapper" for m in pl_module.modules())
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps({"wrapped": wrapped}))
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", [1, 2])
+def test_trainer_turns_checkpointing_on_when_nothing_fits_without_it(tmp_path, version):
+    with torch.device("meta"):
+        model = LongActivations()
+    kwargs = {"world_size": WORLD, "devices_per_node": WORLD, "fsdp_version": version, "auto_wrap_policy": {Block},
+              "example_input": model.example_input_array, "optimizer": "adam"}
+    plain = lightning_smp.plan(model, budget_bytes=10**15, may_checkpoint=False, **kwargs)
+    checkpointed = lightning_smp.plan(model, budget_bytes=10**15, checkpoint={Block}, **kwargs)
+    budget = math.ceil(checkpointed.row(4).peak_bytes * 1.1)
+    assert min(r.peak_bytes for r in plain.rows) * 1.1 > budget  # nothing fits without checkpointing
+    with pytest.raises(HybridShardConfigError, match="no hybrid_shard_degree fits"):
+        lightning_smp.plan(model, budget_bytes=budget, may_checkpoint=False, **kwargs)
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree="auto", memory_budget=budget, fsdp_version=version,
+                                       auto_wrap_policy={Block}, start_method="fork")
+    trainer = cpu_trainer(strategy, tmp_path, WORLD, max_steps=1, callbacks=[CheckpointRecorder(tmp_path)])
+    trainer.fit(LongActivations(), _loader())
+    chosen = trainer.strategy.degree_plan
+    assert chosen.degree == 4 and chosen.activation_checkpointing == (f"{Block.__module__}.Block",)
+    assert chosen.reason.startswith(f"nothing fits without activation checkpointing: turned on for {Block.__module__}")
+    assert chosen.row(4).activation_bytes < plain.row(4).activation_bytes and chosen.row(4).fits
+    # every rank trained with the blocks checkpointed, as planned
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text())["wrapped"] for r in range(WORLD)] == [BLOCKS] * WORLD
+
+
 def _fabric_auto(fabric: L.Fabric) -> dict[str, Any]:
     model = fabric.setup_module(WideModel())
     strategy = fabric.strategy

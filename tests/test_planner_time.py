@@ -205,3 +205,46 @@ def test_the_cli_calibrates_on_every_rank_of_a_torchrun_job(tmp_path):
     result = json.loads(plan_file.read_text())
     assert result["links"] == links and result["rows"][0]["compute_seconds"] > 0
     assert run.stdout.count("least predicted step time") == 1  # rank 0 alone prints
+
+
+# ---------------------------------------------------------------------------------------------- the checkpointing lever
+
+
+def test_the_cli_turns_checkpointing_on_only_when_nothing_fits_without_it(capsys):
+    from lightning_smp.cli import main
+
+    shape = ["--params", "6.74B", "--layers", "32", "--hidden", "4096", "--heads", "32", "--seq_len", "4096",
+             "--micro_batch", "4", "--nodes", "1", "--devices", "8", "--preset", "aws-p4d", "--precision", "bf16-mixed"]
+    main(["plan", *shape, "--memory_budget", "40GB"])
+    out = capsys.readouterr().out
+    assert "nothing fits without activation checkpointing: turned on for every layer; degree 4" in " ".join(out.split())
+    with pytest.raises(SystemExit, match="no hybrid_shard_degree fits"):
+        main(["plan", *shape, "--memory_budget", "40GB", "--activation_checkpointing", "false"])
+    main(["plan", *shape, "--memory_budget", "400GB"])  # fits without: left off
+    assert "activation checkpointing" not in capsys.readouterr().out
+
+
+def test_checkpointing_the_units_is_the_planner_lever_for_a_traced_model():
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[Block() for _ in range(4)])
+    kwargs = {"world_size": 4, "auto_wrap_policy": {Block}, "example_input": torch.zeros(1024, 256)}
+    plain = plan(model, budget_bytes="1TB", **kwargs)
+    budget = int(min(r.peak_bytes for r in plain.rows) * 1.05)  # nothing fits with 10% headroom
+    with pytest.raises(Exception, match="no hybrid_shard_degree fits"):
+        plan(model, budget_bytes=budget, may_checkpoint=False, **kwargs)
+    lever = plan(model, budget_bytes=budget, **kwargs)
+    assert lever.activation_checkpointing == (f"{Block.__module__}.{Block.__qualname__}",)
+    assert lever.row(lever.degree).activation_bytes < plain.row(lever.degree).activation_bytes
+    # the recomputation is in the step time: the forward runs twice
+    assert lever.row(1).compute_seconds > plain.row(1).compute_seconds
+    # a budget too small even checkpointed: the same error
+    with pytest.raises(Exception, match="no hybrid_shard_degree fits"):
+        plan(model, budget_bytes=int(budget * 0.3), **kwargs)

@@ -86,7 +86,9 @@ class DegreePlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """The planner's answer: the recommended ``degree``, why, and every candidate's figures."""
+    """The planner's answer: the recommended ``degree``, why, and every candidate's figures;
+    ``activation_checkpointing`` names what the planner checkpointed because nothing fitted without it (the figures
+    are then those of the checkpointed model), empty when it did not."""
 
     degree: int
     reason: str
@@ -99,6 +101,7 @@ class Plan:
     optimizer: str
     activations: str
     links: Links
+    activation_checkpointing: tuple[str, ...] = ()
 
     def row(self, degree: int) -> DegreePlan:
         return next(r for r in self.rows if r.degree == degree)
@@ -161,7 +164,7 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
          checkpoint: Callable[[Module], None] | set[type[Module]] | None = None, activation_bytes: int | None = None,
          headroom: float = 0.1, links: str | Links | None = None, device: Any = "cpu",
          degrees: Sequence[int] | None = None, training: bool = True, cpu_offload: bool = False,
-         flops: tuple[float, float] | None = None) -> Plan:
+         flops: tuple[float, float] | None = None, may_checkpoint: Any = None) -> Plan:
     """Every valid degree's figures for ``model`` on ``world_size`` ranks, and the recommended degree.
 
     Args:
@@ -183,6 +186,10 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
             overlap), for the step time.
         flops: ``(forward, backward)`` FLOPs of one micro-batch; default: counted in the trace of ``example_input``,
             else unknown (the step time is then the communication alone).
+        may_checkpoint: when no degree fits, what the planner may checkpoint to make one fit: a set of module
+            classes (default: ``auto_wrap_policy``'s, the FSDP units, when ``example_input`` is traced and
+            ``checkpoint`` is not given), or ``(names, activation_bytes, flops)`` of the checkpointed micro-batch
+            (a parameter count's estimate); ``False``: never.
         degrees: the candidates (default: every valid degree >= 1 of ``world_size``).
         training: ``False`` for validate/test/predict: no gradients, no optimizer state.
         cpu_offload: the sharded parameters, gradients and optimizer state live in CPU memory (FSDP1
@@ -215,8 +222,11 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
             flops = (trace.forward_flops, trace.backward_flops)
     else:
         activations, source = 0, NOT_INCLUDED
-    rows = []
-    for degree in degrees or [d for d in valid_degrees(world_size) if d >= 1]:
+    def rows_for(activations: int, flops: tuple[float, float] | None) -> list[DegreePlan]:
+        return [row_for(degree, activations, flops) for degree in degrees or [
+            d for d in valid_degrees(world_size) if d >= 1]]
+
+    def row_for(degree: int, activations: int, flops: tuple[float, float] | None) -> DegreePlan:
         layout = resolve_layout(world_size, degree, sharding_strategy)
         state = max(s.total_bytes if training else s.params_bytes for s in model_state(
             model, world_size=world_size, hybrid_shard_degree=degree, fsdp_version=fsdp_version,
@@ -238,7 +248,7 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
                           synced_passes=synced, forward_flops=flops[0] if flops else 0.0,
                           backward_flops=flops[1] if flops else 0.0, device_flops=link.device_flops,
                           overlap=link.overlap)
-        rows.append(DegreePlan(
+        return DegreePlan(
             degree=degree, sharding_strategy=layout.sharding_strategy, shard=layout.shard, replicas=replicas,
             model_state_bytes=state, transient_bytes=transient, buffer_bytes=buffers, activation_bytes=activations,
             peak_bytes=peak, fits=peak * (1 + headroom) <= budget,
@@ -247,15 +257,30 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
             shard_seconds=shard_s, replicate_seconds=replica_s,
             shard_link="-" if layout.shard <= 1 else ("inter-node" if shard_inter else "intra-node"),
             replicate_link="-" if replicas <= 1 else ("inter-node" if replica_inter else "intra-node"),
-            compute_seconds=timed.compute, exposed_seconds=timed.exposed, step_seconds=timed.seconds))
+            compute_seconds=timed.compute, exposed_seconds=timed.exposed, step_seconds=timed.seconds)
+
+    rows = rows_for(activations, flops)
     fitting = [r for r in rows if r.fits]
+    checkpointed: tuple[str, ...] = ()
+    if not fitting and training:
+        # the lever: activation checkpointing, when nothing fits without it and the planner knows what to checkpoint
+        lever = _checkpointed_figures(model, example_input, step, device, precision, checkpoint, activation_bytes,
+                                      auto_wrap_policy, may_checkpoint)
+        if lever is not None:
+            names, lever_activations, lever_flops = lever
+            lever_rows = rows_for(lever_activations, lever_flops if lever_flops is not None else flops)
+            if any(r.fits for r in lever_rows):
+                rows, checkpointed = lever_rows, names
+                fitting = [r for r in rows if r.fits]
     if not fitting:
         raise HybridShardConfigError(_no_fit_message(rows, budget, headroom, world_size, source, fsdp_version, mode,
                                                      micro_batches, cpu_offload))
     chosen, runner_up = _fastest(fitting)
     from lightning_smp.accounting.render import fmt_bytes
 
-    reason = (f"degree {chosen.degree} has the least predicted step time of the degrees that fit:"
+    reason = "nothing fits without activation checkpointing: turned on for " + ", ".join(checkpointed) + "; " if (
+        checkpointed) else ""
+    reason += (f"degree {chosen.degree} has the least predicted step time of the degrees that fit:"
               f" {_ms(chosen.step_seconds)} (compute {_ms(chosen.compute_seconds)}, communication not hidden"
               f" {_ms(chosen.exposed_seconds)})")
     if runner_up is not None:
@@ -270,8 +295,33 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
     if cpu_offload:
         reason += " (model state offloaded to CPU memory, not counted)"
     return Plan(degree=chosen.degree, reason=reason, rows=tuple(rows), budget_bytes=budget, headroom=headroom,
+                activation_checkpointing=checkpointed,
                 world_size=world_size, devices_per_node=per_node, fsdp_version=fsdp_version, optimizer=name,
                 activations=source, links=link)
+
+
+def _checkpointed_figures(model: Module, example_input: Any, step: Callable | None, device: Any, precision: str,
+                          checkpoint: Any, activation_bytes: int | None, auto_wrap_policy: Any,
+                          may_checkpoint: Any) -> tuple[tuple[str, ...], int, tuple[float, float] | None] | None:
+    """``(names, activations, flops)`` of one micro-batch with activation checkpointing turned on by the planner, or
+    ``None`` where it may not (the user chose checkpointing already, or said not to) or cannot say what it saves."""
+    from lightning_smp.planner.activations import trace_micro_batch
+
+    if may_checkpoint is False or checkpoint is not None:
+        return None
+    if isinstance(may_checkpoint, tuple):
+        names, activations, flops = may_checkpoint
+        return tuple(names), int(activations), flops
+    classes = may_checkpoint
+    if classes is None and isinstance(auto_wrap_policy, (set, frozenset, list, tuple)):
+        classes = auto_wrap_policy
+    if not classes or example_input is None or activation_bytes is not None:
+        return None
+    classes = tuple(classes)
+    trace = trace_micro_batch(model, example_input, step=step, device=device, precision=precision,
+                              checkpoint=_checkpointing(classes))
+    return (tuple(f"{c.__module__}.{c.__qualname__}" for c in classes), trace.activation_bytes,
+            (trace.forward_flops, trace.backward_flops))
 
 
 def _ms(seconds: float) -> str:

@@ -109,7 +109,9 @@ def _parser() -> Any:
     parser.add_argument("--optimizer_name", "--optimizer-name", type=str | None, default=None,
                         help="adamw, adam, sgd, sgd_momentum (default: the model's configure_optimizers, else adamw).")
     parser.add_argument("--accumulate", type=int | None, default=None, help="Micro-batches per optimizer step.")
-    parser.add_argument("--activation_checkpointing", "--activation-checkpointing", type=bool, default=False)
+    parser.add_argument("--activation_checkpointing", "--activation-checkpointing", type=bool | None, default=None,
+                        help="true: every layer checkpointed; false: never; default: turned on by the planner when"
+                             " nothing fits without it.")
     parser.add_argument("--attention_scores", "--attention-scores", type=bool, default=False,
                         help="The model materialises the s x s attention scores (no fused/flash attention).")
     parser.add_argument("--activation_bytes", "--activation-bytes", type=str | None, default=None,
@@ -165,19 +167,26 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
     example_input = None
     checkpoint: set[type[Module]] | None = None
     flops: tuple[float, float] | None = None
+    may_checkpoint: Any = None if cfg.activation_checkpointing is None else False
     if cfg.params is not None:
         dtype = torch.bfloat16 if precision.startswith("bf16-true") else torch.float16 if precision.startswith(
             "16-true") else torch.float32
         with torch.device("meta"):
             model: Module = ShapeModel(parse_count(cfg.params), cfg.layers, cfg.hidden, cfg.vocab).to(dtype)
         policy = policy or {_Block}
-        if activation_bytes is None:
-            activation_bytes = transformer_activation_bytes(
+        def shape_figures(checkpointing: bool) -> tuple[int, tuple[float, float]]:
+            return transformer_activation_bytes(
                 layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, seq_len=cfg.seq_len, micro_batch=cfg.micro_batch,
-                checkpointing=cfg.activation_checkpointing, bytes_per_value=2 if "16" in precision else 4,
-                attention_scores=cfg.attention_scores)
-        flops = transformer_flops(parse_count(cfg.params), cfg.micro_batch * cfg.seq_len, cfg.layers, cfg.hidden,
-                                  cfg.seq_len, checkpointing=cfg.activation_checkpointing)
+                checkpointing=checkpointing, bytes_per_value=2 if "16" in precision else 4,
+                attention_scores=cfg.attention_scores), transformer_flops(
+                parse_count(cfg.params), cfg.micro_batch * cfg.seq_len, cfg.layers, cfg.hidden, cfg.seq_len,
+                checkpointing=checkpointing)
+
+        estimated, flops = shape_figures(bool(cfg.activation_checkpointing))
+        if activation_bytes is None:
+            activation_bytes = estimated
+            if cfg.activation_checkpointing is None:  # the planner may turn it on
+                may_checkpoint = (("every layer",), *shape_figures(True))
     elif cfg.model is not None:
         with torch.device("meta"):
             model = parser.instantiate_classes(cfg).model
@@ -208,7 +217,8 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
                 fsdp_version=version, auto_wrap_policy=policy, optimizer=cfg.optimizer_name, precision=precision,
                 sharding_strategy=strategy.get("sharding_strategy") or HYBRID_SHARD,
                 micro_batches=accumulate, example_input=example_input, checkpoint=checkpoint,
-                activation_bytes=activation_bytes, headroom=cfg.headroom, links=links, flops=flops), cfg
+                activation_bytes=activation_bytes, headroom=cfg.headroom, links=links, flops=flops,
+                may_checkpoint=may_checkpoint), cfg
 
 
 def save_plot(result: Plan, path: Path) -> None:
