@@ -298,3 +298,18 @@ def test_the_unit_order_check_passes_runs_whose_ranks_agree(tmp_path, monkeypatc
                                                auto_wrap_policy=BODY_ONLY, start_method="fork"), tmp_path)
     for key in ddp_branch["end"]:
         assert torch.allclose(ours["end"][key], ddp_branch["end"][key], atol=1e-5, rtol=0), key
+
+
+def test_a_gradient_that_is_not_zero_is_never_dropped_whatever_the_notes_say():
+    """The engines' notes of which parameters autograd reached could miss a path (a hook FSDP did not call); the
+    bitmap also counts every parameter whose gradient is not exactly zero as used, so only exact zeros are reset."""
+    from lightning_smp.engines.unused import Presence, restore_unused
+
+    a, b, c = (torch.nn.Parameter(torch.ones(n)) for n in (3, 2, 2))
+    c.grad = torch.zeros(2)  # a zero .grad before the window (zero_grad(set_to_none=False)): kept, as DDP keeps it
+    presence = Presence(lambda: [a, b, c])
+    presence.note_start()
+    a.grad, b.grad = torch.tensor([0.0, 1e-30, 0.0]), torch.zeros(2)
+    assert restore_unused([presence], torch.device("cpu"), []) == 1
+    assert a.grad is not None and b.grad is None and c.grad is not None
+    assert presence.used == [False] * 3 and presence.was_none == [None] * 3  # a new window

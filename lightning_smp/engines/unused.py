@@ -59,7 +59,11 @@ def restore_unused(presences: Iterable[Presence], device: torch.device, groups: 
     flags = [flag for presence in presences for flag in presence.used]
     if not flags:
         return 0
-    used = torch.tensor(flags, dtype=torch.uint8, device=device)
+    used = torch.tensor(flags, dtype=torch.bool, device=device)
+    # a safety net under the engines' notes: a gradient that is not zero was used, whatever the notes missed (so a
+    # gradient is never dropped; only exact zeros can be). One small reduction per parameter, no host sync here.
+    nonzero = [_nonzero(param, device) for presence in presences for param in presence.params()]
+    used = (used | torch.stack(nonzero)).to(torch.uint8)
     for group in groups:
         if dist.get_world_size(group) > 1:
             dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
@@ -72,6 +76,14 @@ def restore_unused(presences: Iterable[Presence], device: torch.device, groups: 
                 reset += 1
         presence.reset()
     return reset
+
+
+def _nonzero(param: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    grad = None if param is None else param.grad
+    local = grad.to_local() if grad is not None and hasattr(grad, "to_local") else grad  # a DTensor: this rank's
+    if local is None or not local.numel():
+        return torch.zeros((), dtype=torch.bool, device=device)
+    return local.ne(0).any().to(device)
 
 
 def bitmap_bytes(presences: Iterable[Presence]) -> int:

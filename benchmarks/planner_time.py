@@ -1,0 +1,166 @@
+"""``python -m benchmarks.planner_time``: the planner's predicted step times against measured ones, on two nodes.
+
+For each inter-node rate (100 Mbit/s and 1 Gbit/s by default, and the unthrottled loopback), a two-node cluster
+(:mod:`lightning_smp.testing.cluster`, 2 nodes x 2 ranks, gloo) first calibrates itself (``lightning-smp plan
+--calibrate true``: the links and each rank's compute, measured), then fits every configuration in turn
+(:mod:`benchmarks.cluster_run`: degrees 1, 2 and 4, both engines, k = 1 and 4 micro-batches). The planner predicts
+each configuration's optimizer step from the calibrated links alone, and the table puts the prediction next to the
+measured median. Targets (issue 21): per rate, the predicted ranking of the configurations equals the measured one,
+and every prediction is within 25% of the measurement; a miss is reported, never hidden. Writes
+``benchmarks/results/planner_time.{md,json,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+#: degree:fsdp_version:k of benchmarks.cluster_run's smp configurations
+CONFIGS = [f"smp:{d}:{v}:{k}" for k in (1, 4) for v in (1, 2) for d in (1, 2, 4)]
+TOLERANCE = 0.25
+
+
+def measure(rate: str | None, args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Calibrate the cluster at ``rate`` and fit every configuration on it: the links and the runs."""
+    from lightning_smp.testing.cluster import Cluster, LinkShape
+
+    out.mkdir(parents=True, exist_ok=True)
+    links_file = out / "links.json"
+    with Cluster(2, LinkShape(rate=rate)) as cluster:
+        calibrate = cluster.torchrun(["-m", "lightning_smp", "plan", "--calibrate", "true", "--nodes", "2",
+                                      "--devices", "2", "--params", "1M", "--layers", "1", "--hidden", "64",
+                                      "--vocab", "100", "--memory_budget", "1TB", "--save_links", str(links_file)],
+                                     nproc_per_node=2, env={"PYTHONPATH": str(ROOT)}, port=29511)
+        for node, (rc, output) in enumerate(cluster.wait(calibrate, args.timeout)):
+            if rc != 0:
+                raise RuntimeError(f"calibration on node {node} failed:\n{output[-4000:]}")
+        runs = cluster.torchrun([str(ROOT / "benchmarks" / "cluster_run.py"), "--configs", ",".join(CONFIGS), "--dim",
+                                 str(args.dim), "--layers", str(args.layers), "--batch", str(args.batch), "--warmup",
+                                 "1", "--steps", str(args.steps), "--out", str(out)],
+                                nproc_per_node=2, env={"PYTHONPATH": str(ROOT)})
+        for node, (rc, output) in enumerate(cluster.wait(runs, args.timeout)):
+            if rc != 0:
+                raise RuntimeError(f"node {node} failed:\n{output[-4000:]}")
+    links = json.loads(links_file.read_text())
+    return links, {c: json.loads((out / f"{c.replace(':', '_')}.json").read_text()) for c in CONFIGS}
+
+
+def predict(config: str, links: dict[str, Any], args: argparse.Namespace) -> float:
+    """The planner's step time of ``config`` (``smp:degree:version:k``) on ``links``, for cluster_run's model."""
+    from benchmarks.cluster_run import Block, Stack
+    from lightning_smp.planner import Links, plan
+
+    _, degree, version, k = config.split(":")
+    with torch.device("meta"):
+        model = Stack(args.dim, args.layers)
+
+    def step(module: Any, batch: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(module.blocks(batch), batch)
+
+    result = plan(model, world_size=4, devices_per_node=2, budget_bytes="1TB", fsdp_version=int(version),
+                  auto_wrap_policy={Block}, optimizer="adamw", micro_batches=int(k),
+                  example_input=torch.zeros(args.batch, args.dim), step=step, links=Links(**links),
+                  degrees=[int(degree)])
+    return result.row(int(degree)).step_seconds
+
+
+def rank_order(values: dict[str, float]) -> list[str]:
+    return sorted(values, key=lambda c: values[c])
+
+
+def summarize(measured: dict[str, tuple[dict, dict]], args: argparse.Namespace) -> dict[str, Any]:
+    rows, checks = [], []
+    for rate, (links, runs) in measured.items():
+        predicted = {c: predict(c, links, args) for c in CONFIGS}
+        actual = {c: statistics.median(runs[c]["step_times"]) for c in CONFIGS}
+        for config in CONFIGS:
+            ratio = predicted[config] / actual[config]
+            rows.append({"rate": rate, "config": config, "predicted_s": predicted[config], "measured_s": actual[config],
+                         "ratio": ratio, "within": abs(ratio - 1) <= TOLERANCE})
+        same = rank_order(predicted) == rank_order(actual)
+        checks.append({"name": f"{rate}: predicted ranking equals the measured one", "ok": same,
+                       "predicted": rank_order(predicted), "measured": rank_order(actual)})
+        inside = sum(abs(predicted[c] / actual[c] - 1) <= TOLERANCE for c in CONFIGS)
+        checks.append({"name": f"{rate}: predictions within {TOLERANCE:.0%} of the measured median",
+                       "ok": inside == len(CONFIGS), "value": f"{inside} of {len(CONFIGS)}"})
+    return {"rows": rows, "checks": checks, "links": {rate: links for rate, (links, _) in measured.items()},
+            "settings": {"dim": args.dim, "layers": args.layers, "batch": args.batch, "steps": args.steps}}
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    lines = ["# Planner: predicted against measured step times (2 nodes x 2 ranks, gloo)", "",
+             "| link | configuration (degree:fsdp_version:k) | predicted | measured | predicted / measured |",
+             "|---|---|---|---|---|"]
+    for row in summary["rows"]:
+        lines.append(f"| {row['rate']} | {row['config'][4:]} | {row['predicted_s'] * 1e3:.0f} ms |"
+                     f" {row['measured_s'] * 1e3:.0f} ms | {row['ratio']:.2f}{'' if row['within'] else ' (outside)'} |")
+    lines += ["", "| check | result |", "|---|---|"]
+    for check in summary["checks"]:
+        lines.append(f"| {check['name']} | {'met' if check['ok'] else 'missed'} {check.get('value', '')} |")
+    lines += ["", "Calibrated links (bytes/s per rank, seconds per ring step, FLOP/s per rank):", ""]
+    for rate, links in summary["links"].items():
+        lines.append(f"- {rate}: inside a node {links['intra_bandwidth']:.3g} B/s, {links['intra_latency']:.2g} s;"
+                     f" across {links['inter_bandwidth']:.3g} B/s, {links['inter_latency']:.2g} s;"
+                     f" compute {links['device_flops']:.3g} FLOP/s; overlap {links['overlap']}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(5, 5))
+    for rate in dict.fromkeys(r["rate"] for r in summary["rows"]):
+        rows = [r for r in summary["rows"] if r["rate"] == rate]
+        axis.scatter([r["measured_s"] for r in rows], [r["predicted_s"] for r in rows], label=rate)
+    top = max(max(r["measured_s"], r["predicted_s"]) for r in summary["rows"]) * 1.1
+    axis.plot([0, top], [0, top], "k--", linewidth=0.8)
+    axis.set_xlabel("measured step (s)")
+    axis.set_ylabel("predicted step (s)")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", default="100mbit,1gbit,none", help="inter-node rates; none: unthrottled")
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    from lightning_smp.testing.cluster import netadmin_problem
+
+    problem = netadmin_problem()
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
+    work = args.out / "planner_time_runs"
+    measured = {}
+    for rate in args.rates.split(","):
+        label = "loopback" if rate == "none" else rate
+        measured[label] = measure(None if rate == "none" else rate, args, work / label)
+    summary = summarize(measured, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "planner_time.json").write_text(json.dumps(summary, indent=1))
+    (args.out / "planner_time.md").write_text(markdown(summary))
+    plot(summary, args.out / "planner_time.png")
+    print(markdown(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
