@@ -129,7 +129,8 @@ def calibrate(devices_per_node: int | None = None, *, sizes: Sequence[int] = SIZ
     return Links(intra_bandwidth=intra[0], intra_latency=intra[1], inter_bandwidth=inter[0], inter_latency=inter[1],
                  description=f"calibrated: {nodes} node(s) x {per_node} rank(s), {device.type}"
                              f" ({dist.get_backend()}), {time.strftime('%Y-%m-%d %H:%M')}",
-                 device_flops=flops, overlap=device.type != "cpu")
+                 device_flops=flops, overlap=device.type != "cpu",
+                 reduce_scatter_as_all_reduce=dist.get_backend() == "gloo")
 
 
 __all__ = ["SIZES", "calibrate", "fit_alpha_beta"]

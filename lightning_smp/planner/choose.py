@@ -32,7 +32,15 @@ from lightning_smp.names import (
     NO_SYNC,
 )
 from lightning_smp.planner.budget import parse_bytes
-from lightning_smp.planner.links import Links, collective_seconds, group_spans_nodes, links_for
+from lightning_smp.planner.links import (
+    Links,
+    as_run,
+    collective_seconds,
+    crossing_groups,
+    group_spans_nodes,
+    inter_node_bandwidth,
+    links_for,
+)
 from lightning_smp.planner.state import fsdp_units, model_state, optimizer_name
 from lightning_smp.planner.step import textbook, transient_bytes
 from lightning_smp.planner.timing import step_time
@@ -238,12 +246,17 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
         replicas = world_size if layout.sharding_strategy == NO_SHARD else layout.replicate
         shard_inter = group_spans_nodes(world_size, layout.shard, True, per_node)
         replica_inter = group_spans_nodes(world_size, layout.shard, False, per_node)
-        inter, intra = (link.inter_bandwidth, link.inter_latency), (link.intra_bandwidth, link.intra_latency)
-        shard_s = collective_seconds(figure["shard"], layout.shard, *(inter if shard_inter else intra))
-        replica_s = collective_seconds(figure["replicate"], replicas, *(inter if replica_inter else intra))
+        intra = (link.intra_bandwidth, link.intra_latency)
+        shard_link = (inter_node_bandwidth(link, crossing_groups(world_size, layout.shard, True, per_node), per_node),
+                      link.inter_latency) if shard_inter else intra
+        replica_link = (inter_node_bandwidth(link, crossing_groups(world_size, layout.shard, False, per_node),
+                                             per_node), link.inter_latency) if replica_inter else intra
+        figure = {axis: as_run(ops, link) for axis, ops in figure.items()}  # as the backend runs them
+        shard_s = collective_seconds(figure["shard"], layout.shard, *shard_link)
+        replica_s = collective_seconds(figure["replicate"], replicas, *replica_link)
         scattered, synced = accumulation_passes(mode, micro_batches)
         timed = step_time(figure, sharding_strategy=layout.sharding_strategy, shard=layout.shard, replicas=replicas,
-                          shard_link=inter if shard_inter else intra, replicate_link=inter if replica_inter else intra,
+                          shard_link=shard_link, replicate_link=replica_link,
                           units=len(units), micro_batches=micro_batches, reduce_scatter_passes=scattered,
                           synced_passes=synced, forward_flops=flops[0] if flops else 0.0,
                           backward_flops=flops[1] if flops else 0.0, device_flops=link.device_flops,

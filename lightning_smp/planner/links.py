@@ -3,8 +3,10 @@
 A ring all-gather or reduce-scatter over ``p`` ranks takes ``p - 1`` steps, an all-reduce ``2 (p - 1)``; each step
 costs the link's latency (alpha), and every rank sends :func:`~lightning_smp.accounting.comm.ring_bytes` in all at
 the link's bandwidth (beta: bytes per second, one direction, per rank). A group whose ranks all sit in one node uses
-the intra-node link; a group that spans nodes is as fast as its slowest hop, the inter-node link (every rank of a
-node sends through its share of the node's network at once, so the per-rank share is the figure that matters).
+the intra-node link; a group that spans nodes is as fast as its slowest hop, the inter-node link. A ring crosses
+each node boundary once, so the groups of an axis that leave a node at the same time share the node's network
+(:func:`crossing_groups`, :func:`inter_node_bandwidth`): the replica groups of a degree within a node, one per rank
+of the node, get a rank's share each; one shard group spanning nodes gets the whole node's network.
 
 The presets are vendor figures per direction and per GPU, sourced in ``docs/planner.md``; latencies are the
 order of magnitude of one NCCL ring step. :mod:`.timing` turns these times and the compute into a step time.
@@ -32,7 +34,8 @@ ACHIEVED_FRACTION = 0.4
 class Links:
     """The cluster as the planner sees it: bandwidths (bytes/s, one direction, per rank) and latencies (s, per ring
     step) inside a node and across, the FLOP/s one rank achieves (``0``: unknown, compute not counted), and whether
-    communication overlaps compute (CUDA streams: yes; gloo on CPU, where both share the cores: no)."""
+    communication overlaps compute (CUDA streams: yes; gloo on CPU, where both share the cores: no), and whether the
+    backend runs a reduce-scatter as a whole all-reduce (gloo does: twice the bytes and ring steps)."""
 
     intra_bandwidth: float
     intra_latency: float
@@ -41,6 +44,7 @@ class Links:
     description: str = ""
     device_flops: float = 0.0
     overlap: bool = True
+    reduce_scatter_as_all_reduce: bool = False
 
 
 #: Named presets (see ``docs/planner.md`` for the sources).
@@ -104,6 +108,19 @@ _STEPS = {"all_gather": lambda p: p - 1, "reduce_scatter": lambda p: p - 1, "all
           "broadcast": lambda p: p - 1}
 
 
+def as_run(figure_axis: dict[str, dict[str, float]], links: Links) -> dict[str, dict[str, float]]:
+    """One axis of a textbook figure as the backend of ``links`` runs it: gloo's reduce-scatter is an all-reduce."""
+    if not links.reduce_scatter_as_all_reduce or "reduce_scatter" not in figure_axis:
+        return figure_axis
+    scattered = figure_axis["reduce_scatter"]
+    merged = dict(figure_axis)
+    merged.pop("reduce_scatter")
+    reduced = dict(merged.get("all_reduce", {"count": 0, "bytes": 0, "ring_bytes": 0.0}))
+    merged["all_reduce"] = {"count": reduced["count"] + scattered["count"], "bytes": reduced["bytes"] + scattered["bytes"],
+                            "ring_bytes": reduced["ring_bytes"] + 2 * scattered["ring_bytes"]}
+    return merged
+
+
 def collective_seconds(figure_axis: dict[str, dict[str, float]], group_size: int, bandwidth: float,
                        latency: float) -> float:
     """Seconds of one axis of a textbook figure (``{op: {"count", "ring_bytes"}}``) on one link."""
@@ -116,6 +133,28 @@ def collective_seconds(figure_axis: dict[str, dict[str, float]], group_size: int
     return seconds
 
 
+def crossing_groups(world_size: int, shard: int, axis_is_shard: bool, devices_per_node: int) -> int:
+    """How many groups of the axis leave one node at once (the most over the nodes): they share the node's network.
+    One group spanning nodes (a ring's single crossing per node) has all of it; ``k`` groups, a ``k``-th each."""
+    def first(rank: int) -> int:
+        return rank // shard * shard if axis_is_shard else rank % shard
+
+    crossing: dict[int, set[int]] = {}
+    for rank in range(world_size):
+        node = rank // devices_per_node
+        group = first(rank)
+        if any(other // devices_per_node != node for other in range(world_size) if first(other) == group):
+            crossing.setdefault(node, set()).add(group)
+    return max((len(groups) for groups in crossing.values()), default=0)
+
+
+def inter_node_bandwidth(links: Links, groups_crossing: int, devices_per_node: int) -> float:
+    """The bandwidth each of ``groups_crossing`` concurrent groups gets across nodes: the node's network
+    (``inter_bandwidth``, a rank's share when every rank of the node sends at once, times the ranks of a node)
+    shared among the groups that leave the node."""
+    return links.inter_bandwidth * devices_per_node / max(groups_crossing, 1)
+
+
 def group_spans_nodes(world_size: int, shard: int, axis_is_shard: bool, devices_per_node: int) -> bool:
     """Whether any group of the axis leaves the node of its first rank (ranks numbered node by node): the shard
     groups are ``shard`` consecutive ranks, the replica groups the ranks ``shard`` apart."""
@@ -126,4 +165,4 @@ def group_spans_nodes(world_size: int, shard: int, axis_is_shard: bool, devices_
 
 
 __all__ = ["ACHIEVED_FRACTION", "DEFAULT_PRESET", "LINK_PRESETS", "Links", "collective_seconds", "group_spans_nodes",
-           "links_for", "load_links", "save_links"]
+           "as_run", "crossing_groups", "inter_node_bandwidth", "links_for", "load_links", "save_links"]

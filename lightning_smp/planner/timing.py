@@ -69,6 +69,11 @@ def step_time(figure: dict[str, dict[str, dict[str, float]]], *, sharding_strate
     n = max(units, 1)
     gathers = _op_seconds(shard_axis, "all_gather", shard, shard_link)
     scatters = _op_seconds(shard_axis, "reduce_scatter", shard, shard_link)
+    if "reduce_scatter" not in shard_axis and "all_gather" in shard_axis:
+        # the backend runs reduce-scatters as all-reduces (links.as_run): the shard axis's all-reduces are them, and
+        # the bitmap's one small all-reduce with them
+        scatters, shard_axis = _op_seconds(shard_axis, "all_reduce", shard, shard_link), {
+            k: v for k, v in shard_axis.items() if k != "all_reduce"}
     # the cross-replica all-reduce (NO_SHARD: the whole gradient, over the world); the bitmap of unused parameters
     # on each axis is one small all-reduce per step, after the backward
     all_reduces = _op_seconds(replicate_axis, "all_reduce", replicas, replicate_link)
