@@ -84,19 +84,22 @@ class ChoiceRecorder(Callback):
 
 def _thresholds(version: int, traced: bool = True) -> list[tuple[int, int | None]]:
     """(budget, expected degree) on both sides of every threshold: a budget that just fits degree d with the 10%
-    headroom picks d; a byte less picks the next degree, and below degree 4 nothing fits (``None``)."""
-    peaks = {r.degree: r.peak_bytes for r in _plan(version, traced).rows}
+    headroom picks d; a byte less picks the next degree. Just below degree 4 the planner would turn activation
+    checkpointing on (``test_trainer_turns_checkpointing_on_when_nothing_fits_without_it``); below degree 4's model
+    state alone nothing fits, whatever is checkpointed (``None``)."""
+    rows = {r.degree: r for r in _plan(version, traced).rows}
+    peaks = {degree: row.peak_bytes for degree, row in rows.items()}
     assert list(peaks) == [1, 2, 4] and peaks[1] > peaks[2] > peaks[4]
     cases: list[tuple[int, int | None]] = []
-    for degree, below in ((1, 2), (2, 4), (4, None)):
+    for degree, below in ((1, 2), (2, 4)):
         budget = math.ceil(peaks[degree] * 1.1)
         cases += [(budget, degree), (budget - 1, below)]
-    return cases
+    return [*cases, (math.ceil(peaks[4] * 1.1), 4), (rows[4].model_state_bytes, None)]
 
 
 @pytest.mark.timeout(4 * GLOO_TIMEOUT)
 @pytest.mark.parametrize("version", [1, 2])
-def test_trainer_chooses_the_smallest_degree_that_fits_on_both_sides_of_each_threshold(tmp_path, version):
+def test_trainer_chooses_the_degree_a_budget_just_fits_on_both_sides_of_each_threshold(tmp_path, version):
     cases = _thresholds(version)
     assert [expected for _, expected in cases] == [1, 2, 2, 4, 4, None]
     for index, (budget, expected) in enumerate(cases):
