@@ -22,7 +22,7 @@ from lightning_smp.testing import run_distributed
 from tests.helpers import GLOO_TIMEOUT, cpu_trainer
 
 WORLD = 4
-WIDTH, HIDDEN, BLOCKS = 1024, 4096, 3  # 3 x 8.4 M = 25 M parameters
+WIDTH, HIDDEN, BLOCKS = 1024, 2048, 3  # 3 x 4.2 M = 12.6 M parameters
 
 
 class Block(torch.nn.Module):
