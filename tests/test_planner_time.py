@@ -262,6 +262,6 @@ def test_groups_leaving_a_node_share_its_network_and_gloo_reduce_scatters_by_all
     assert inter_node_bandwidth(links, 1, 8) == 8e9 and inter_node_bandwidth(links, 8, 8) == 1e9
     axis = {"all_gather": {"count": 2, "bytes": 8, "ring_bytes": 6.0},
             "reduce_scatter": {"count": 1, "bytes": 4, "ring_bytes": 3.0}}
-    assert as_run(axis, links) == {"all_gather": axis["all_gather"],
-                                   "all_reduce": {"count": 1, "bytes": 4, "ring_bytes": 6.0}}
-    assert as_run(axis, Links(*INTRA, *INTER)) is axis  # NCCL reduce-scatters as such
+    assert as_run(axis, links.reduce_scatter_as_all_reduce) == {
+        "all_gather": axis["all_gather"], "all_reduce": {"count": 1, "bytes": 4, "ring_bytes": 6.0}}
+    assert as_run(axis, Links(*INTRA, *INTER).reduce_scatter_as_all_reduce) is axis  # NCCL reduce-scatters as such

@@ -251,16 +251,16 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
                       link.inter_latency) if shard_inter else intra
         replica_link = (inter_node_bandwidth(link, crossing_groups(world_size, layout.shard, False, per_node),
                                              per_node), link.inter_latency) if replica_inter else intra
-        figure = {axis: as_run(ops, link) for axis, ops in figure.items()}  # as the backend runs them
-        shard_s = collective_seconds(figure["shard"], layout.shard, *shard_link)
-        replica_s = collective_seconds(figure["replicate"], replicas, *replica_link)
+        run = {axis: as_run(ops, link.reduce_scatter_as_all_reduce) for axis, ops in figure.items()}  # as run
+        shard_s = collective_seconds(run["shard"], layout.shard, *shard_link)
+        replica_s = collective_seconds(run["replicate"], replicas, *replica_link)
         scattered, synced = accumulation_passes(mode, micro_batches)
         timed = step_time(figure, sharding_strategy=layout.sharding_strategy, shard=layout.shard, replicas=replicas,
                           shard_link=shard_link, replicate_link=replica_link,
                           units=len(units), micro_batches=micro_batches, reduce_scatter_passes=scattered,
                           synced_passes=synced, forward_flops=flops[0] if flops else 0.0,
                           backward_flops=flops[1] if flops else 0.0, device_flops=link.device_flops,
-                          overlap=link.overlap)
+                          overlap=link.overlap, reduce_scatter_as_all_reduce=link.reduce_scatter_as_all_reduce)
         return DegreePlan(
             degree=degree, sharding_strategy=layout.sharding_strategy, shard=layout.shard, replicas=replicas,
             model_state_bytes=state, transient_bytes=transient, buffer_bytes=buffers, activation_bytes=activations,

@@ -108,9 +108,10 @@ _STEPS = {"all_gather": lambda p: p - 1, "reduce_scatter": lambda p: p - 1, "all
           "broadcast": lambda p: p - 1}
 
 
-def as_run(figure_axis: dict[str, dict[str, float]], links: Links) -> dict[str, dict[str, float]]:
-    """One axis of a textbook figure as the backend of ``links`` runs it: gloo's reduce-scatter is an all-reduce."""
-    if not links.reduce_scatter_as_all_reduce or "reduce_scatter" not in figure_axis:
+def as_run(figure_axis: dict[str, dict[str, float]], reduce_scatter_as_all_reduce: bool) -> dict[str, dict[str, float]]:
+    """One axis of a textbook figure as the backend runs it: gloo's reduce-scatter is an all-reduce
+    (``Links.reduce_scatter_as_all_reduce``), twice the bytes and the ring steps."""
+    if not reduce_scatter_as_all_reduce or "reduce_scatter" not in figure_axis:
         return figure_axis
     scattered = figure_axis["reduce_scatter"]
     merged = dict(figure_axis)
@@ -158,10 +159,7 @@ def inter_node_bandwidth(links: Links, groups_crossing: int, devices_per_node: i
 def group_spans_nodes(world_size: int, shard: int, axis_is_shard: bool, devices_per_node: int) -> bool:
     """Whether any group of the axis leaves the node of its first rank (ranks numbered node by node): the shard
     groups are ``shard`` consecutive ranks, the replica groups the ranks ``shard`` apart."""
-    def first(rank: int) -> int:
-        return rank // shard * shard if axis_is_shard else rank % shard
-
-    return any(rank // devices_per_node != first(rank) // devices_per_node for rank in range(world_size))
+    return crossing_groups(world_size, shard, axis_is_shard, devices_per_node) > 0
 
 
 __all__ = ["ACHIEVED_FRACTION", "DEFAULT_PRESET", "LINK_PRESETS", "Links", "collective_seconds", "group_spans_nodes",

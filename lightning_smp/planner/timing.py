@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_smp.names import HYBRID_SHARD_ZERO2, NO_SHARD, SHARD_GRAD_OP
-from lightning_smp.planner.links import collective_seconds
+from lightning_smp.planner.links import as_run, collective_seconds
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def _op_seconds(axis: dict[str, dict[str, float]], op: str, group: int, link: tu
 def step_time(figure: dict[str, dict[str, dict[str, float]]], *, sharding_strategy: str, shard: int, replicas: int,
               shard_link: tuple[float, float], replicate_link: tuple[float, float], units: int, micro_batches: int,
               reduce_scatter_passes: int, synced_passes: int, forward_flops: float, backward_flops: float,
-              device_flops: float, overlap: bool = True) -> StepTime:
+              device_flops: float, overlap: bool = True, reduce_scatter_as_all_reduce: bool = False) -> StepTime:
     """The step time of one configuration.
 
     Args:
@@ -63,17 +63,14 @@ def step_time(figure: dict[str, dict[str, dict[str, float]]], *, sharding_strate
         reduce_scatter_passes, synced_passes: micro-batches that reduce-scatter, and that all-reduce across replicas.
         forward_flops, backward_flops: one micro-batch's (recomputation under activation checkpointing in backward).
         device_flops: achieved FLOP/s of one rank; ``0``: unknown (compute counts nothing).
+        reduce_scatter_as_all_reduce: the backend runs reduce-scatters as all-reduces (gloo, :func:`.links.as_run`).
     """
     shard_axis, replicate_axis = figure.get("shard", {}), figure.get("replicate", {})
     k = max(micro_batches, 1)
     n = max(units, 1)
     gathers = _op_seconds(shard_axis, "all_gather", shard, shard_link)
-    scatters = _op_seconds(shard_axis, "reduce_scatter", shard, shard_link)
-    if "reduce_scatter" not in shard_axis and "all_gather" in shard_axis:
-        # the backend runs reduce-scatters as all-reduces (links.as_run): the shard axis's all-reduces are them, and
-        # the bitmap's one small all-reduce with them
-        scatters, shard_axis = _op_seconds(shard_axis, "all_reduce", shard, shard_link), {
-            k: v for k, v in shard_axis.items() if k != "all_reduce"}
+    scattering = as_run({op: e for op, e in shard_axis.items() if op == "reduce_scatter"}, reduce_scatter_as_all_reduce)
+    scatters = sum(_op_seconds(scattering, op, shard, shard_link) for op in scattering)
     # the cross-replica all-reduce (NO_SHARD: the whole gradient, over the world); the bitmap of unused parameters
     # on each axis is one small all-reduce per step, after the backward
     all_reduces = _op_seconds(replicate_axis, "all_reduce", replicas, replicate_link)
