@@ -41,8 +41,10 @@ class CheckpointPathError(CheckpointError, IsADirectoryError):
 
 
 class GradientSyncError(LightningSMPError, RuntimeError):
-    """An optimizer step about to run on gradients that were never reduced across replicas (gradient reduction left
-    turned off by the last backward): the step would silently do nothing, or let the replicas drift apart."""
+    """An optimizer step about to run on gradients that are not DDP's: never reduced across replicas (gradient
+    reduction left turned off by the last backward), missing for a parameter that took part, or (FSDP1 with
+    ``use_orig_params=False``) present for a parameter no rank used. The step would silently do nothing, skip or move
+    a parameter DDP would not, or let the replicas drift apart."""
 
 
 class UnitOrderError(LightningSMPError, RuntimeError):

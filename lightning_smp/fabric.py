@@ -60,6 +60,7 @@ from lightning_smp.errors import GradientSyncError, HybridShardConfigError, Unsu
 from lightning_smp.frontend import HybridShardFrontEnd
 from lightning_smp.launcher import check_start_method_name
 from lightning_smp.names import STRATEGY_NAMES, GradientAccumulation, ShardingStrategyName, StartMethod, StateDictType
+from lightning_smp.optimizers import discard_on_zero_grad
 from lightning_smp.precision import autocast_context, scaler_for
 
 if TYPE_CHECKING:
@@ -279,27 +280,13 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         return self._discarding_on_zero_grad(super().setup_optimizer(optimizer))
 
     def _discarding_on_zero_grad(self, optimizer: Optimizer) -> Optimizer:
-        """``optimizer.zero_grad()`` also discards gradient sums the engine holds outside ``.grad`` (FSDP2's deferred
-        all-reduce), so that a loop that drops an accumulation window drops all of it, as under DDP.
+        return discard_on_zero_grad(optimizer, self._discard_window)
 
-        Through a subclass of the optimizer's class (same name): Fabric's optimizer wrapper subclasses that class and
-        finds ``zero_grad`` there, so an instance attribute of the optimizer would never be called.
-        """
-        base = type(optimizer)
-        if getattr(base, "_discards_unreduced_gradients", False):
-            return optimizer
-        strategy = self
-
-        def zero_grad(opt: Optimizer, set_to_none: bool = True) -> None:
-            if strategy._module is not None:
-                strategy.engine.discard_unreduced_gradients(strategy._module)
-            strategy._unreduced = False
-            base.zero_grad(opt, set_to_none=set_to_none)
-
-        namespace = {"zero_grad": zero_grad, "_discards_unreduced_gradients": True, "__module__": base.__module__,
-                     "__qualname__": base.__qualname__}
-        optimizer.__class__ = type(base.__name__, (base,), namespace)
-        return optimizer
+    def _discard_window(self) -> None:
+        """A loop's ``zero_grad`` in the middle of an accumulation window drops all of it, as under DDP."""
+        if self._module is not None:
+            self.engine.discard_unreduced_gradients(self._module)
+        self._unreduced = False
 
     def _choose(self, module: Module, optimizers: list[Optimizer]) -> None:
         """hybrid_shard_degree="auto": chosen from the module handed to Fabric, before it is sharded."""

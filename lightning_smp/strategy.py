@@ -56,6 +56,7 @@ from lightning_smp.names import (
     StartMethod,
     StateDictType,
 )
+from lightning_smp.optimizers import discard_on_zero_grad
 from lightning_smp.precision import HybridShardPrecision
 
 if TYPE_CHECKING:
@@ -317,6 +318,18 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             self._undo_deferral = defer_until_commit(trainer, self._background)
         if trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches > 1:
             self._warn_no_sync(trainer.accumulate_grad_batches)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            discard_on_zero_grad(optimizer, self._discard_window)
+        self.optimizers = self.optimizers  # Lightning's wrappers again, over the changed classes
+
+    def _discard_window(self) -> None:
+        """``zero_grad`` in the middle of an accumulation window (manual optimization, a hook) drops all of it."""
+        if self.model is not None:
+            self.engine.discard_unreduced_gradients(self.model)
 
     def _warn_no_sync(self, micro_batches: int) -> None:
         """Once per fit: what accumulating under ``no_sync`` costs each rank, when nobody chose it explicitly."""

@@ -10,6 +10,8 @@ an ``AssertionError`` (sharded) or was never all-reduced (degree 1).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -313,3 +315,111 @@ def test_a_gradient_that_is_not_zero_is_never_dropped_whatever_the_notes_say():
     assert restore_unused([presence], torch.device("cpu"), []) == 1
     assert a.grad is not None and b.grad is None and c.grad is not None
     assert presence.used == [False] * 3 and presence.was_none == [None] * 3  # a new window
+
+
+class ZeroGradAfterTheFirstMicroBatch(TinyModel):
+    """In the second optimizer step, ``zero_grad`` right after the first micro-batch's backward (a hook of the user's)
+    drops that micro-batch: under DDP the step then applies the second micro-batch's gradient alone. (Every
+    parameter takes part in every micro-batch: DDP's reducer refuses a window in which a parameter it saw used has
+    lost its gradient.)"""
+
+    def on_after_backward(self) -> None:
+        if self.trainer.global_step == 1 and self.trainer.fit_loop.epoch_loop.batch_idx % K == 0:
+            self.optimizers().zero_grad()
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize(("version", "accumulation"), [(1, "no_sync"), (2, "defer_all_reduce")])
+def test_the_trainers_zero_grad_mid_window_drops_the_whole_window_as_under_ddp(tmp_path, version, accumulation):
+    """FSDP2's deferred all-reduce keeps a window's sum outside ``.grad``; a Trainer-side ``zero_grad`` left it there,
+    and the step applied the dropped micro-batch anyway (Fabric's ``zero_grad`` already discarded it)."""
+
+    def fit(strategy: Any, folder: Path) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        _, model, _ = fit_and_record(strategy, folder, WORLD, model=ZeroGradAfterTheFirstMicroBatch(), max_steps=3,
+                                     accumulate_grad_batches=K, train_loader=make_loader(samples=64, batch_size=2))
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+    ddp = fit(DDPStrategy(start_method="fork"), tmp_path / "ddp")
+    ours = fit(HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=version, auto_wrap_policy={torch.nn.Linear},
+                                       gradient_accumulation=accumulation, start_method="fork"), tmp_path / "ours")
+    for key in ddp:
+        assert torch.allclose(ours[key], ddp[key], atol=1e-5, rtol=0), key
+
+
+def _record_step_error(fabric: L.Fabric, folder: Path, steps: Callable[[L.Fabric], None]) -> None:
+    """Run ``steps``; each rank writes the ``GradientSyncError`` it raised (or nothing) to ``folder/rank<N>.txt``."""
+    from lightning_smp import GradientSyncError
+
+    try:
+        steps(fabric)
+        message = ""
+    except GradientSyncError as error:
+        message = str(error)
+    (folder / f"rank{fabric.global_rank}.txt").write_text(message)
+
+
+def _aux_in_the_first_step_only(fabric: L.Fabric) -> None:
+    """``aux`` (in the root's flat parameter with ``head``) takes part in the first step on every rank, then never."""
+    torch.manual_seed(0)
+    model = fabric.setup_module(DataDependentBranch())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    x, y = make_loader(samples=64, batch_size=2).dataset.tensors
+    for step in range(3):
+        out = model(x[step:step + 2])
+        loss = torch.nn.functional.mse_loss(out, y[step:step + 2])
+        if step == 0:
+            loss = loss + torch.nn.functional.mse_loss(model.aux(x[step:step + 2]), y[step:step + 2])
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_a_part_of_a_flat_parameter_stepped_whole_that_no_rank_used_fails_on_every_rank(tmp_path):
+    """FSDP1 with ``use_orig_params=False``: the optimizer steps the root's flat parameter, ``aux`` included, with
+    zeros where DDP leaves ``aux.grad`` None, so AdamW would move it silently. Refused before that step instead."""
+    from lightning_smp.fabric import HybridShardFSDPStrategy as FabricStrategy
+
+    strategy = FabricStrategy(hybrid_shard_degree=2, fsdp_version=1, auto_wrap_policy=BODY_ONLY,
+                              use_orig_params=False, start_method="fork")
+    L.Fabric(strategy=strategy, accelerator="cpu", devices=WORLD).launch(_record_step_error, tmp_path,
+                                                                        _aux_in_the_first_step_only)
+    messages = {(tmp_path / f"rank{rank}.txt").read_text() for rank in range(WORLD)}
+    assert len(messages) == 1, messages  # every rank alike
+    (message,) = messages
+    assert "aux.weight, aux.bias" in message and "use_orig_params=True" in message, message
+
+
+def _a_used_gradient_dropped_on_rank_1(fabric: L.Fabric) -> None:
+    """After a backward, rank 1 sets one used parameter's ``.grad`` (with a local shard) to ``None``: what a
+    reduction that never wrote it would leave. Its name goes to ``dropped.txt``."""
+    torch.manual_seed(0)
+    model = fabric.setup_module(DataDependentBranch())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    x, y = make_loader(samples=64, batch_size=2).dataset.tensors
+    fabric.backward(torch.nn.functional.mse_loss(model(x[:2]), y[:2]))
+    if fabric.global_rank == 1:
+        name, param = next((n, p) for n, p in model.named_parameters() if n.endswith("head.weight"))
+        assert param.grad is not None and (param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad).numel()
+        param.grad = None
+        (Path(os.environ["DROPPED"])).write_text(name)
+    optimizer.step()
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_used_parameter_left_without_gradient_fails_on_every_rank(tmp_path, monkeypatch, version):
+    """The step guard checks the gradients against the notes: one rank's missing ``.grad`` of a parameter that took
+    part would make that rank's optimizer skip it, and its replicas drift apart, silently."""
+    from lightning_smp.fabric import HybridShardFSDPStrategy as FabricStrategy
+
+    monkeypatch.setenv("DROPPED", str(tmp_path / "dropped.txt"))
+    strategy = FabricStrategy(hybrid_shard_degree=2, fsdp_version=version, auto_wrap_policy=BODY_ONLY,
+                              start_method="fork")
+    L.Fabric(strategy=strategy, accelerator="cpu", devices=WORLD).launch(_record_step_error, tmp_path,
+                                                                        _a_used_gradient_dropped_on_rank_1)
+    messages = {(tmp_path / f"rank{rank}.txt").read_text() for rank in range(WORLD)}
+    assert len(messages) == 1, messages
+    (message,) = messages
+    assert "took part" in message and "head.weight" in message, message

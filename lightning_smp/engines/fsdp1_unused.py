@@ -3,8 +3,9 @@
 FSDP1 reduces a flat parameter whole, so an original parameter that no rank used, beside used ones in its unit, gets
 a zero ``.grad`` view. With ``use_orig_params=True`` (Lightning's default) the optimizer steps the original parameters,
 and the forward reads each one through a fresh view of the flat parameter: a hook on that view fires exactly when
-autograd gives the parameter a gradient. With ``use_orig_params=False`` the optimizer steps whole flat parameters and
-no part of one can be left out (documented in ``docs/engines.md``).
+autograd gives the parameter a gradient. With ``use_orig_params=False`` the forward reads them through such views too,
+but the optimizer steps whole flat parameters and no part of one can be left out: a part no rank used is refused
+before the step (``Presence(whole=True)``).
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ _INSTALLED: list[bool] = []
 
 
 def track(root: Module) -> None:
-    """Note, for each handle of ``root`` (an FSDP1 root) that keeps original parameters, which are used."""
+    """Note, for each handle of ``root`` (an FSDP1 root) with a trainable flat parameter, which parameters are used."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     for unit in FullyShardedDataParallel.fsdp_modules(root):
         handle = unit._handle
-        if handle is not None and handle._use_orig_params and not hasattr(handle, _ATTRIBUTE):
+        if handle is not None and handle.flat_param.requires_grad and not hasattr(handle, _ATTRIBUTE):
             _track_handle(handle)
     _ROOTS.add(root)
     if not _INSTALLED:
@@ -59,7 +60,10 @@ def _track_handle(handle: Any) -> None:
     from torch.distributed.fsdp._flat_param import HandleTrainingState
 
     flat = handle.flat_param
-    presence = Presence(lambda: list(flat._params or []))
+    if handle._use_orig_params:
+        presence = Presence(lambda: list(flat._params or []), lambda: flat._fqns)
+    else:  # the optimizer steps the flat parameter itself
+        presence = Presence(lambda: [flat] * len(flat._param_infos), lambda: flat._fqns, whole=True)
     original = handle._use_unsharded_views
 
     @functools.wraps(original)

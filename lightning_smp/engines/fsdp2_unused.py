@@ -20,7 +20,9 @@ def track(group: Any) -> None:
     """Note, at each post-backward of ``group`` (an ``FSDPParamGroup``), which of its parameters hold a gradient."""
     if hasattr(group, _ATTRIBUTE):
         return
-    presence = Presence(lambda: [fsdp_param.sharded_param for fsdp_param in group.fsdp_params])
+    presence = Presence(lambda: [fsdp_param.sharded_param for fsdp_param in group.fsdp_params],
+                        lambda: [fsdp_param._param_fqn or fsdp_param._module_info.param_name
+                                 for fsdp_param in group.fsdp_params])
     original = group.post_backward
 
     @functools.wraps(original)

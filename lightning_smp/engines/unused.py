@@ -11,6 +11,11 @@ and whether its ``.grad`` was ``None`` when the window began (:meth:`Presence.no
 steps, an all-reduce (MAX, one byte per parameter) on each axis of the mesh in turn (shard group, replicas: every rank;
 DDP's reducer all-reduces the same kind of bitmap) tells each rank which parameters some rank used; a parameter none
 used whose ``.grad`` was ``None`` gets ``None`` again (:func:`restore_unused`).
+
+The same byte checks the step's gradients against the notes: a parameter that took part on some rank but whose
+``.grad`` is ``None`` there at the step (a reduction that never wrote it) would be skipped by the optimizer, silently;
+every rank raises instead. And where the optimizer steps a whole tensor of several parameters (FSDP1 with
+``use_orig_params=False``), one that no rank used cannot be left out as DDP leaves it: every rank raises, naming it.
 """
 
 from __future__ import annotations
@@ -21,18 +26,34 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from lightning_smp.errors import GradientSyncError
+
+#: the byte per parameter, reduced by MAX: no rank used it; some rank used it; some rank used it and has no ``.grad``
+UNUSED, USED, USED_WITHOUT_GRAD = 0, 1, 2
+
 
 class Presence:
     """What one group of parameters (an FSDP2 parameter group, an FSDP1 flat parameter) saw since the last step.
 
     Args:
         params: returns the parameters the optimizer steps, in a fixed order (the same on every rank).
+        names: returns the parameters' names, for messages (default: their positions).
+        whole: the parameters are parts of one tensor the optimizer steps whole (FSDP1's flat parameter under
+            ``use_orig_params=False``): ``params`` returns that tensor for each of them, none can be left out, and a
+            gradient's values cannot tell which part was used (the notes alone decide).
     """
 
-    def __init__(self, params: Callable[[], Sequence[torch.Tensor | None]]) -> None:
+    def __init__(self, params: Callable[[], Sequence[torch.Tensor | None]],
+                 names: Callable[[], Sequence[str]] | None = None, whole: bool = False) -> None:
         self.params = params
         self.size = len(params())
+        self._names = names
+        self.whole = whole
         self.reset()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._names()) if self._names else [f"parameter {index}" for index in range(self.size)]
 
     def reset(self) -> None:
         """A new window: after an optimizer step, or ``zero_grad`` in the middle of one (what it saw was dropped)."""
@@ -54,33 +75,77 @@ def restore_unused(presences: Iterable[Presence], device: torch.device, groups: 
     gradient since the last step and whose ``.grad`` was ``None`` then; start a new window. Returns how many.
 
     ``groups``: the axes of the model's mesh (together, every rank), reduced one after the other: the maximum over
-    each axis in turn is the maximum over all, and each collective is counted on its own axis."""
+    each axis in turn is the maximum over all, and each collective is counted on its own axis.
+
+    Raises:
+        GradientSyncError: on every rank alike, when a parameter that some rank used has no ``.grad`` there, or when
+            a part of a tensor stepped whole was used by no rank.
+    """
     presences = list(presences)
-    flags = [flag for presence in presences for flag in presence.used]
-    if not flags:
+    if not any(presence.size for presence in presences):
         return 0
-    used = torch.tensor(flags, dtype=torch.bool, device=device)
     # a safety net under the engines' notes: a gradient that is not zero was used, whatever the notes missed (so a
     # gradient is never dropped; only exact zeros can be). One small reduction per parameter, no host sync here.
-    nonzero = [_nonzero(param, device) for presence in presences for param in presence.params()]
-    used = (used | torch.stack(nonzero)).to(torch.uint8)
+    levels = torch.stack([_level(presence, index, param, device) for presence in presences
+                          for index, param in enumerate(presence.params())])
     for group in groups:
         if dist.get_world_size(group) > 1:
-            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
-    used_anywhere = iter(used.tolist())
-    reset = 0
+            dist.all_reduce(levels, op=dist.ReduceOp.MAX, group=group)
+    anywhere = iter(levels.tolist())
+    reset, missing, stepped_whole = 0, [], []
     for presence in presences:
-        for param, was_none in zip(presence.params(), presence.was_none):
-            if not next(used_anywhere) and was_none and param is not None and param.grad is not None:
-                param.grad = None
-                reset += 1
+        for name, param, was_none in zip(presence.names, presence.params(), presence.was_none):
+            level = next(anywhere)
+            if level == USED_WITHOUT_GRAD:
+                missing.append(name)
+            elif level == UNUSED and was_none and param is not None and param.grad is not None:
+                if presence.whole:
+                    stepped_whole.append(name)
+                else:
+                    param.grad = None
+                    reset += 1
         presence.reset()
+    if missing:
+        raise GradientSyncError(
+            f"{len(missing)} parameter(s) took part in this optimizer step's backward on some rank but have no"
+            f" gradient there as the optimizer is about to step ({_some(missing)}): the step would silently skip"
+            " them. Fix: do not set .grad to None between the backward and the step (call optimizer.zero_grad() to"
+            " drop a window); if no code of yours does, report this with the model."
+        )
+    if stepped_whole:
+        raise GradientSyncError(
+            f"{len(stepped_whole)} parameter(s) got no gradient on any rank in this optimizer step"
+            f" ({_some(stepped_whole)}), but they share an FSDP flat parameter with parameters that did: with"
+            " use_orig_params=False the optimizer steps the flat parameter whole, so momentum and weight decay would"
+            " move them where DDP leaves them untouched. Fix: use_orig_params=True (the optimizer then steps each"
+            " parameter, and these keep .grad None), or fsdp_version=2."
+        )
     return reset
+
+
+def _level(presence: Presence, index: int, param: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """This rank's byte for one parameter (:data:`USED_WITHOUT_GRAD`, :data:`USED` or :data:`UNUSED`)."""
+    noted = presence.used[index]
+    # a frozen parameter's view in a trainable flat parameter (FSDP1) gets a gradient that FSDP drops: not stepped
+    if noted and param is not None and param.requires_grad and param.grad is None and _local(param).numel():
+        return torch.tensor(USED_WITHOUT_GRAD, dtype=torch.uint8, device=device)
+    used = torch.tensor(noted, dtype=torch.bool, device=device)
+    if not presence.whole:
+        used = used | _nonzero(param, device)
+    return used.to(torch.uint8)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's part
+
+
+def _some(names: Sequence[str], shown: int = 5) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _nonzero(param: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     grad = None if param is None else param.grad
-    local = grad.to_local() if grad is not None and hasattr(grad, "to_local") else grad  # a DTensor: this rank's
+    local = None if grad is None else _local(grad)
     if local is None or not local.numel():
         return torch.zeros((), dtype=torch.bool, device=device)
     return local.ne(0).any().to(device)
