@@ -28,7 +28,7 @@ from lightning_smp.fabric import HybridShardFSDPStrategy as FabricHybridShardFSD
 from tests.helpers import GLOO_TIMEOUT, TinyModel, fit_and_record, make_loader
 from tests.test_fabric import _batches, _clipped_by_optimizer, _full, _window_dropped, make_net
 from tests.test_manual_optimization import GAN
-from tests.test_unused_parameters import BODY_ONLY, AuxiliaryHeads, DataDependentBranch
+from tests.test_unused_parameters import BODY_ONLY, AuxiliaryHeads, DataDependentBranch, ZeroGradAfterTheFirstMicroBatch
 
 pytestmark = pytest.mark.slow
 
@@ -77,6 +77,11 @@ class HeadOptimizer(TinyModel):
 def _clip_head() -> tuple[L.LightningModule, dict[str, Any]]:
     torch.manual_seed(0)
     return HeadOptimizer(), {"gradient_clip_val": 0.05, "max_steps": 3}
+
+
+def _zero_grad_mid_window() -> tuple[L.LightningModule, dict[str, Any]]:
+    torch.manual_seed(0)
+    return ZeroGradAfterTheFirstMicroBatch(), {"accumulate_grad_batches": K, "max_steps": 3}
 
 
 def _gan() -> tuple[L.LightningModule, dict[str, Any]]:
@@ -147,7 +152,7 @@ SCENARIOS = [
              policy=EACH_LINEAR),
     Scenario("branch_on_some_ranks", trainer=_branch, fabric=_fabric_branch,
              fabric_start=_seeded(DataDependentBranch), policy=BODY_ONLY),
-    Scenario("zero_grad_mid_window", fabric=_window_dropped, fabric_start=make_net),
+    Scenario("zero_grad_mid_window", trainer=_zero_grad_mid_window, fabric=_window_dropped, fabric_start=make_net),
     Scenario("clip_by_optimizer", trainer=_clip_head, fabric=_clipped_by_optimizer, fabric_start=make_net,
              fabric_args=(True,)),
     Scenario("manual_gan", trainer=_gan, engines=(2,), policy=EACH_LINEAR),

@@ -321,30 +321,12 @@ class ZeroGradAfterTheFirstMicroBatch(TinyModel):
     """In the second optimizer step, ``zero_grad`` right after the first micro-batch's backward (a hook of the user's)
     drops that micro-batch: under DDP the step then applies the second micro-batch's gradient alone. (Every
     parameter takes part in every micro-batch: DDP's reducer refuses a window in which a parameter it saw used has
-    lost its gradient.)"""
+    lost its gradient.) FSDP2's deferred all-reduce keeps the window's sum outside ``.grad``: the Trainer's
+    ``zero_grad`` left it there once, and the step applied the dropped micro-batch anyway (``tests/test_scenarios.py``)."""
 
     def on_after_backward(self) -> None:
         if self.trainer.global_step == 1 and self.trainer.fit_loop.epoch_loop.batch_idx % K == 0:
             self.optimizers().zero_grad()
-
-
-@pytest.mark.timeout(GLOO_TIMEOUT)
-@pytest.mark.parametrize(("version", "accumulation"), [(1, "no_sync"), (2, "defer_all_reduce")])
-def test_the_trainers_zero_grad_mid_window_drops_the_whole_window_as_under_ddp(tmp_path, version, accumulation):
-    """FSDP2's deferred all-reduce keeps a window's sum outside ``.grad``; a Trainer-side ``zero_grad`` left it there,
-    and the step applied the dropped micro-batch anyway (Fabric's ``zero_grad`` already discarded it)."""
-
-    def fit(strategy: Any, folder: Path) -> dict[str, torch.Tensor]:
-        torch.manual_seed(0)
-        _, model, _ = fit_and_record(strategy, folder, WORLD, model=ZeroGradAfterTheFirstMicroBatch(), max_steps=3,
-                                     accumulate_grad_batches=K, train_loader=make_loader(samples=64, batch_size=2))
-        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-
-    ddp = fit(DDPStrategy(start_method="fork"), tmp_path / "ddp")
-    ours = fit(HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=version, auto_wrap_policy={torch.nn.Linear},
-                                       gradient_accumulation=accumulation, start_method="fork"), tmp_path / "ours")
-    for key in ddp:
-        assert torch.allclose(ours[key], ddp[key], atol=1e-5, rtol=0), key
 
 
 def _record_step_error(fabric: L.Fabric, folder: Path, steps: Callable[[L.Fabric], None]) -> None:
