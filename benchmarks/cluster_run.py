@@ -46,9 +46,15 @@ class Block(torch.nn.Module):
 
 
 class Stack(L.LightningModule):
-    def __init__(self, dim: int, layers: int) -> None:
+    """``layers`` blocks; ``example_input_array`` is one rank's micro-batch of ``batch`` samples (for the planner)."""
+
+    def __init__(self, dim: int, layers: int, batch: int = 4) -> None:
         super().__init__()
         self.blocks = torch.nn.Sequential(*[Block(dim) for _ in range(layers)])
+        self.example_input_array = torch.zeros(batch, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -36,9 +36,13 @@ def measure(rate: str | None, args: argparse.Namespace, out: Path) -> tuple[dict
     out.mkdir(parents=True, exist_ok=True)
     links_file = out / "links.json"
     with Cluster(2, LinkShape(rate=rate)) as cluster:
-        calibrate = cluster.torchrun(["-m", "lightning_smp", "plan", "--calibrate", "true", "--nodes", "2",
-                                      "--devices", "2", "--params", "1M", "--layers", "1", "--hidden", "64",
-                                      "--vocab", "100", "--memory_budget", "1TB", "--save_links", str(links_file)],
+        # the compute: forward and backward passes of the benchmark's own model and micro-batch, on every rank at once
+        calibrate = cluster.torchrun(["-m", "lightning_smp", "plan", "--calibrate", "true", "--calibrate_model", "true",
+                                      "--nodes", "2", "--devices", "2", "--model.class_path", "benchmarks.cluster_run.Stack",
+                                      "--model.init_args.dim", str(args.dim), "--model.init_args.layers",
+                                      str(args.layers), "--model.init_args.batch", str(args.batch), "--wrap",
+                                      "[benchmarks.cluster_run.Block]", "--memory_budget", "1TB", "--save_links",
+                                      str(links_file)],
                                      nproc_per_node=2, env={"PYTHONPATH": str(ROOT)}, port=29511)
         for node, (rc, output) in enumerate(cluster.wait(calibrate, args.timeout)):
             if rc != 0:
@@ -139,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default="100mbit,1gbit,none", help="inter-node rates; none: unthrottled")
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)

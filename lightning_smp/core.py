@@ -48,7 +48,7 @@ from lightning_smp.degree import (
     reconcile_degree,
     resolve_strategy_layout,
 )
-from lightning_smp.engines import Engine, ShardingPlan, engine_for
+from lightning_smp.engines import Engine, ShardingPlan, engine_for, offloads_parameters, own_offload_config
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.mesh import build_device_mesh, check_device_mesh, process_group_degree
 from lightning_smp.names import (
@@ -75,8 +75,6 @@ _ASYNC_FULL = (
     " lightning_smp.checkpoint consolidate), or async_save=False."
 )
 
-#: Names of the offload configs of FSDP2, which Lightning's FSDP strategies would turn into FSDP1's ``CPUOffload``.
-FSDP2_OFFLOAD_CONFIGS = ("CPUOffloadPolicy", "OffloadPolicy")
 
 
 @dataclass
@@ -317,8 +315,7 @@ class HybridShardCore:
             optimizer=optimizer, sharding_strategy=self.requested_strategy, precision=precision,
             micro_batches=micro_batches, accumulation=self.gradient_accumulation, example_input=example_input,
             checkpoint=checkpoint, training=training,
-            cpu_offload=bool(getattr(offload, "offload_params", offload is True))
-            or type(offload).__name__ in FSDP2_OFFLOAD_CONFIGS,
+            cpu_offload=offloads_parameters(offload),
         )
         self.chosen = chosen
         self.layout = self.resolve_layout(num_nodes, devices)
@@ -337,7 +334,7 @@ class HybridShardCore:
         mesh = self.device_mesh
         if mesh is not None and self.user_mesh is None:
             mesh = self.engine.mesh_for(mesh, self.layout)
-        if type(self.cpu_offload_arg).__name__ in FSDP2_OFFLOAD_CONFIGS:
+        if own_offload_config(self.cpu_offload_arg):
             cpu_offload = self.cpu_offload_arg  # FSDP2's own config, kept as the user gave it
         return ShardingPlan(layout=self.layout, device=device, mesh=mesh, mixed_precision=mixed_precision,
                             cpu_offload=cpu_offload, options=options, precision=precision,
@@ -407,4 +404,4 @@ class HybridShardCore:
             )
 
 
-__all__ = ["FSDP2_OFFLOAD_CONFIGS", "HybridShardCore"]
+__all__ = ["HybridShardCore"]

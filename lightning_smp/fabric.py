@@ -54,8 +54,8 @@ from lightning_smp.checkpoint import FABRIC_KEYS
 from lightning_smp.checkpoint.local import background_module_state, background_optimizer_state
 from lightning_smp.checkpoint.saving import check_storage_options
 from lightning_smp.collectives import Collectives
-from lightning_smp.core import FSDP2_OFFLOAD_CONFIGS, HybridShardCore
-from lightning_smp.engines import ShardingPlan, engine_of
+from lightning_smp.core import HybridShardCore
+from lightning_smp.engines import ShardingPlan, engine_of, own_offload_config
 from lightning_smp.errors import GradientSyncError, HybridShardConfigError, UnsupportedOptionError
 from lightning_smp.frontend import HybridShardFrontEnd
 from lightning_smp.launcher import check_start_method_name
@@ -196,7 +196,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             precision=precision, process_group_backend=process_group_backend, timeout=timeout,
-            cpu_offload=cpu_offload if type(cpu_offload).__name__ not in FSDP2_OFFLOAD_CONFIGS else True,
+            cpu_offload=True if own_offload_config(cpu_offload) else cpu_offload,
             mixed_precision=mixed_precision, auto_wrap_policy=auto_wrap_policy,
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_policy=activation_checkpointing_policy, sharding_strategy="FULL_SHARD",
@@ -263,9 +263,10 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     @override
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None,
                                     ) -> tuple[Module, list[Optimizer], Any]:
-        if self.engine.version != 1:
+        if self.engine.replaces_parameters:
             raise HybridShardConfigError(
-                "fabric.setup(model, optimizer) with fsdp_version=2: fully_shard replaces the model's parameters, so"
+                f"fabric.setup(model, optimizer) with fsdp_version={self.engine.version}: sharding replaces the"
+                " model's parameters, so"
                 " an optimizer created before would update nothing. Fix: model = fabric.setup_module(model), then"
                 " create the optimizer from model.parameters() and call fabric.setup_optimizers(optimizer)."
             )

@@ -41,8 +41,8 @@ from lightning_smp.checkpoint import ShardedModel
 from lightning_smp.checkpoint.after_commit import defer_until_commit
 from lightning_smp.checkpoint.local import background_module_state, background_optimizer_state
 from lightning_smp.collectives import Collectives
-from lightning_smp.core import FSDP2_OFFLOAD_CONFIGS, HybridShardCore
-from lightning_smp.engines import ShardingPlan
+from lightning_smp.core import HybridShardCore
+from lightning_smp.engines import ShardingPlan, own_offload_config
 from lightning_smp.errors import CheckpointError, HybridShardConfigError, UnsupportedOptionError
 from lightning_smp.frontend import HybridShardFrontEnd
 from lightning_smp.launcher import HybridShardMultiProcessingLauncher, MainProcessResults, check_start_method_name
@@ -216,7 +216,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             device_mesh=None,
             **kwargs,
         )
-        if type(cpu_offload).__name__ in FSDP2_OFFLOAD_CONFIGS:
+        if own_offload_config(cpu_offload):
             # FSDP2's own config, kept as given (FSDPStrategy would make it a CPUOffload and lose its settings)
             self.cpu_offload = cpu_offload  # type: ignore[assignment]  # FSDPStrategy annotates FSDP1's type only
         self._state_dict_type: StateDictType = state_dict_type

@@ -188,7 +188,10 @@ def _fabric_auto(fabric: L.Fabric) -> dict[str, Any]:
     loss = model(torch.randn(2, WIDTH, device=fabric.device)).pow(2).mean()
     fabric.backward(loss)
     optimizer.step()
-    return {"degree": strategy.layout.degree, "plan": strategy.degree_plan.degree, "optimizer": strategy.degree_plan.optimizer}
+    chosen = strategy.degree_plan
+    return {"degree": strategy.layout.degree, "plan": chosen.degree, "optimizer": chosen.optimizer,
+            "links": chosen.links.description, "fastest": min(r.step_seconds for r in chosen.rows),
+            "step": chosen.row(chosen.degree).step_seconds}
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
@@ -200,7 +203,20 @@ def test_fabric_chooses_from_the_module_it_sets_up():
                               start_method="fork")
     result = L.Fabric(strategy=strategy, accelerator="cpu", devices=WORLD).launch(_fabric_auto)
     # Fabric's fork launcher returns rank 0's result; the optimizer is read from the module's configure_optimizers
-    assert result == {"degree": expected, "plan": expected, "optimizer": "adam"}
+    assert {k: result[k] for k in ("degree", "plan", "optimizer")} == {"degree": expected, "plan": expected,
+                                                                       "optimizer": "adam"}
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_fabric_plans_on_links_it_calibrates_on_its_own_ranks():
+    """``links="calibrate"`` under Fabric: measured when the module is set up, and the fastest degree on them."""
+    from lightning_smp.fabric import HybridShardFSDPStrategy as FabricStrategy
+
+    strategy = FabricStrategy(hybrid_shard_degree="auto", memory_budget=10**12, links="calibrate",
+                              auto_wrap_policy={Block}, start_method="fork")
+    result = L.Fabric(strategy=strategy, accelerator="cpu", devices=WORLD).launch(_fabric_auto)
+    assert result["links"].startswith(f"calibrated: 1 node(s) x {WORLD} rank(s), cpu (gloo)")
+    assert result["degree"] == result["plan"] and result["step"] <= result["fastest"] * 1.05
 
 
 def _plain_fsdp_auto(rank: int, world_size: int, budget: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -183,25 +184,32 @@ def test_calibrate_outside_a_job_says_how_to_run_it(monkeypatch):
               "--memory_budget", "8GB"])
     with pytest.raises(HybridShardConfigError, match="no process group exists"):
         calibrate()
+    with pytest.raises(SystemExit, match=r"--calibrate_model true times the model, and there is none"):
+        main(["plan", "--params", "1B", "--layers", "16", "--hidden", "2048", "--devices", "4", "--calibrate", "true",
+              "--calibrate_model", "true", "--memory_budget", "8GB"])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_the_cli_calibrates_on_every_rank_of_a_torchrun_job(tmp_path):
-    """4 ranks on this machine's loopback (one node): measured links and compute, saved, and planned with."""
+    """4 ranks on this machine's loopback (one node): measured links and compute (the model's own passes), saved,
+    and planned with."""
     import json
     import subprocess
     import sys
 
     links_file, plan_file = tmp_path / "links.json", tmp_path / "plan.json"
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
-                          "29531", "-m", "lightning_smp", "plan", "--calibrate", "true", "--devices", "4",
-                          "--params", "20M", "--layers", "4", "--hidden", "256", "--heads", "4", "--seq_len", "128",
-                          "--memory_budget", "4GB", "--save_links", str(links_file), "--json", str(plan_file)],
-                         capture_output=True, text=True, timeout=170)
+                          "29531", "-m", "lightning_smp", "plan", "--calibrate", "true", "--calibrate_model", "true",
+                          "--devices", "4", "--model.class_path", "benchmarks.cluster_run.Stack",
+                          "--model.init_args.dim", "256", "--model.init_args.layers", "2", "--model.init_args.batch", "64",
+                          "--wrap",
+                          "[benchmarks.cluster_run.Block]", "--memory_budget", "4GB", "--save_links", str(links_file),
+                          "--json", str(plan_file)],
+                         capture_output=True, text=True, timeout=170, cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stderr[-3000:]
     links = json.loads(links_file.read_text())
-    assert links["description"].startswith("calibrated: 1 node(s) x 4 rank(s), cpu (gloo)")
+    assert links["description"].startswith("calibrated: 1 node(s) x 4 rank(s), cpu (gloo), compute of Stack")
     assert links["intra_bandwidth"] == links["inter_bandwidth"] > 1e6 and links["device_flops"] > 1e8
     assert links["overlap"] is False  # gloo on CPU: collectives and compute share the cores
     result = json.loads(plan_file.read_text())

@@ -110,6 +110,8 @@ class Engine(Protocol):
     checkpoint_activations_first: bool
     #: whether backward passes and optimizer steps can run inside a Lightning step (manual optimization)
     steps_inside_a_step: bool
+    #: whether wrapping replaces the module's parameter objects (an optimizer built before would update nothing)
+    replaces_parameters: bool
 
     def check_options(self, options: Mapping[str, Any], mixed_precision: Any, cpu_offload: Any) -> None:
         """Refuse, with :class:`~lightning_smp.errors.UnsupportedOptionError`, arguments this engine does not take,

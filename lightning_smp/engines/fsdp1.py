@@ -88,6 +88,9 @@ class FSDP1Engine:
     checkpoint_activations_first = False  # Lightning's FSDPStrategy wraps first, then checkpoints
     # a Lightning step runs inside the root's forward (Lightning's redirection), where FSDP1 cannot run a backward
     steps_inside_a_step = False
+    # FullyShardedDataParallel's flat parameters are new objects, but Lightning's setup_module_and_optimizers
+    # rebuilds the optimizer's references to them (use_orig_params=True keeps the original ones)
+    replaces_parameters = False
 
     def check_options(self, options: Mapping[str, Any], mixed_precision: Any, cpu_offload: Any) -> None:
         for key, fix in _FSDP2_ONLY.items():

@@ -261,6 +261,7 @@ class FSDP2Engine:
     # torchtitan's order: checkpoint wrappers inside, then fully_shard (hooks see the wrapped layers)
     checkpoint_activations_first = True
     steps_inside_a_step = True  # with every parameter in a unit below the root (see _shard_root)
+    replaces_parameters = True  # fully_shard swaps each parameter for a DTensor shard
 
     # ------------------------------------------------------------------ options
 

@@ -3,20 +3,24 @@
 :func:`calibrate` runs on every rank of a running job (a collective): it times all-reduces of a few sizes inside each
 node and across nodes, all groups of a kind at once (as a training step's collectives run: every rank of a node sends
 through the node's network together, so the figure is each rank's share), and fits the alpha-beta model of
-:mod:`.links` to them; and it times a matrix multiplication on every rank at once. The result is a
+:mod:`.links` to them; and it times matrix multiplications on every rank at once, sustained (what one rank computes
+while the others compute too). The result is a
 :class:`~.links.Links` the planner takes as it takes a preset, and which :func:`~.links.save_links` writes as JSON for
 ``lightning-smp plan --preset FILE``. Every rank returns the same figures (each is the slowest rank's).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn import Module
 
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.planner.links import Links
@@ -71,29 +75,89 @@ def fit_alpha_beta(sizes: Sequence[int], seconds: Sequence[float], ranks: int) -
     return 1.0 / slope, max(mean_y - slope * mean_x, 0.0) / steps
 
 
-def _matmul_flops(device: torch.device, size: int, repeats: int) -> float:
+def _matmul_flops(device: torch.device, size: int, seconds: float) -> float:
+    """What this rank computes per second while every rank computes: the same number of matrix multiplications on
+    every rank at once, back to back for about ``seconds`` (ranks that share cores or a memory bus slow each other
+    down, as they do in a training step; one multiplication alone would measure an idle machine)."""
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
-    a @ b  # warm-up
+
+    def run() -> None:
+        torch.mm(a, b)
+
+    count, elapsed = _timed_count(run, device, seconds)
+    return 2.0 * size**3 * count / elapsed
+
+
+def _timed_count(run: Callable[[], None], device: torch.device, seconds: float) -> tuple[int, float]:
+    """Run ``run`` the same number of times on every rank at once, about ``seconds`` long: ``(count, elapsed)``."""
+    run()  # warm-up
     _sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * size**3 / best
+    start = time.perf_counter()
+    run()
+    _sync(device)
+    once = max(time.perf_counter() - start, 1e-9)
+    count = int(max(_slowest([min(seconds / once, 10_000.0)], device)[0], 1.0))  # one count for every rank
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(count):
+        run()
+    _sync(device)
+    return count, time.perf_counter() - start
+
+
+def _model_flops(model: Module, example_input: Any, step: Callable[[Module, Any], torch.Tensor] | None,
+                 device: torch.device, seconds: float) -> float:
+    """The FLOP/s one forward and backward of ``model`` on ``example_input`` achieves on this rank while every rank
+    runs it: its FLOPs (counted as the planner counts them) over its time. A copy trains, unsharded: the model must
+    fit on one device."""
+    from lightning_smp.planner.activations import _default_step, trace_micro_batch
+
+    if any(p.is_meta for p in model.parameters()):
+        raise HybridShardConfigError(
+            f"calibrate(model=...) times the model, and {type(model).__name__} has parameters on the meta device."
+            " Fix: build it on a real device, or calibrate without model= (a matrix multiplication's rate)."
+        )
+    trace = trace_micro_batch(model, example_input, step=step, device=device)
+    work = copy.deepcopy(model).to(device)
+    batch = _to_device(example_input, device)
+    run_step = step or _default_step
+
+    def run() -> None:
+        run_step(work, batch).backward()
+        for param in work.parameters():
+            param.grad = None
+
+    count, elapsed = _timed_count(run, device, seconds)
+    return (trace.forward_flops + trace.backward_flops) * count / elapsed
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):  # a meta one (a model built on the meta device) as zeros: only time counts
+        return torch.zeros(value.shape, dtype=value.dtype, device=device) if value.is_meta else value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
 
 
 def calibrate(devices_per_node: int | None = None, *, sizes: Sequence[int] = SIZES, repeats: int = 5,
-              matmul_size: int | None = None, device: torch.device | str | None = None) -> Links:
+              matmul_size: int | None = None, compute_seconds: float = 0.5,
+              device: torch.device | str | None = None, model: Module | None = None, example_input: Any = None,
+              step: Callable[[Module, Any], torch.Tensor] | None = None) -> Links:
     """The links and the compute of the running job, measured (call it on every rank; it takes a few seconds).
 
     Args:
         devices_per_node: ranks per node, numbered node by node (default: torchrun's ``LOCAL_WORLD_SIZE``).
         sizes: bytes of the timed all-reduces; repeats: timings per size (the median is kept).
         matmul_size: the side of the timed matrix multiplication (default 1024 on CPU, 8192 on an accelerator).
+        compute_seconds: about how long every rank computes at once.
+        model, example_input, step: time the compute as forward and backward passes of ``model`` on
+            ``example_input`` (one rank's micro-batch; ``step(model, batch) -> loss`` as for the planner), on an
+            unsharded copy that must fit on one device, instead of a matrix multiplication: the rate the model's own
+            layers achieve, element-wise operations and small matrices included.
         device: where the tensors live (default: the CPU under gloo, else the current accelerator).
 
     Raises:
@@ -124,11 +188,15 @@ def calibrate(devices_per_node: int | None = None, *, sizes: Sequence[int] = SIZ
             measured[axis] = fit_alpha_beta(sizes, _slowest(times, device), ranks)
     intra = measured.get("intra", measured.get("inter", (float("inf"), 0.0)))
     inter = measured.get("inter", intra)
-    side = matmul_size or (1024 if device.type == "cpu" else 8192)
-    flops = -_slowest([-_matmul_flops(device, side, 3)], device)[0]  # the slowest rank's (the max of negatives)
+    if model is not None and example_input is not None:
+        rate, timed = _model_flops(model, example_input, step, device, compute_seconds), type(model).__name__
+    else:
+        side = matmul_size or (1024 if device.type == "cpu" else 8192)
+        rate, timed = _matmul_flops(device, side, compute_seconds), f"{side}x{side} matmul"
+    flops = -_slowest([-rate], device)[0]  # the slowest rank's
     return Links(intra_bandwidth=intra[0], intra_latency=intra[1], inter_bandwidth=inter[0], inter_latency=inter[1],
                  description=f"calibrated: {nodes} node(s) x {per_node} rank(s), {device.type}"
-                             f" ({dist.get_backend()}), {time.strftime('%Y-%m-%d %H:%M')}",
+                             f" ({dist.get_backend()}), compute of {timed}, {time.strftime('%Y-%m-%d %H:%M')}",
                  device_flops=flops, overlap=device.type != "cpu",
                  reduce_scatter_as_all_reduce=dist.get_backend() == "gloo")
 

@@ -102,6 +102,10 @@ def _parser() -> Any:
                         help=f"Links: {', '.join(LINK_PRESETS)}, or a JSON file (--save_links).")
     parser.add_argument("--calibrate", type=bool, default=False,
                         help="Measure the links and the compute of this job (run under torchrun, every rank).")
+    parser.add_argument("--calibrate_model", "--calibrate-model", type=bool, default=False,
+                        help="With --calibrate: time the compute as forward and backward passes of the model"
+                             " (--model or --config, with example_input_array; built unsharded on each rank, so it"
+                             " must fit on one device) instead of a matrix multiplication.")
     parser.add_argument("--save_links", "--save-links", type=Path | None, default=None,
                         help="Write the links used (a calibration) as JSON, for --preset FILE.")
     parser.add_argument("--fsdp_version", "--fsdp-version", type=int | None, default=None)
@@ -212,7 +216,16 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
         device = accelerator if accelerator is not None else torch.device("cpu")
         budget = default_budget(device, devices)
     accumulate = cfg.accumulate or int(trainer.get("accumulate_grad_batches") or 1)
-    links = _calibrated(devices) if cfg.calibrate else cfg.preset
+    timed: Module | None = None
+    if cfg.calibrate and cfg.calibrate_model:
+        if cfg.model is None or example_input is None:
+            raise HybridShardConfigError(
+                "--calibrate_model true times the model, and there is none with an example_input_array. Fix: give"
+                " --model / --config with a LightningModule that sets example_input_array, or drop --calibrate_model"
+                " (a matrix multiplication's rate)."
+            )
+        timed = parser.instantiate_classes(cfg).model  # for real this time: its passes are timed
+    links = _calibrated(devices, timed, example_input) if cfg.calibrate else cfg.preset
     return plan(model, world_size=nodes * devices, devices_per_node=devices, budget_bytes=budget,
                 fsdp_version=version, auto_wrap_policy=policy, optimizer=cfg.optimizer_name, precision=precision,
                 sharding_strategy=strategy.get("sharding_strategy") or HYBRID_SHARD,
@@ -251,7 +264,7 @@ def save_plot(result: Plan, path: Path) -> None:
     plt.close(fig)
 
 
-def _calibrated(devices: int) -> Links:
+def _calibrated(devices: int, model: Module | None = None, example_input: Any = None) -> Links:
     """:func:`~.calibrate.calibrate` under torchrun: the process group from its environment, ``devices`` per node."""
     import torch.distributed as dist
 
@@ -267,7 +280,7 @@ def _calibrated(devices: int) -> Links:
         accelerator = torch.accelerator.current_accelerator()
         backend = dist.get_default_backend_for_device(accelerator) if accelerator is not None else "gloo"
         dist.init_process_group(backend)
-    return calibrate(devices)
+    return calibrate(devices, model=model, example_input=example_input)
 
 
 def main(argv: list[str]) -> None:
