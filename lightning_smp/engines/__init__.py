@@ -10,7 +10,7 @@ from torch.nn import Module
 from lightning_smp.config import check_fsdp_version
 from lightning_smp.engines.base import Engine, ShardingFacts, ShardingPlan, StorageUnit
 from lightning_smp.engines.fsdp1 import FSDP1Engine
-from lightning_smp.engines.fsdp2 import FSDP2Engine
+from lightning_smp.engines.fsdp2 import FSDP2Engine, wrap_targets
 
 #: Every engine, in the order a wrapped model is matched against them.
 ENGINES: tuple[Engine, ...] = (FSDP1Engine(), FSDP2Engine())
@@ -56,4 +56,5 @@ __all__ = [
     "engine_of",
     "offloads_parameters",
     "own_offload_config",
+    "wrap_targets",
 ]

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_smp.accounting.comm import CommFigure
+    from lightning_smp.engines.prediction import Prediction
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,8 @@ class Engine(Protocol):
     steps_inside_a_step: bool
     #: whether wrapping replaces the module's parameter objects (an optimizer built before would update nothing)
     replaces_parameters: bool
+    #: its layout rules over parameter shapes, for the planner (:mod:`~lightning_smp.engines.prediction`)
+    prediction: Prediction
 
     def check_options(self, options: Mapping[str, Any], mixed_precision: Any, cpu_offload: Any) -> None:
         """Refuse, with :class:`~lightning_smp.errors.UnsupportedOptionError`, arguments this engine does not take,

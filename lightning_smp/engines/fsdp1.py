@@ -25,6 +25,8 @@ from torch.optim import Optimizer
 from lightning_smp.degree import Layout
 from lightning_smp.engines import fsdp1_left_out, fsdp1_unused, unused
 from lightning_smp.engines.base import ShardingFacts, ShardingPlan, StorageUnit, replace_attribute
+from lightning_smp.engines.fsdp1_prediction import FSDP1Prediction
+from lightning_smp.engines.prediction import Prediction
 from lightning_smp.errors import GradientSyncError, UnsupportedOptionError
 from lightning_smp.names import EVERY_MICRO_BATCH, NO_SHARD, NO_SYNC, REPLICATE_AXIS, SHARD_AXIS, GradientAccumulation
 
@@ -91,6 +93,7 @@ class FSDP1Engine:
     # FullyShardedDataParallel's flat parameters are new objects, but Lightning's setup_module_and_optimizers
     # rebuilds the optimizer's references to them (use_orig_params=True keeps the original ones)
     replaces_parameters = False
+    prediction: Prediction = FSDP1Prediction()
 
     def check_options(self, options: Mapping[str, Any], mixed_precision: Any, cpu_offload: Any) -> None:
         for key, fix in _FSDP2_ONLY.items():

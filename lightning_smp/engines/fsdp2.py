@@ -27,6 +27,8 @@ from torch.optim import Optimizer
 from lightning_smp.degree import Layout
 from lightning_smp.engines import fsdp2_unused, unused
 from lightning_smp.engines.base import ShardingFacts, ShardingPlan, StorageUnit, replace_attribute
+from lightning_smp.engines.fsdp2_prediction import FSDP2Prediction
+from lightning_smp.engines.prediction import Prediction
 from lightning_smp.errors import GradientSyncError, UnsupportedOptionError
 from lightning_smp.names import (
     DEFER_ALL_REDUCE,
@@ -262,6 +264,7 @@ class FSDP2Engine:
     checkpoint_activations_first = True
     steps_inside_a_step = True  # with every parameter in a unit below the root (see _shard_root)
     replaces_parameters = True  # fully_shard swaps each parameter for a DTensor shard
+    prediction: Prediction = FSDP2Prediction()
 
     # ------------------------------------------------------------------ options
 

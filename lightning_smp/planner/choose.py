@@ -23,10 +23,9 @@ from torch.nn import Module
 
 from lightning_smp.accounting.comm import accumulation_passes
 from lightning_smp.degree import resolve_layout, valid_degrees
-from lightning_smp.engines.fsdp2 import wrap_targets
+from lightning_smp.engines import ENGINES, engine_for, wrap_targets
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.names import (
-    DEFER_ALL_REDUCE,
     HYBRID_SHARD,
     NO_SHARD,
     NO_SYNC,
@@ -211,7 +210,8 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
 
     budget = parse_bytes(budget_bytes, "memory_budget")
     per_node = devices_per_node or world_size
-    mode = accumulation or (NO_SYNC if fsdp_version == 1 else DEFER_ALL_REDUCE)
+    engine = engine_for(fsdp_version)
+    mode = accumulation or engine.accumulations[0]
     name = optimizer_name(model if optimizer is None else optimizer)
     link = links_for(links)
     units = fsdp_units(model, auto_wrap_policy)
@@ -239,10 +239,10 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
         state = max(s.total_bytes if training else s.params_bytes for s in model_state(
             model, world_size=world_size, hybrid_shard_degree=degree, fsdp_version=fsdp_version,
             auto_wrap_policy=auto_wrap_policy, optimizer=name, sharding_strategy=sharding_strategy))
-        transient = transient_bytes(units, root_is_last, layout, fsdp_version, micro_batches if training else 1, mode,
-                                    precision)
+        transient = transient_bytes(units, root_is_last, layout, engine.prediction,
+                                    micro_batches if training else 1, mode, precision)
         peak = (0 if cpu_offload else state) + transient + buffers + activations
-        figure = textbook(units, layout, fsdp_version, micro_batches, mode, precision)
+        figure = textbook(units, layout, engine.prediction, micro_batches, mode, precision)
         replicas = world_size if layout.sharding_strategy == NO_SHARD else layout.replicate
         shard_inter = group_spans_nodes(world_size, layout.shard, True, per_node)
         replica_inter = group_spans_nodes(world_size, layout.shard, False, per_node)
@@ -363,8 +363,10 @@ def _no_fit_message(rows: Sequence[DegreePlan], budget: int, headroom: float, wo
         helps.append("CPU offload (cpu_offload=True; FSDP2: CPUOffloadPolicy())")
     helps.append(f"more devices (the model state at degree {least.degree} is {fmt_bytes(least.model_state_bytes)} per"
                  " rank and shrinks with the shard group)")
-    if fsdp_version == 1 and mode == NO_SYNC and micro_batches > 1:
-        helps.append("fsdp_version=2 (gradient accumulation without unsharded gradients)")
+    if mode == NO_SYNC and micro_batches > 1:
+        helps.extend(f"fsdp_version={other.version} (gradient_accumulation='{other.accumulations[0]}': no unsharded"
+                     " gradients between micro-batches)" for other in ENGINES
+                     if other.version != fsdp_version and other.accumulations[0] != NO_SYNC)
     return (f"no hybrid_shard_degree fits memory_budget={budget} bytes ({fmt_bytes(budget)}) with {headroom:.0%}"
             f" headroom on {world_size} rank(s): the least is {fmt_bytes(least.peak_bytes)} ({least.peak_bytes} bytes)"
             f" per rank at degree {least.degree} (activations {source}). What would help: " + "; ".join(helps) + ".")

@@ -1,14 +1,8 @@
 """The model state every rank will hold, predicted before anything is built.
 
 Pure arithmetic over a model's parameter shapes (build it on the meta device: a 70B model costs nothing to plan),
-for both engines, with the engines' own padding rules, so that the prediction equals what the memory report measures
-to the byte:
-
-- FSDP1 (:mod:`lightning_smp.accounting.shards`): the parameters of each unit are flattened (16-byte aligned) and
-  padded to a multiple of the shard group; every rank holds an equal chunk of each unit, its gradient too, and the
-  optimizer state of the parts of the original parameters that fall into its chunk;
-- FSDP2: each parameter is split along dim 0 by ``torch.chunk`` and padded to ``ceil(rows / shard)`` rows per rank;
-  the gradient is padded the same way, the optimizer state is the unpadded local chunk.
+with each engine's own padding rules (its :class:`~lightning_smp.engines.prediction.Prediction`), so that the
+prediction equals what the memory report measures to the byte.
 
 The units are the ones the engines build: the modules ``auto_wrap_policy`` selects (:func:`wrap_targets`, the same
 walk for both engines) and the root with what is left.
@@ -16,17 +10,14 @@ walk for both engines) and the root with what is left.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.nn import Module, Parameter
 
-from lightning_smp.accounting.shards import local_param_numels, local_shard_numel
 from lightning_smp.degree import resolve_layout
-from lightning_smp.engines.fsdp2 import wrap_targets
+from lightning_smp.engines import engine_for, wrap_targets
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.names import NO_SHARD
 
@@ -113,61 +104,24 @@ class RankState:
 def model_state(model: Module, *, world_size: int, hybrid_shard_degree: int, fsdp_version: int = 1,
                 auto_wrap_policy: Any = None, optimizer: Any = "adamw",
                 sharding_strategy: str = "HYBRID_SHARD") -> list[RankState]:
-    """The model state of every rank of ``world_size`` at ``hybrid_shard_degree``, at the optimizer step.
+    """The model state of every rank of ``world_size`` at ``hybrid_shard_degree``, at the optimizer step, by the
+    layout rules of the engine of ``fsdp_version`` (:class:`~lightning_smp.engines.prediction.Prediction`).
 
     Parameters, gradients and optimizer state are taken in the dtype the model's parameters have (``bf16-true``:
     build the model in bf16). Every parameter that requires a gradient is assumed to get one.
     """
     layout = resolve_layout(world_size, hybrid_shard_degree, sharding_strategy)
+    prediction = engine_for(fsdp_version).prediction
     shard = layout.shard
     group = world_size if layout.sharding_strategy == NO_SHARD else shard
     tensors, fixed = optimizer_state_layout(optimizer)
     units = fsdp_units(model, auto_wrap_policy)
     states = []
     for rank in range(world_size):
-        position = rank % shard
-        if fsdp_version == 1:
-            states.append(_fsdp1_rank(rank, units, shard, position, group, tensors, fixed))
-        else:
-            states.append(_fsdp2_rank(rank, units, shard, position, tensors, fixed))
+        held = [prediction.held(unit, shard, rank % shard, group, tensors, fixed) for unit in units]
+        states.append(RankState(rank, sum(h.params for h in held), sum(h.grads for h in held),
+                                sum(h.optimizer for h in held)))
     return states
-
-
-def _fsdp1_rank(rank: int, units: Sequence[Sequence[Parameter]], shard: int, position: int, group: int,
-                tensors: int, fixed: int) -> RankState:
-    params = grads = optimizer = 0
-    for unit in units:
-        size = unit[0].element_size()
-        numels = [p.numel() for p in unit]
-        chunk = local_shard_numel(numels, shard, group, size) * size
-        params += chunk
-        if any(p.requires_grad for p in unit):
-            grads += chunk  # one flat gradient per unit
-        local = local_param_numels(numels, shard, position, group, size)
-        optimizer += sum(n * tensors * size + fixed for p, n in zip(unit, local) if n and p.requires_grad)
-    return RankState(rank, params, grads, optimizer)
-
-
-def _fsdp2_chunk(p: Parameter, shard: int) -> tuple[int, int, int]:
-    """``(rows, rows per rank after padding, elements per row)`` of ``p`` under FSDP2's ``Shard(0)`` over ``shard``."""
-    rows = p.shape[0] if p.dim() else 1
-    rest = math.prod(p.shape[1:]) if p.dim() else 1
-    return rows, math.ceil(rows / shard), rest
-
-
-def _fsdp2_rank(rank: int, units: Sequence[Sequence[Parameter]], shard: int, position: int, tensors: int,
-                fixed: int) -> RankState:
-    params = grads = optimizer = 0
-    for unit in units:
-        for p in unit:
-            rows, chunk_rows, rest = _fsdp2_chunk(p, shard)
-            padded = chunk_rows * rest * p.element_size()
-            local = max(0, min(chunk_rows, rows - position * chunk_rows)) * rest * p.element_size()
-            params += padded
-            if p.requires_grad:
-                grads += padded  # the reduce-scatter output, padded like the parameter
-                optimizer += local * tensors + fixed  # state of the unpadded chunk; a 0-d step even when empty
-    return RankState(rank, params, grads, optimizer)
 
 
 __all__ = ["OPTIMIZER_STATE", "RankState", "fsdp_units", "model_state", "optimizer_name", "optimizer_state_layout"]

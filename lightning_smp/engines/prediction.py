@@ -1,0 +1,65 @@
+"""What an engine predicts of itself before anything is built: the planner's side of the engine seam.
+
+The planner (:mod:`lightning_smp.planner`) works on parameter shapes alone (a model on the meta device) and asks the
+engine of the run, through :class:`Prediction`, how it lays a unit out on a rank, what it keeps gathered at the step's
+peak and how it communicates; so that a prediction equals what the memory report then measures, to the byte, and a
+new engine brings its own rules instead of a branch in the planner. Each engine's rules live beside it
+(:mod:`.fsdp1_prediction`, :mod:`.fsdp2_prediction`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch.nn import Parameter
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """One unit's sizes under an engine, in elements. ``padded``: all ranks' shards together, padding included (what
+    an all-gather moves); ``reduced``: the part of it that is reduced (``None``: all of it)."""
+
+    padded: int
+    reduced: int | None = None
+
+
+@dataclass(frozen=True)
+class Held:
+    """What one rank holds of one unit at the optimizer step, in bytes."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+
+class Prediction(Protocol):
+    """An engine's layout rules, over parameter shapes (no process group, no data).
+
+    Args shared by the methods: ``unit``, the parameters of one unit in the order the engine flattens them;
+    ``shard``, the ranks a parameter is split over; ``group``, the ranks of the unit's process group (the world
+    under ``NO_SHARD``, else ``shard``).
+    """
+
+    #: whether a unit whose gradients are not synced in a micro-batch stays gathered until the next (FSDP1's
+    #: ``no_sync`` keeps the unsharded parameters; FSDP2 reshards after every backward)
+    keeps_gathered_unsynced: bool
+
+    def held(self, unit: Sequence[Parameter], shard: int, position: int, group: int, state_tensors: int,
+             state_fixed: int) -> Held:
+        """What the rank at ``position`` of its shard group holds of ``unit``, with an optimizer of
+        ``state_tensors`` tensors shaped like each trainable parameter and ``state_fixed`` bytes per parameter."""
+        ...
+
+    def unit_layout(self, unit: Sequence[Parameter], shard: int, group: int) -> UnitLayout:
+        ...
+
+    def gathered_bytes(self, unit_bytes: Sequence[int], root_bytes: int, zero2: bool, unsharded: bool) -> int:
+        """Unsharded parameters held at the step's peak (the end of forward), from each non-root unit's gathered
+        size and the root's (``0`` when the root holds no parameters of its own); ``zero2``: SHARD_GRAD_OP or
+        _HYBRID_SHARD_ZERO2; ``unsharded``: no sharding at all (a shard group of one, or ``NO_SHARD``)."""
+        ...
+
+
+__all__ = ["Held", "Prediction", "UnitLayout"]
