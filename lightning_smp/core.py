@@ -226,7 +226,7 @@ class HybridShardCore:
             raise HybridShardConfigError(_ASYNC_FULL.format(state_dict_type=self.state_dict_type))
         self.engine = engine_for(config.fsdp_version)
         self.check_engine()
-        self.layout = None if self.auto and self.chosen is None else self.resolve_layout(num_nodes, devices)
+        self.layout = None if self.auto_pending else self.resolve_layout(num_nodes, devices)
         return self.layout
 
     def resolve_layout(self, num_nodes: int, devices: int) -> Layout:
@@ -255,6 +255,11 @@ class HybridShardCore:
         return self.configured_degree == AUTO
 
     @property
+    def auto_pending(self) -> bool:
+        """``hybrid_shard_degree="auto"`` and the planner has not chosen yet (nothing may be sharded)."""
+        return self.auto and self.chosen is None
+
+    @property
     def hybrid_shard_degree(self) -> int | str:
         """The degree in effect: the planner's choice once made, else the configured one (possibly ``"auto"``)."""
         return self.chosen.degree if self.chosen is not None else self.configured_degree
@@ -268,7 +273,7 @@ class HybridShardCore:
     def build_mesh(self, num_nodes: int, devices: int, device_type: str) -> Layout | None:
         """Check the world size against the layout (every rank fails alike, before any collective) and build the
         mesh once per layout and device type; none when the user passed a ``process_group``."""
-        if self.layout is None and self.auto and self.chosen is None:
+        if self.layout is None and self.auto_pending:
             return None  # the planner chooses once the model exists (choose_degree), and builds the mesh then
         layout = self.layout if self.layout is not None else self.resolve_layout(num_nodes, devices)
         self.layout = layout

@@ -55,7 +55,7 @@ from lightning_smp.checkpoint.local import background_module_state, background_o
 from lightning_smp.checkpoint.saving import check_storage_options
 from lightning_smp.collectives import Collectives
 from lightning_smp.core import HybridShardCore
-from lightning_smp.engines import ShardingPlan, engine_of, own_offload_config
+from lightning_smp.engines import Engine, ShardingPlan, engine_of, own_offload_config
 from lightning_smp.errors import GradientSyncError, HybridShardConfigError, UnsupportedOptionError
 from lightning_smp.frontend import HybridShardFrontEnd
 from lightning_smp.launcher import check_start_method_name
@@ -206,6 +206,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         # whether the latest backward ran inside no_backward_sync (its gradients are not reduced yet)
         self._unreduced = False
         self._module: Module | None = None  # the sharded root set up last, for the check before each step
+        self._module_engine: Engine | None = None  # its engine, found once
 
     # ------------------------------------------------------------------ precision
 
@@ -291,7 +292,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
 
     def _choose(self, module: Module, optimizers: list[Optimizer]) -> None:
         """hybrid_shard_degree="auto": chosen from the module handed to Fabric, before it is sharded."""
-        if self.core.auto and self.core.chosen is None:
+        if self.core.auto_pending:
             self._choose_degree(module, num_nodes=self.num_nodes, devices=self.num_processes, device=self.root_device,
                                 precision=str(self.precision.precision), micro_batches=1, optimizers=optimizers)
 
@@ -304,7 +305,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             on_already_sharded=self._already_sharded,
         )
         _move_torchmetrics_to_device(module, self.root_device)
-        self._module = module
+        self._module, self._module_engine = module, engine_of(module)
         return module
 
     def _already_sharded(self, module: Module) -> None:
@@ -320,7 +321,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
         # fabric.backward(loss) passes no module unless given model=...: the sharded root set up last is the one
         sharded = module if module is not None else self._module
-        if sharded is not None and engine_of(sharded) is not None:
+        if sharded is not None and self._engine_of(sharded) is not None:
             self.core.before_backward(sharded)
         super().backward(tensor, module, *args, **kwargs)
         self._unreduced = self._backward_sync_control.active
@@ -340,16 +341,19 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         return super().optimizer_step(optimizer, **kwargs)
 
     def _check_synced(self, module: Module) -> None:
-        engine = engine_of(module)
+        engine = self._engine_of(module)
         if engine is not None:
             engine.settle_gradients(module)
+
+    def _engine_of(self, module: Module) -> Engine | None:
+        return self._module_engine if module is self._module else engine_of(module)
 
     @override
     def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: float | int,
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> Tensor:
         """The norm over ``optimizer``'s parameters, every shard counted once and replicas not double-counted, as
         Lightning's and DDP's."""
-        engine = engine_of(module)
+        engine = self._engine_of(module)
         if float(norm_type) != 2.0:
             raise UnsupportedOptionError(
                 f"norm_type={norm_type!r}: lightning_smp clips by the 2-norm only. Fix: norm_type=2.0."

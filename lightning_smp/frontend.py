@@ -234,7 +234,7 @@ class HybridShardFrontEnd:
     def _sharded_context(self) -> AbstractContextManager:
         """The engine's wrap context for modules built inside it; none while the planner has not chosen yet (nothing
         may be sharded before ``hybrid_shard_degree="auto"`` is resolved from the finished model)."""
-        if self.core.layout is None and self.core.auto:
+        if self.core.layout is None and self.core.auto_pending:
             return nullcontext()
         return self.engine.wrap_context(self._plan())
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
+
+if TYPE_CHECKING:
+    from lightning_smp.engines import Engine
 
 
 def autocast_context(precision: str, device_type: str) -> AbstractContextManager | None:
@@ -50,8 +53,20 @@ class HybridShardPrecision(FSDPPrecision):
     def __init__(self, precision: Any = "32-true", scaler: Any | None = None) -> None:
         super().__init__(precision, scaler)
         self.device_type: str = "cpu"
-        #: the root of the sharded model, set by the strategy in ``setup``
-        self.fsdp_module: Module | None = None
+        self._fsdp_module: Module | None = None
+        self._engine: Engine | None = None
+
+    @property
+    def fsdp_module(self) -> Module | None:
+        """The root of the sharded model, set by the strategy in ``setup``; its engine is found once, then."""
+        return self._fsdp_module
+
+    @fsdp_module.setter
+    def fsdp_module(self, module: Module | None) -> None:
+        from lightning_smp.engines import engine_of
+
+        self._fsdp_module = module
+        self._engine = engine_of(module) if module is not None else None
 
     @classmethod
     def from_plugin(cls, plugin: FSDPPrecision) -> HybridShardPrecision:
@@ -75,20 +90,14 @@ class HybridShardPrecision(FSDPPrecision):
     def _after_closure(self, model: Any, optimizer: Any) -> None:  # Lightning: a ``Steppable``
         # before the optimizer sees the gradients: a last backward that ran with reduction still off would leave
         # them None or unreduced, and the step would silently do nothing (or let the replicas drift apart)
-        from lightning_smp.engines import engine_of
-
-        module = self.fsdp_module
-        engine = engine_of(module) if module is not None else None
+        module, engine = self._fsdp_module, self._engine
         if module is not None and engine is not None:
             engine.settle_gradients(module)
         super()._after_closure(model, optimizer)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
-        from lightning_smp.engines import engine_of
-
-        module = self.fsdp_module
-        engine = engine_of(module) if module is not None else None
+        module, engine = self._fsdp_module, self._engine
         # the optimizer's parameters, as Lightning and DDP clip (not the whole model's: another optimizer's, or a
         # trainable part that no optimizer steps, must not shrink this optimizer's gradients)
         parameters = list(self.main_params(optimizer))

@@ -297,7 +297,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
                 " fails alike). Fix: fsdp_version=2, which runs manual optimization (several backward passes and"
                 " optimizers per step included), or automatic optimization."
             )
-        if module is not None and self.core.auto and self.core.chosen is None:
+        if module is not None and self.core.auto_pending:
             # hybrid_shard_degree="auto": chosen from the finished model, before sharding
             if is_overridden("configure_model", module) and not self.core.engine_options.get("auto_wrap_policy"):
                 rank_zero_warn(
