@@ -12,10 +12,12 @@ is where the discard goes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, SupportsIndex
 
 from torch.optim import Optimizer
 
 _MARK = "_discards_unreduced_gradients"
+_DISCARD = "_lightning_smp_discard"
 
 
 def discard_on_zero_grad(optimizer: Optimizer, discard: Callable[[], None]) -> Optimizer:
@@ -23,18 +25,34 @@ def discard_on_zero_grad(optimizer: Optimizer, discard: Callable[[], None]) -> O
 
     Through a subclass of the optimizer's class with the same name, not an instance attribute: Lightning's and
     Fabric's optimizer wrappers subclass the optimizer's class and find ``zero_grad`` there, so an attribute of the
-    instance would never be called. Calling it again on the same optimizer changes nothing.
+    instance would never be called. The discard itself is the instance's (the strategy set up last wins); a copy
+    made by pickling is the plain optimizer again.
     """
+    setattr(optimizer, _DISCARD, discard)
     base = type(optimizer)
     if getattr(base, _MARK, False):
         return optimizer
 
-    def zero_grad(opt: Optimizer, set_to_none: bool = True) -> None:
-        discard()
-        base.zero_grad(opt, set_to_none=set_to_none)
+    def zero_grad(opt: Optimizer, *args: Any, **kwargs: Any) -> None:
+        # ``opt`` may be Lightning's or Fabric's wrapper, which keeps the optimizer itself as ``_optimizer``
+        own = getattr(getattr(opt, "_optimizer", opt), _DISCARD, None)
+        if own is not None:
+            own()
+        base.zero_grad(opt, *args, **kwargs)
 
-    namespace = {"zero_grad": zero_grad, _MARK: True, "__module__": base.__module__, "__qualname__": base.__qualname__}
+    def __reduce_ex__(opt: Optimizer, protocol: SupportsIndex) -> Any:  # noqa: N807
+        # pickle finds classes by name, and this one's name is its base's: pickle the optimizer as its base class
+        return _rebuilt, (base, opt.__getstate__())
+
+    namespace = {"zero_grad": zero_grad, "__reduce_ex__": __reduce_ex__, _MARK: True, "__module__": base.__module__,
+                 "__qualname__": base.__qualname__}
     optimizer.__class__ = type(base.__name__, (base,), namespace)
+    return optimizer
+
+
+def _rebuilt(cls: type[Optimizer], state: Any) -> Optimizer:
+    optimizer = cls.__new__(cls)
+    optimizer.__setstate__(state)
     return optimizer
 
 

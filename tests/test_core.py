@@ -137,3 +137,29 @@ def test_the_configuration_is_resolved_once_when_the_trainer_is_created(monkeypa
     monkeypatch.setenv(ENV_CONFIG, '{"hybrid_shard_degree": 4}')  # a later change does not reach this Trainer
     assert strategy.hybrid_shard_degree == 2
     assert strategy.layout.mesh_shape == (2, 2)
+
+
+def test_zero_grad_discards_through_every_wrapper_and_pickles_as_the_plain_optimizer():
+    """The front ends' ``zero_grad`` routing: called through the optimizer, Lightning's wrapper and Fabric's, with
+    the caller's arguments; the strategy set up last owns the discard; a pickled copy is the plain optimizer."""
+    import pickle
+
+    from lightning.fabric.wrappers import _FabricOptimizer
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    from lightning_smp.optimizers import discard_on_zero_grad
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    calls: list[str] = []
+    assert discard_on_zero_grad(optimizer, lambda: calls.append("first")) is optimizer
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.zero_grad(set_to_none=False)
+    assert calls == ["first"] and model.weight.grad is not None and not model.weight.grad.any()
+    discard_on_zero_grad(optimizer, lambda: calls.append("second"))
+    LightningOptimizer(optimizer).zero_grad()
+    _FabricOptimizer(optimizer, strategy=None).zero_grad()  # type: ignore[arg-type]
+    assert calls == ["first", "second", "second"] and model.weight.grad is None
+    assert isinstance(optimizer, torch.optim.AdamW) and type(optimizer).__name__ == "AdamW"
+    copied = pickle.loads(pickle.dumps(optimizer))
+    assert type(copied) is torch.optim.AdamW and copied.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]

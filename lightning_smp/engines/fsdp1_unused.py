@@ -25,12 +25,13 @@ _INSTALLED: list[bool] = []
 
 
 def track(root: Module) -> None:
-    """Note, for each handle of ``root`` (an FSDP1 root) with a trainable flat parameter, which parameters are used."""
+    """Note, for each handle of ``root`` (an FSDP1 root), which parameters are used (every handle, frozen ones too:
+    the bitmap has one byte per parameter, as the planner counts it)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     for unit in FullyShardedDataParallel.fsdp_modules(root):
         handle = unit._handle
-        if handle is not None and handle.flat_param.requires_grad and not hasattr(handle, _ATTRIBUTE):
+        if handle is not None and not hasattr(handle, _ATTRIBUTE):
             _track_handle(handle)
     _ROOTS.add(root)
     if not _INSTALLED:

@@ -16,6 +16,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from torch.nn import Module
 
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.planner.links import Links
+from lightning_smp.precision import autocast_context
 
 #: Bytes of the timed all-reduces (a small one for the latency, larger ones for the bandwidth).
 SIZES = (1 << 12, 1 << 20, 1 << 22)
@@ -98,7 +100,8 @@ def _timed_count(run: Callable[[], None], device: torch.device, seconds: float) 
     run()
     _sync(device)
     once = max(time.perf_counter() - start, 1e-9)
-    count = int(max(_slowest([min(seconds / once, 10_000.0)], device)[0], 1.0))  # one count for every rank
+    # one count for every rank, the slowest rank's (so that no rank runs its last ones alone, on idle cores)
+    count = int(max(-_slowest([-min(seconds / once, 10_000.0)], device)[0], 1.0))
     dist.barrier()
     start = time.perf_counter()
     for _ in range(count):
@@ -108,7 +111,7 @@ def _timed_count(run: Callable[[], None], device: torch.device, seconds: float) 
 
 
 def _model_flops(model: Module, example_input: Any, step: Callable[[Module, Any], torch.Tensor] | None,
-                 device: torch.device, seconds: float) -> float:
+                 device: torch.device, seconds: float, precision: str) -> float:
     """The FLOP/s one forward and backward of ``model`` on ``example_input`` achieves on this rank while every rank
     runs it: its FLOPs (counted as the planner counts them) over its time. A copy trains, unsharded: the model must
     fit on one device."""
@@ -119,13 +122,15 @@ def _model_flops(model: Module, example_input: Any, step: Callable[[Module, Any]
             f"calibrate(model=...) times the model, and {type(model).__name__} has parameters on the meta device."
             " Fix: build it on a real device, or calibrate without model= (a matrix multiplication's rate)."
         )
-    trace = trace_micro_batch(model, example_input, step=step, device=device)
+    trace = trace_micro_batch(model, example_input, step=step, device=device, precision=precision)
     work = copy.deepcopy(model).to(device)
     batch = _to_device(example_input, device)
     run_step = step or _default_step
 
     def run() -> None:
-        run_step(work, batch).backward()
+        with autocast_context(precision, device.type) or nullcontext():  # as the run computes
+            loss = run_step(work, batch)
+        loss.backward()
         for param in work.parameters():
             param.grad = None
 
@@ -146,7 +151,7 @@ def _to_device(value: Any, device: torch.device) -> Any:
 def calibrate(devices_per_node: int | None = None, *, sizes: Sequence[int] = SIZES, repeats: int = 5,
               matmul_size: int | None = None, compute_seconds: float = 0.5,
               device: torch.device | str | None = None, model: Module | None = None, example_input: Any = None,
-              step: Callable[[Module, Any], torch.Tensor] | None = None) -> Links:
+              step: Callable[[Module, Any], torch.Tensor] | None = None, precision: str = "32-true") -> Links:
     """The links and the compute of the running job, measured (call it on every rank; it takes a few seconds).
 
     Args:
@@ -157,7 +162,8 @@ def calibrate(devices_per_node: int | None = None, *, sizes: Sequence[int] = SIZ
         model, example_input, step: time the compute as forward and backward passes of ``model`` on
             ``example_input`` (one rank's micro-batch; ``step(model, batch) -> loss`` as for the planner), on an
             unsharded copy that must fit on one device, instead of a matrix multiplication: the rate the model's own
-            layers achieve, element-wise operations and small matrices included.
+            layers achieve, element-wise operations and small matrices included; ``precision``: the run's (a
+            ``*-mixed`` one is timed under autocast).
         device: where the tensors live (default: the CPU under gloo, else the current accelerator).
 
     Raises:
@@ -188,8 +194,14 @@ def calibrate(devices_per_node: int | None = None, *, sizes: Sequence[int] = SIZ
             measured[axis] = fit_alpha_beta(sizes, _slowest(times, device), ranks)
     intra = measured.get("intra", measured.get("inter", (float("inf"), 0.0)))
     inter = measured.get("inter", intra)
-    if model is not None and example_input is not None:
-        rate, timed = _model_flops(model, example_input, step, device, compute_seconds), type(model).__name__
+    if model is not None and example_input is None:
+        raise HybridShardConfigError(
+            f"calibrate(model={type(model).__name__}) times the model's forward and backward, and example_input is"
+            " None. Fix: pass example_input= (one rank's micro-batch), or no model= (a matrix multiplication's rate)."
+        )
+    if model is not None:
+        rate = _model_flops(model, example_input, step, device, compute_seconds, precision)
+        timed = type(model).__name__
     else:
         side = matmul_size or (1024 if device.type == "cpu" else 8192)
         rate, timed = _matmul_flops(device, side, compute_seconds), f"{side}x{side} matmul"

@@ -225,7 +225,7 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
                 " (a matrix multiplication's rate)."
             )
         timed = parser.instantiate_classes(cfg).model  # for real this time: its passes are timed
-    links = _calibrated(devices, timed, example_input) if cfg.calibrate else cfg.preset
+    links = _calibrated(devices, timed, example_input, precision) if cfg.calibrate else cfg.preset
     return plan(model, world_size=nodes * devices, devices_per_node=devices, budget_bytes=budget,
                 fsdp_version=version, auto_wrap_policy=policy, optimizer=cfg.optimizer_name, precision=precision,
                 sharding_strategy=strategy.get("sharding_strategy") or HYBRID_SHARD,
@@ -264,7 +264,8 @@ def save_plot(result: Plan, path: Path) -> None:
     plt.close(fig)
 
 
-def _calibrated(devices: int, model: Module | None = None, example_input: Any = None) -> Links:
+def _calibrated(devices: int, model: Module | None = None, example_input: Any = None,
+                precision: str = "32-true") -> Links:
     """:func:`~.calibrate.calibrate` under torchrun: the process group from its environment, ``devices`` per node."""
     import torch.distributed as dist
 
@@ -280,7 +281,7 @@ def _calibrated(devices: int, model: Module | None = None, example_input: Any = 
         accelerator = torch.accelerator.current_accelerator()
         backend = dist.get_default_backend_for_device(accelerator) if accelerator is not None else "gloo"
         dist.init_process_group(backend)
-    return calibrate(devices, model=model, example_input=example_input)
+    return calibrate(devices, model=model, example_input=example_input, precision=precision)
 
 
 def main(argv: list[str]) -> None:

@@ -39,7 +39,7 @@ def textbook(units: Sequence[Sequence[Parameter]], layout: Any, prediction: Pred
                                   reduce_bytes=reduce, reduce_numel=sizes.reduced))
     scattered, synced = accumulation_passes(accumulation, micro_batches)
     replicas = layout.world_size if layout.sharding_strategy == NO_SHARD else layout.replicate
-    # the bitmap of parameters no rank used: one byte per parameter (FSDP1: with use_orig_params, the default)
+    # the bitmap of parameters no rank used: one byte per parameter
     return fsdp_step_textbook(specs, layout.sharding_strategy, shard, replicas, micro_batches, synced_passes=synced,
                               reduce_scatter_passes=scattered,
                               keep_gathered_unsynced=prediction.keeps_gathered_unsynced,
