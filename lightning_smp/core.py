@@ -76,7 +76,6 @@ _ASYNC_FULL = (
 )
 
 
-
 @dataclass
 class HybridShardCore:
     """The front-end-independent state of one hybrid-sharding strategy (see the module docstring for its order).

@@ -267,22 +267,19 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         if self.engine.replaces_parameters:
             raise HybridShardConfigError(
                 f"fabric.setup(model, optimizer) with fsdp_version={self.engine.version}: sharding replaces the"
-                " model's parameters, so"
-                " an optimizer created before would update nothing. Fix: model = fabric.setup_module(model), then"
-                " create the optimizer from model.parameters() and call fabric.setup_optimizers(optimizer)."
+                " model's parameters, so an optimizer created before would update nothing. Fix: model ="
+                " fabric.setup_module(model), then create the optimizer from model.parameters() and call"
+                " fabric.setup_optimizers(optimizer)."
             )
         self._choose(module, optimizers)
         module, optimizers, scheduler = super().setup_module_and_optimizers(module, optimizers, scheduler)
         for optimizer in optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]:
-            self._discarding_on_zero_grad(optimizer)
+            discard_on_zero_grad(optimizer, self._discard_window)
         return module, optimizers, scheduler
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        return self._discarding_on_zero_grad(super().setup_optimizer(optimizer))
-
-    def _discarding_on_zero_grad(self, optimizer: Optimizer) -> Optimizer:
-        return discard_on_zero_grad(optimizer, self._discard_window)
+        return discard_on_zero_grad(super().setup_optimizer(optimizer), self._discard_window)
 
     def _discard_window(self) -> None:
         """A loop's ``zero_grad`` in the middle of an accumulation window drops all of it, as under DDP."""

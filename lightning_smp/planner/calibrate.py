@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.nn import Module
 
 from lightning_smp.errors import HybridShardConfigError
@@ -139,13 +140,11 @@ def _model_flops(model: Module, example_input: Any, step: Callable[[Module, Any]
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):  # a meta one (a model built on the meta device) as zeros: only time counts
-        return torch.zeros(value.shape, dtype=value.dtype, device=device) if value.is_meta else value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    return value
+    """``value``'s tensors on ``device``; a meta one (a model built on the meta device) as zeros: only time counts."""
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(tensor.shape, dtype=tensor.dtype, device=device) if tensor.is_meta else tensor.to(device)
+
+    return apply_to_collection(value, torch.Tensor, move)
 
 
 def calibrate(devices_per_node: int | None = None, *, sizes: Sequence[int] = SIZES, repeats: int = 5,

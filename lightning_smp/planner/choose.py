@@ -34,10 +34,8 @@ from lightning_smp.planner.budget import parse_bytes
 from lightning_smp.planner.links import (
     Links,
     as_run,
+    axis_link,
     collective_seconds,
-    crossing_groups,
-    group_spans_nodes,
-    inter_node_bandwidth,
     links_for,
 )
 from lightning_smp.planner.state import fsdp_units, model_state, optimizer_name
@@ -244,13 +242,8 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
         peak = (0 if cpu_offload else state) + transient + buffers + activations
         figure = textbook(units, layout, engine.prediction, micro_batches, mode, precision)
         replicas = world_size if layout.sharding_strategy == NO_SHARD else layout.replicate
-        shard_inter = group_spans_nodes(world_size, layout.shard, True, per_node)
-        replica_inter = group_spans_nodes(world_size, layout.shard, False, per_node)
-        intra = (link.intra_bandwidth, link.intra_latency)
-        shard_link = (inter_node_bandwidth(link, crossing_groups(world_size, layout.shard, True, per_node), per_node),
-                      link.inter_latency) if shard_inter else intra
-        replica_link = (inter_node_bandwidth(link, crossing_groups(world_size, layout.shard, False, per_node),
-                                             per_node), link.inter_latency) if replica_inter else intra
+        shard_link, shard_inter = axis_link(link, world_size, layout.shard, True, per_node)
+        replica_link, replica_inter = axis_link(link, world_size, layout.shard, False, per_node)
         run = {axis: as_run(ops, link.reduce_scatter_as_all_reduce) for axis, ops in figure.items()}  # as run
         shard_s = collective_seconds(run["shard"], layout.shard, *shard_link)
         replica_s = collective_seconds(run["replicate"], replicas, *replica_link)

@@ -137,16 +137,16 @@ def collective_seconds(figure_axis: dict[str, dict[str, float]], group_size: int
 def crossing_groups(world_size: int, shard: int, axis_is_shard: bool, devices_per_node: int) -> int:
     """How many groups of the axis leave one node at once (the most over the nodes): they share the node's network.
     One group spanning nodes (a ring's single crossing per node) has all of it; ``k`` groups, a ``k``-th each."""
-    def first(rank: int) -> int:
-        return rank // shard * shard if axis_is_shard else rank % shard
-
-    crossing: dict[int, set[int]] = {}
+    nodes_of: dict[int, set[int]] = {}  # a group (by its first rank) -> the nodes its ranks sit in
     for rank in range(world_size):
-        node = rank // devices_per_node
-        group = first(rank)
-        if any(other // devices_per_node != node for other in range(world_size) if first(other) == group):
-            crossing.setdefault(node, set()).add(group)
-    return max((len(groups) for groups in crossing.values()), default=0)
+        first = rank // shard * shard if axis_is_shard else rank % shard
+        nodes_of.setdefault(first, set()).add(rank // devices_per_node)
+    crossing: dict[int, int] = {}
+    for nodes in nodes_of.values():
+        if len(nodes) > 1:
+            for node in nodes:
+                crossing[node] = crossing.get(node, 0) + 1
+    return max(crossing.values(), default=0)
 
 
 def inter_node_bandwidth(links: Links, groups_crossing: int, devices_per_node: int) -> float:
@@ -162,5 +162,15 @@ def group_spans_nodes(world_size: int, shard: int, axis_is_shard: bool, devices_
     return crossing_groups(world_size, shard, axis_is_shard, devices_per_node) > 0
 
 
+def axis_link(links: Links, world_size: int, shard: int, axis_is_shard: bool,
+              devices_per_node: int) -> tuple[tuple[float, float], bool]:
+    """``((bandwidth, latency), spans_nodes)`` of the groups of one axis: the intra-node link, or, for groups that
+    leave their node, the node's network shared among the groups crossing at once."""
+    crossing = crossing_groups(world_size, shard, axis_is_shard, devices_per_node)
+    if not crossing:
+        return (links.intra_bandwidth, links.intra_latency), False
+    return (inter_node_bandwidth(links, crossing, devices_per_node), links.inter_latency), True
+
+
 __all__ = ["ACHIEVED_FRACTION", "DEFAULT_PRESET", "LINK_PRESETS", "Links", "collective_seconds", "group_spans_nodes",
-           "as_run", "crossing_groups", "inter_node_bandwidth", "links_for", "load_links", "save_links"]
+           "as_run", "axis_link", "crossing_groups", "inter_node_bandwidth", "links_for", "load_links", "save_links"]
