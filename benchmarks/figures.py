@@ -36,6 +36,7 @@ TARGETS = {
     "wrapper overhead: smp_hybrid / plain-torch HSDP": 1.03,
     "wrapper overhead: smp_hybrid_fsdp2 / plain-torch fully_shard HSDP": 1.03,
     "memory callback overhead: on / off": 1.02,
+    "degree 1 (the DDP engine) / Lightning DDP, like for like": 1.05,
     "FSDP2 deferred all-reduce: replica bytes k=4 / k=1": 1.00,
     "FSDP2 deferred all-reduce: peak gradient memory / ((1 + 1/d) x sharded gradient)": 1.00,
 }
@@ -196,6 +197,18 @@ def timing_ratios(settings: Settings, configs: dict[str, dict]) -> list[dict[str
     degrees = sorted({c["degree"] for c in configs.values() if c["degree"] is not None})
     main = hybrid_degree(settings.world_size, degrees)
     ratios = []
+    if 1 in degrees:
+        # nothing sharded runs on the DDP engine, under either fsdp_version: as fast as Lightning's DDP with the same
+        # find_unused_parameters (the engine's default, True, takes a model with unused parameters; DDP's, False,
+        # does not, and saves a graph traversal and an all-reduce per step)
+        target = TARGETS["degree 1 (the DDP engine) / Lightning DDP, like for like"]
+        for kind in ("smp_hybrid", "smp_hybrid_fsdp2"):
+            ratios += [
+                _ratio(f"{kind} d=1 / Lightning DDP, both find_unused_parameters=True", configs, f"{kind} d=1",
+                       "ddp find_unused_parameters=True", target),
+                _ratio(f"{kind} d=1 / Lightning DDP, both find_unused_parameters=False", configs,
+                       f"{kind} d=1 find_unused_parameters=False", "ddp", target),
+            ]
     for degree in degrees:
         # the target is set for hybrid sharding; degree 1 (NO_SHARD) and degree = world (FULL_SHARD) are shown too
         hybrid = 1 < degree < settings.world_size

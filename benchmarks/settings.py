@@ -140,6 +140,8 @@ class ConfigSpec:
         memory_callback: run :class:`~lightning_smp.MemorySavingsCallback` too (to time its overhead).
         micro_batches: ``accumulate_grad_batches`` of a gradient-accumulation run (``None``: a timed run).
         accumulation: the strategy's ``gradient_accumulation`` in an accumulation run.
+        find_unused_parameters: passed to Lightning's ``DDPStrategy`` or to the strategy (whose DDP engine, at degree
+            1, takes it); ``None``: their defaults (``False`` for DDP, ``True`` for the DDP engine).
     """
 
     kind: str
@@ -147,10 +149,13 @@ class ConfigSpec:
     memory_callback: bool = False
     micro_batches: int | None = None
     accumulation: str | None = None
+    find_unused_parameters: bool | None = None
 
     @property
     def name(self) -> str:
         base = self.kind if self.degree is None else f"{self.kind} d={self.degree}"
+        if self.find_unused_parameters is not None:
+            base += f" find_unused_parameters={self.find_unused_parameters}"
         if self.micro_batches is not None:
             return f"{base} {self.accumulation} k={self.micro_batches}"
         return f"{base} +memory callback" if self.memory_callback else base
@@ -195,13 +200,17 @@ def build_configs(settings: Settings) -> list[ConfigSpec]:
     for degree in degrees:
         resolve_layout(settings.world_size, degree)  # HybridShardConfigError for a bad --degrees
     main = hybrid_degree(settings.world_size, degrees)
-    configs = [ConfigSpec("ddp"), ConfigSpec("lightning_fsdp")]
+    configs = [ConfigSpec("ddp"), ConfigSpec("ddp", find_unused_parameters=True), ConfigSpec("lightning_fsdp")]
     for degree in degrees:
         configs += [ConfigSpec("torch_hsdp", degree), ConfigSpec("smp_hybrid", degree)]
+        if degree == 1:  # the DDP engine, told that every parameter takes part (DDP's own default)
+            configs.append(ConfigSpec("smp_hybrid", degree, find_unused_parameters=False))
         if degree == main:
             configs.append(ConfigSpec("smp_hybrid", degree, memory_callback=True))
         configs.append(ConfigSpec("smp_hybrid_zero2", degree))
         configs += [ConfigSpec("torch_fsdp2", degree), ConfigSpec("smp_hybrid_fsdp2", degree)]
+        if degree == 1:
+            configs.append(ConfigSpec("smp_hybrid_fsdp2", degree, find_unused_parameters=False))
     if settings.only:
         wanted = set(settings.only)
         unknown = wanted - {c.name for c in configs} - {c.name for c in _accumulation_specs(settings)}

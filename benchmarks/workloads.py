@@ -104,8 +104,9 @@ def lightning_strategy(spec: ConfigSpec, device: torch.device) -> Any:
 
     from lightning_smp import HybridShardFSDPStrategy
 
+    unused = {} if spec.find_unused_parameters is None else {"find_unused_parameters": spec.find_unused_parameters}
     if spec.kind == "ddp":
-        return DDPStrategy()
+        return DDPStrategy(**unused)
     if spec.kind == "lightning_fsdp":
         cls = _cpu_fsdp_strategy_class() if device.type == "cpu" else FSDPStrategy
         return cls(sharding_strategy=FULL_SHARD, auto_wrap_policy={Block})
@@ -113,7 +114,7 @@ def lightning_strategy(spec: ConfigSpec, device: torch.device) -> Any:
         flavour = HYBRID_SHARD_ZERO2 if spec.kind == "smp_hybrid_zero2" else HYBRID_SHARD
         return HybridShardFSDPStrategy(hybrid_shard_degree=spec.degree, sharding_strategy=flavour,
                                        auto_wrap_policy={Block}, fsdp_version=spec.fsdp_version,
-                                       gradient_accumulation=spec.accumulation)
+                                       gradient_accumulation=spec.accumulation, **unused)
     raise ValueError(f"{spec.kind!r} is not a Lightning configuration")
 
 

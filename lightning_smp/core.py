@@ -23,7 +23,7 @@ checks and its rank-agreement rules; split up, every front end would have to cal
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -48,7 +48,16 @@ from lightning_smp.degree import (
     reconcile_degree,
     resolve_strategy_layout,
 )
-from lightning_smp.engines import Engine, ShardingPlan, engine_for, offloads_parameters, own_offload_config
+from lightning_smp.engines import (
+    Engine,
+    ShardingPlan,
+    engine_for,
+    engine_for_layout,
+    engine_of,
+    offloads_parameters,
+    options_for,
+    own_offload_config,
+)
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.mesh import build_device_mesh, check_device_mesh, process_group_degree
 from lightning_smp.names import (
@@ -191,7 +200,7 @@ class HybridShardCore:
     def check_engine(self) -> None:
         """Static checks of the arguments against the engine that will run them."""
         engine = self.engine
-        engine.check_options(self.engine_options, self.mixed_precision_arg, self.cpu_offload_arg)
+        engine.check_options(options_for(engine, self.engine_options), self.mixed_precision_arg, self.cpu_offload_arg)
         if self.accumulation_arg is not None and self.accumulation_arg not in engine.accumulations:
             raise HybridShardConfigError(
                 f"gradient_accumulation={self.accumulation_arg!r} needs fsdp_version=2; fsdp_version="
@@ -225,8 +234,16 @@ class HybridShardCore:
             raise HybridShardConfigError(_ASYNC_FULL.format(state_dict_type=self.state_dict_type))
         self.engine = engine_for(config.fsdp_version)
         self.check_engine()
-        self.layout = None if self.auto_pending else self.resolve_layout(num_nodes, devices)
+        self._set_layout(None if self.auto_pending else self.resolve_layout(num_nodes, devices))
         return self.layout
+
+    def _set_layout(self, layout: Layout | None) -> None:
+        """The layout, and the engine that runs it: DDP's where nothing is sharded and the arguments allow
+        (:func:`~lightning_smp.engines.engine_for_layout`), else the engine of ``fsdp_version``."""
+        self.layout = layout
+        self.engine = engine_for_layout((self.config or self.resolve_config()).fsdp_version, layout,
+                                        options=self.engine_options, mixed_precision=self.mixed_precision_arg,
+                                        cpu_offload=self.cpu_offload_arg)
 
     def resolve_layout(self, num_nodes: int, devices: int) -> Layout:
         given = tuple(self.user_mesh.shape) if self.user_mesh is not None else self.mesh_shape_arg
@@ -265,7 +282,8 @@ class HybridShardCore:
 
     @property
     def gradient_accumulation(self) -> GradientAccumulation:
-        return self.accumulation_arg or self.engine.accumulations[0]
+        # the default of the engine fsdp_version selects, also where the DDP engine runs (which takes every mode)
+        return self.accumulation_arg or engine_for((self.config or self.resolve_config()).fsdp_version).accumulations[0]
 
     # ------------------------------------------------------------------ 3. the mesh, once the process group exists
 
@@ -275,7 +293,7 @@ class HybridShardCore:
         if self.layout is None and self.auto_pending:
             return None  # the planner chooses once the model exists (choose_degree), and builds the mesh then
         layout = self.layout if self.layout is not None else self.resolve_layout(num_nodes, devices)
-        self.layout = layout
+        self._set_layout(layout)
         if dist.get_world_size() != layout.world_size:
             raise HybridShardConfigError(
                 f"torch.distributed has {dist.get_world_size()} ranks but the strategy was configured for"
@@ -315,20 +333,20 @@ class HybridShardCore:
         chosen = plan_on_every_rank(
             module, configured_budget=config.memory_budget, configured_links=config.links, device=device,
             local_ranks=devices, world_size=num_nodes * devices, devices_per_node=devices,
-            fsdp_version=self.engine.version, auto_wrap_policy=self.engine_options.get("auto_wrap_policy"),
+            fsdp_version=config.fsdp_version, auto_wrap_policy=self.engine_options.get("auto_wrap_policy"),
             optimizer=optimizer, sharding_strategy=self.requested_strategy, precision=precision,
             micro_batches=micro_batches, accumulation=self.gradient_accumulation, example_input=example_input,
             checkpoint=checkpoint, training=training,
             cpu_offload=offloads_parameters(offload),
         )
         self.chosen = chosen
-        self.layout = self.resolve_layout(num_nodes, devices)
+        self._set_layout(self.resolve_layout(num_nodes, devices))
         return self.chosen
 
     def adopt(self, chosen: Plan, num_nodes: int, devices: int) -> None:
         """Take the choice made in the launched ranks (the process that launched them made none)."""
         self.chosen = chosen
-        self.layout = self.resolve_layout(num_nodes, devices)
+        self._set_layout(self.resolve_layout(num_nodes, devices))
 
     def plan(self, device: torch.device, *, mixed_precision: Any, cpu_offload: Any, options: dict[str, Any],
              precision: str, steps_inside_a_step: bool = False) -> ShardingPlan:
@@ -341,7 +359,7 @@ class HybridShardCore:
         if own_offload_config(self.cpu_offload_arg):
             cpu_offload = self.cpu_offload_arg  # FSDP2's own config, kept as the user gave it
         return ShardingPlan(layout=self.layout, device=device, mesh=mesh, mixed_precision=mixed_precision,
-                            cpu_offload=cpu_offload, options=options, precision=precision,
+                            cpu_offload=cpu_offload, options=options_for(self.engine, options), precision=precision,
                             steps_inside_a_step=steps_inside_a_step)
 
     # ------------------------------------------------------------------ 4. sharding the module
@@ -358,6 +376,12 @@ class HybridShardCore:
         if previous is not None and (previous is module or getattr(previous, "module", None) is module):
             # wrapping again would find the parameters already sharded (FSDP1: flattened, leaving 1-D views)
             return previous
+        other = engine_of(module)
+        if other is not None and other is not self.engine:
+            # sharded by hand in configure_model (fully_shard, or a DDP of the user's own): that engine runs it
+            self.engine = other
+            if self.device_mesh is not None and self.user_mesh is None and self.layout is not None:
+                plan = replace(plan, mesh=other.mesh_for(self.device_mesh, self.layout))
         engine, device = self.engine, plan.device
         first = engine.checkpoint_activations_first and not engine.is_sharded(module)
         if first:

@@ -58,8 +58,15 @@ from lightning_smp.core import HybridShardCore
 from lightning_smp.engines import Engine, ShardingPlan, engine_of, own_offload_config
 from lightning_smp.errors import GradientSyncError, HybridShardConfigError, UnsupportedOptionError
 from lightning_smp.frontend import HybridShardFrontEnd
-from lightning_smp.launcher import check_start_method_name
-from lightning_smp.names import STRATEGY_NAMES, GradientAccumulation, ShardingStrategyName, StartMethod, StateDictType
+from lightning_smp.launcher import check_fork_safety, check_start_method, check_start_method_name, rank_errors_retyped
+from lightning_smp.names import (
+    STRATEGY_NAMES,
+    GradientAccumulation,
+    ProcessStartMethod,
+    ShardingStrategyName,
+    StartMethod,
+    StateDictType,
+)
 from lightning_smp.optimizers import discard_on_zero_grad
 from lightning_smp.precision import autocast_context, scaler_for
 
@@ -123,6 +130,16 @@ class _WaitingLauncher(_MultiProcessingLauncher):
 
     _strategy: HybridShardFSDPStrategy
 
+    def __init__(self, strategy: HybridShardFSDPStrategy, start_method: ProcessStartMethod) -> None:
+        check_start_method(start_method)  # the Trainer's launcher's checks and error types, before any process starts
+        super().__init__(strategy, start_method=start_method)
+
+    @override
+    def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        check_fork_safety(self._strategy.root_device.type, self._start_method)
+        with rank_errors_retyped():
+            return super().launch(function, *args, **kwargs)
+
     def _wrapping_function(self, process_idx: int, function: Callable, args: Any, kwargs: Any, return_queue: Any,
                            global_states: Any = None) -> None:
         strategy = self._strategy
@@ -131,7 +148,7 @@ class _WaitingLauncher(_MultiProcessingLauncher):
             try:
                 results = function(*run_args, **run_kwargs)
             except BaseException:
-                strategy._end_checkpoint_after_error()
+                strategy.end_checkpoint_after_error()
                 raise
             strategy.wait_for_checkpoint()
             return results
@@ -266,7 +283,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
                                     ) -> tuple[Module, list[Optimizer], Any]:
         if self.engine.replaces_parameters:
             raise HybridShardConfigError(
-                f"fabric.setup(model, optimizer) with fsdp_version={self.engine.version}: sharding replaces the"
+                f"fabric.setup(model, optimizer) with fsdp_version={self.fsdp_version}: sharding replaces the"
                 " model's parameters, so an optimizer created before would update nothing. Fix: model ="
                 " fabric.setup_module(model), then create the optimizer from model.parameters() and call"
                 " fabric.setup_optimizers(optimizer)."

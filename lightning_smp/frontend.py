@@ -74,7 +74,8 @@ class HybridShardFrontEnd:
 
     @property
     def engine(self) -> Engine:
-        """The engine that shards the model (``fsdp_version``; settled when the strategy is configured)."""
+        """The engine that runs the model: the engine of ``fsdp_version``, or DDP's where the layout shards nothing
+        (settled with the layout: when the strategy is configured, or when ``"auto"`` has chosen)."""
         return self.core.engine
 
     @property
@@ -84,8 +85,9 @@ class HybridShardFrontEnd:
 
     @property
     def fsdp_version(self) -> int:
-        """The engine in effect: 1 (``FullyShardedDataParallel``) or 2 (``fully_shard``)."""
-        return self.engine.version
+        """The FSDP implementation configured: 1 (``FullyShardedDataParallel``) or 2 (``fully_shard``); a layout that
+        shards nothing runs on the DDP engine whichever it is (:attr:`engine`)."""
+        return (self.core.config or self.core.resolve_config()).fsdp_version
 
     @property
     def gradient_accumulation(self) -> GradientAccumulation:
@@ -185,7 +187,7 @@ class HybridShardFrontEnd:
         if self._background is not None:
             self._background.poll(collectives)
 
-    def _end_checkpoint_after_error(self) -> None:
+    def end_checkpoint_after_error(self) -> None:
         """After training failed: wait for the write in flight (it commits if every rank wrote), skip what waited for
         it, and log (not raise) its own failure, which must not hide the error that ended training."""
         if self._background is not None and self._background.in_flight:

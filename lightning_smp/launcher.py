@@ -19,9 +19,10 @@ import pickle
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.multiprocessing as mp
@@ -39,9 +40,10 @@ from lightning_smp.names import START_METHODS, ProcessStartMethod, StartMethod
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ParallelStrategy
 
     from lightning_smp.checkpoint import CheckpointRun
-    from lightning_smp.strategy import HybridShardFSDPStrategy
+    from lightning_smp.planner import Plan
 
 #: Attributes a callback fills with results for the user (e.g. ``MemorySavingsCallback.report``, one plain dict
 #: per rank, and ``.reports`` by stage): sent back from rank 0 and set on the main process's matching callback.
@@ -107,6 +109,19 @@ def _bad_fork_message(start_method: str, runtime: str, why: str) -> str:
     )
 
 
+@contextmanager
+def rank_errors_retyped() -> Generator[None, None, None]:
+    """Around a fork/spawn launch (the Trainer's launcher and Fabric's alike): an error of this library raised inside
+    a rank is raised here as the same type, as it would be in a script."""
+    try:
+        yield
+    except mp.ProcessRaisedException as err:
+        error = rank_error(str(err))
+        if error is None:
+            raise
+        raise error from err
+
+
 def rank_error(rank_traceback: str) -> LightningSMPError | None:
     """The library error that ended a rank, rebuilt from the traceback torch sends back (None for other errors)."""
     found: LightningSMPError | None = None
@@ -156,6 +171,22 @@ class MainProcessResults:
         return {**checkpoint, "optimizer_states": self.optimizer_states, "lr_schedulers": self.lr_schedulers}
 
 
+class LaunchedStrategy(Protocol):
+    """What the launcher needs of the strategy it launches for (the strategy is not imported here: it imports the
+    launcher)."""
+
+    root_device: torch.device
+    global_rank: int
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The unsharded model state on rank 0 (collective)."""
+        ...
+
+    def full_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The unsharded optimizer state on rank 0 (collective)."""
+        ...
+
+
 class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
     """Lightning's multiprocessing launcher for a sharded model: results come back complete to the main process.
 
@@ -166,25 +197,29 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
 
     Arguments:
         strategy: the :class:`~lightning_smp.HybridShardFSDPStrategy` that uses this launcher; the ranks call its
-            public ``full_state_dict()`` and ``full_optimizer_state(optimizer)``.
+            public ``full_state_dict()`` and ``full_optimizer_state(optimizer)`` (:class:`LaunchedStrategy`).
         start_method: ``"fork"`` (notebooks), ``"spawn"`` or ``"forkserver"``.
         results: where the main process keeps what the ranks sent back (owned by the strategy).
         run: the checkpoint run identity; the main process continues the ranks' run.
+        adopt_plan: told, in the main process, the degree plan the ranks chose for ``hybrid_shard_degree="auto"``
+            (the main process, which launched them, chose none).
     """
 
-    _strategy: HybridShardFSDPStrategy  # the base class declares a ParallelStrategy
+    _strategy: Any  # a ParallelStrategy (the base class's type) that is also a LaunchedStrategy
 
     def __init__(
         self,
-        strategy: HybridShardFSDPStrategy,
+        strategy: ParallelStrategy,
         start_method: ProcessStartMethod,
         results: MainProcessResults,
         run: CheckpointRun,
+        adopt_plan: Callable[[Plan], None] | None = None,
     ) -> None:
         check_start_method(start_method)
         super().__init__(strategy, start_method=start_method)
         self.results = results
         self.run = run
+        self.adopt_plan = adopt_plan
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
@@ -199,14 +234,8 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
                 " step counters too, call `trainer.save_checkpoint('last.ckpt')` first and then"
                 " `L.Trainer(...).fit(model, ckpt_path='last.ckpt')`."
             )
-        try:
+        with rank_errors_retyped():
             return super().launch(function, *args, trainer=trainer, **kwargs)
-        except mp.ProcessRaisedException as err:
-            # an error of this library found inside the ranks reads as the same error here, as it would in a script
-            error = rank_error(str(err))
-            if error is None:
-                raise
-            raise error from err
 
     # ------------------------------------------------------------------ inside the ranks
 
@@ -215,7 +244,7 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
 
-        strategy = self._strategy
+        strategy: LaunchedStrategy = self._strategy
         fitting = trainer.state.fn == TrainerFn.FITTING
         payload: dict[str, Any] = {}
         if fitting:
@@ -302,12 +331,8 @@ class HybridShardMultiProcessingLauncher(_MultiProcessingLauncher):
     @override
     def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
-        from lightning_smp.strategy import HybridShardFSDPStrategy
-
-        strategy = trainer.strategy
-        if extra.get("lightning_smp_plan") is not None and isinstance(strategy, HybridShardFSDPStrategy):
-            chosen = pickle.loads(extra["lightning_smp_plan"])  # noqa: S301  # written by this run's own rank 0
-            strategy.core.adopt(chosen, strategy.num_nodes, strategy.num_processes)
+        if extra.get("lightning_smp_plan") is not None and self.adopt_plan is not None:
+            self.adopt_plan(pickle.loads(extra["lightning_smp_plan"]))  # noqa: S301  # this run's own rank 0 wrote it
         for name in ("logged_metrics", "progress_bar_metrics"):
             if f"{name}_bytes" in extra:
                 getattr(trainer, name).update(torch.load(io.BytesIO(extra[f"{name}_bytes"]), weights_only=True))
@@ -344,9 +369,11 @@ def _set_callback_reports(callbacks: list[Any], reports: dict[str, dict[str, Any
 
 __all__ = [
     "HybridShardMultiProcessingLauncher",
+    "LaunchedStrategy",
     "MainProcessResults",
     "check_fork_safety",
     "check_start_method",
     "check_start_method_name",
     "rank_error",
+    "rank_errors_retyped",
 ]

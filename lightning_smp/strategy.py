@@ -248,7 +248,8 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         else:
             self._launch_results = MainProcessResults()
             self._launcher = HybridShardMultiProcessingLauncher(
-                self, self._start_method, results=self._launch_results, run=self.checkpoint_run
+                self, self._start_method, results=self._launch_results, run=self.checkpoint_run,
+                adopt_plan=lambda chosen: self.core.adopt(chosen, self.num_nodes, self.num_processes),
             )
 
     @override
@@ -292,7 +293,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         if (trainer.state.fn == TrainerFn.FITTING and module is not None and not module.automatic_optimization
                 and not self.engine.steps_inside_a_step):
             raise UnsupportedOptionError(
-                f"automatic_optimization=False with fsdp_version={self.engine.version}: a Lightning step runs inside"
+                f"automatic_optimization=False with fsdp_version={self.fsdp_version}: a Lightning step runs inside"
                 " the sharded root's forward, and FSDP1 cannot run manual_backward there (Lightning's FSDPStrategy"
                 " fails alike). Fix: fsdp_version=2, which runs manual optimization (several backward passes and"
                 " optimizers per step included), or automatic optimization."
@@ -361,6 +362,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self.model is not None:
             self.core.before_backward(self.model)
+            module = self.lightning_module
+            if module is not None and not module.automatic_optimization:
+                self.engine.prepare_backward(self.model, closure_loss)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -494,7 +498,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self._end_checkpoint_after_error()  # a save still in flight here: fit ended with an error
+        self.end_checkpoint_after_error()  # a save still in flight here: fit ended with an error
         if self._background is not None:
             self._background.buffers.clear()  # the staging memory, until the next save
         if self._undo_deferral is not None:

@@ -29,6 +29,7 @@ from lightning_smp.engines.chunks import TensorChunks
 from lightning_smp.fabric import HybridShardFSDPStrategy as FabricStrategy
 from tests.helpers import (
     BACKENDS,
+    FSDP_VERSIONS,
     GLOO_TIMEOUT,
     accelerator_for,
     cpu_trainer,
@@ -39,7 +40,6 @@ from tests.helpers import (
 )
 from tests.test_checkpoint import CkptModel, Probe, assert_same_state, probe, run
 
-ENGINES = [pytest.param(1, id="fsdp1"), pytest.param(2, id="fsdp2")]
 WORLD, DEGREE = 4, 2  # replica groups {0, 2} and {1, 3}: ranks 0 and 1 write, 2 and 3 hold the same shards
 
 
@@ -97,7 +97,7 @@ def _local_bytes(obj: Any) -> int:
 # ------------------------------------------------------------------------------------------------------ equality
 
 
-@pytest.mark.parametrize("version", ENGINES)
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
 @pytest.mark.parametrize("backend", BACKENDS)  # the timeout comes with the backend
 def test_background_checkpoints_equal_blocking_ones(tmp_path: Path, backend: str, version: int,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -186,7 +186,7 @@ def _fabric_loads(fabric: L.Fabric, path: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
-@pytest.mark.parametrize("version", ENGINES)
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_fabric_background_saves_hold_the_state_at_the_call(tmp_path: Path, version: int,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Each save holds the state at its call although the next steps run while it is written; it loads under the
@@ -344,7 +344,7 @@ def record_checkpoint_errors(monkeypatch: pytest.MonkeyPatch, folder: Path) -> N
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
-@pytest.mark.parametrize("version", ENGINES)
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_a_failed_background_write_raises_on_every_rank(tmp_path: Path, version: int,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1's second write fails: every rank raises at the same step, naming the path; the checkpoint it would

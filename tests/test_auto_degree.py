@@ -19,7 +19,7 @@ from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy
 from lightning_smp.config import ENV_CONFIG, ENV_SAGEMAKER, resolve_config, set_cli_config
 from lightning_smp.names import AUTO, SHARD_AXIS
 from lightning_smp.testing import run_distributed
-from tests.helpers import GLOO_TIMEOUT, cpu_trainer
+from tests.helpers import FSDP_VERSIONS, GLOO_TIMEOUT, cpu_trainer
 
 WORLD = 4
 WIDTH, HIDDEN, BLOCKS = 1024, 2048, 3  # 3 x 4.2 M = 12.6 M parameters
@@ -98,7 +98,7 @@ def _thresholds(version: int, traced: bool = True) -> list[tuple[int, int | None
 
 
 @pytest.mark.timeout(4 * GLOO_TIMEOUT)
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_trainer_chooses_the_degree_a_budget_just_fits_on_both_sides_of_each_threshold(tmp_path, version):
     cases = _thresholds(version)
     assert [expected for _, expected in cases] == [1, 2, 2, 4, 4, None]
@@ -157,7 +157,7 @@ class CheckpointRecorder(Callback):
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_trainer_turns_checkpointing_on_when_nothing_fits_without_it(tmp_path, version):
     with torch.device("meta"):
         model = LongActivations()

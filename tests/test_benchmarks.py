@@ -43,8 +43,9 @@ from lightning_smp.names import (
 )
 
 WORLD4_NAMES = [
-    "ddp", "lightning_fsdp",
-    "torch_hsdp d=1", "smp_hybrid d=1", "smp_hybrid_zero2 d=1", "torch_fsdp2 d=1", "smp_hybrid_fsdp2 d=1",
+    "ddp", "ddp find_unused_parameters=True", "lightning_fsdp",
+    "torch_hsdp d=1", "smp_hybrid d=1", "smp_hybrid d=1 find_unused_parameters=False", "smp_hybrid_zero2 d=1",
+    "torch_fsdp2 d=1", "smp_hybrid_fsdp2 d=1", "smp_hybrid_fsdp2 d=1 find_unused_parameters=False",
     "torch_hsdp d=2", "smp_hybrid d=2", "smp_hybrid d=2 +memory callback", "smp_hybrid_zero2 d=2",
     "torch_fsdp2 d=2", "smp_hybrid_fsdp2 d=2",
     "torch_hsdp d=4", "smp_hybrid d=4", "smp_hybrid_zero2 d=4", "torch_fsdp2 d=4", "smp_hybrid_fsdp2 d=4",

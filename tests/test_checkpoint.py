@@ -33,12 +33,11 @@ from lightning_smp import CheckpointError, HybridShardFSDPStrategy
 from lightning_smp import checkpoint as ckpt
 from lightning_smp.checkpoint import convert, safety, saving
 from lightning_smp.names import FULL, SHARDED, STATE_DICT_TYPES, STRATEGY_NAMES
-from tests.helpers import TinyModel, cpu_trainer, kill_when_ready, make_loader
+from tests.helpers import FSDP_VERSIONS, TinyModel, cpu_trainer, kill_when_ready, make_loader
 
 #: every registered strategy name but the notebook one (the same as smp_hybrid, launched by fork): its init args
 STRATEGIES = {name: {k: v for k, v in args.items() if k != "start_method"}
               for name, _, args in STRATEGY_NAMES if name != "smp_hybrid_notebook"}
-ENGINES = [pytest.param(1, id="fsdp1"), pytest.param(2, id="fsdp2")]
 # 64 samples, batch 4: 4 steps per epoch on 4 ranks, 8 on 2 ranks
 K, N = 4, 10  # save after K steps (the last batch of epoch 0 on 4 ranks), train to N (into epoch 2)
 
@@ -196,7 +195,7 @@ def test_model_checkpoint_top_k_and_last_in_both_formats(written: dict[str, Path
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("version", ENGINES)
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_sharded_checkpoint_tensors_are_written_once_by_replica_group_zero(written_by: dict[int, dict[str, Path]],
                                                                           version: int) -> None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -246,7 +245,7 @@ class CollectiveCounter(Callback):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("version", ENGINES)
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_full_checkpoint_is_assembled_once(tmp_path: Path, version: int) -> None:
     run(tmp_path, 4, 2, tag="once", kind=FULL, max_steps=2, callbacks=(CollectiveCounter(tmp_path),),
         strategy_kwargs={"fsdp_version": version})
@@ -397,6 +396,37 @@ def test_checkpoint_moves_between_engines(tmp_path: Path, written_by: dict[int, 
     assert end["global_step"] == K + 2 and all(torch.isfinite(torch.tensor(end["losses"])))
 
 
+@pytest.fixture(scope="module")
+def written_at_degree_1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The DDP engine's checkpoints: degree 1 on 4 ranks, K steps, once per format."""
+    out = {}
+    for kind in STATE_DICT_TYPES:
+        folder = tmp_path_factory.mktemp(f"writer_ddp_{kind}")
+        callback = ModelCheckpoint(dirpath=folder / "ckpts", save_top_k=0, every_n_train_steps=K, save_last=True)
+        run(folder, 4, 1, tag="writer", kind=kind, max_steps=K, callbacks=(callback,))
+        out[kind] = folder
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("kind", "reader", "devices", "degree"), [
+    pytest.param(SHARDED, 2, 4, 4, id="sharded_to_fsdp2_4r_d4"),
+    pytest.param(FULL, 1, 2, 2, id="full_to_fsdp1_2r_d2"),
+])
+def test_the_ddp_engine_s_checkpoint_resumes_under_fsdp(tmp_path: Path, written_at_degree_1: dict[str, Path],
+                                                        kind: str, reader: int, devices: int, degree: int) -> None:
+    """Degree 1's checkpoints (whole tensors, every rank a replica) resume exactly as shards of the other engines, at
+    another degree and world size, the optimizer state included (the reverse is in the tests above: their d1
+    readers run on the DDP engine)."""
+    source = written_at_degree_1[kind] / "ckpts" / "last.ckpt"
+    run(tmp_path, devices, degree, tag="moved", kind=kind, max_steps=K + 2, ckpt_path=source,
+        strategy_kwargs={"fsdp_version": reader})
+    start, end = probe(tmp_path, "moved", "start"), probe(tmp_path, "moved", "end")
+    assert start["global_step"] == K
+    assert_same_state(start, probe(written_at_degree_1[kind], "writer", "end"))
+    assert end["global_step"] == K + 2 and all(torch.isfinite(torch.tensor(end["losses"])))
+
+
 @pytest.mark.timeout(60)
 def test_engines_write_the_same_checkpoint(written_by: dict[int, dict[str, Path]]) -> None:
     """Same model, data and degree: both engines' full files hold the same keys and shapes, and their sharded
@@ -442,7 +472,7 @@ def test_validate_and_predict_load_the_checkpoint(tmp_path: Path, written: dict[
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("version", ENGINES)
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_load_from_checkpoint_reads_either_kind(written_by: dict[int, dict[str, Path]], version: int) -> None:
     written = written_by[version]
     full_path, sharded_path = (written[kind] / "ckpts" / "last.ckpt" for kind in (FULL, SHARDED))
@@ -459,7 +489,7 @@ def test_load_from_checkpoint_reads_either_kind(written_by: dict[int, dict[str, 
         ckpt.load_from_checkpoint(CkptModel, written[FULL] / "missing.ckpt")
 
 
-@pytest.mark.parametrize("version", ENGINES)
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_consolidate_sharded_to_full(tmp_path: Path, written_by: dict[int, dict[str, Path]], version: int) -> None:
     written = written_by[version]
     source = written[SHARDED] / "ckpts" / "last.ckpt"

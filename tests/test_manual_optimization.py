@@ -1,5 +1,6 @@
 """Manual optimization (``automatic_optimization = False``): one or several backward passes and optimizer steps inside
-``training_step``, as in a GAN. FSDP2 equals DDP; FSDP1, which runs the step inside its root's forward and cannot run
+``training_step``, as in a GAN. FSDP2 equals DDP, and so does degree 1 (the DDP engine) under either version; FSDP1,
+which runs the step inside its root's forward and cannot run
 a backward there (Lightning's FSDPStrategy fails alike, pytorch-lightning#19685), refuses before any step."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_smp import HybridShardFSDPStrategy, UnsupportedOptionError
-from tests.helpers import GLOO_TIMEOUT, fit_and_record, make_loader
+from tests.helpers import FSDP_VERSIONS, GLOO_TIMEOUT, fit_and_record, make_loader
 
 WORLD = 4
 STEPS = 3
@@ -81,6 +82,19 @@ def test_a_gan_step_under_fsdp2_trains_as_under_ddp(tmp_path, ddp, degree, units
                                         start_method="fork"), tmp_path)
     for key in ddp["end"]:
         assert not torch.equal(ddp["end"][key], ddp["start"][key]), key
+        assert not torch.equal(ours["end"][key], ours["start"][key]), f"{key} did not move"
+        assert torch.allclose(ours["end"][key], ddp["end"][key], atol=1e-5, rtol=0), key
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
+def test_a_gan_step_at_degree_1_trains_as_under_ddp_whatever_the_version(tmp_path, ddp, version):
+    """Nothing sharded runs on the DDP engine, under fsdp_version=1 too: several backward passes in one step, each
+    prepared for DDP's reducer as Lightning's DDPStrategy prepares them."""
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=1, fsdp_version=version, start_method="fork")
+    ours = _fit(strategy, tmp_path)
+    assert strategy.engine.name == "ddp"
+    for key in ddp["end"]:
         assert not torch.equal(ours["end"][key], ours["start"][key]), f"{key} did not move"
         assert torch.allclose(ours["end"][key], ddp["end"][key], atol=1e-5, rtol=0), key
 

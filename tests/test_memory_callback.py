@@ -72,7 +72,6 @@ def _measured(figure: dict | None) -> dict:
 @pytest.mark.parametrize(
     ("degree", "sharding", "wrap", "fsdp_runs"),
     [
-        pytest.param(1, HYBRID_SHARD, False, NO_SHARD, id="degree1"),
         pytest.param(2, HYBRID_SHARD, True, HYBRID_SHARD, id="degree2_per_layer"),
         pytest.param(4, HYBRID_SHARD, False, FULL_SHARD, id="degree4"),
         pytest.param(2, HYBRID_SHARD_ZERO2, True, HYBRID_SHARD_ZERO2, id="degree2_zero2"),
@@ -110,6 +109,26 @@ def test_exact_bytes_and_collectives_per_rank(tmp_path: Path, degree: int, shard
         assert (r0["params_bytes"], r0["unsharded_params_bytes"]) == (4 * (281 + 68), 4 * 697)
         # ...and 2 all-gathers of each Linear unit (not the root) inside the shard group, in one step
         assert _measured(r0["comm"])[(SHARD_AXIS, "all_gather")] == (4, 2 * 4 * (562 + 136))
+
+
+@pytest.mark.timeout(120)
+def test_degree_1_holds_the_whole_model_and_sends_one_bucket_per_step(tmp_path: Path) -> None:
+    """Degree 1 runs on the DDP engine (auto_wrap_policy describes sharding only, and is set aside): every rank holds
+    every parameter whole, without FSDP's padding, and a step all-reduces the gradients in DDP's one bucket (2.7 KB,
+    under its 1 MB first-bucket cap) and its used-parameter bitmap (4 bytes a parameter) over all ranks."""
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=1, start_method="fork", auto_wrap_policy={torch.nn.Linear})
+    reports = _fit(tmp_path, strategy)
+    full = unsharded_bytes(ROOT_UNIT)
+    params = len(ROOT_UNIT[0])
+    for stage in ("first_step", "fit_end"):
+        for rank, record in enumerate(reports[stage]):
+            assert record["rank"] == rank
+            assert (record["sharding_strategy"], record["shard_degree"], record["replicas"]) == (NO_SHARD, 1, WORLD)
+            assert {k: record[k] for k in full} == full
+            assert record["padding_bytes"] == 0 and record["saved_bytes"] == 0
+    expected = {(REPLICATE_AXIS, "all_reduce"): (1 + 1, 4 * 697 + 4 * params)}
+    for record in reports["first_step"]:
+        assert _measured(record["comm"]) == _measured(record["comm_textbook"]) == expected
 
 
 @pytest.mark.timeout(120)
@@ -183,7 +202,8 @@ def test_under_lightning_ddp(tmp_path: Path) -> None:
     reports = _fit(tmp_path, DDPStrategy(start_method="fork"), devices=2)
     full = unsharded_bytes(ROOT_UNIT)
     for record in reports["first_step"]:
-        assert record["strategy"] == "DDPStrategy" and record["sharding_strategy"] is None
+        # the DDP engine reads a DistributedDataParallel model, whoever built it: nothing sharded
+        assert record["strategy"] == "DDPStrategy" and record["sharding_strategy"] == NO_SHARD
         assert (record["params_bytes"], record["grads_bytes"], record["optimizer_bytes"]) == (
             full["params_bytes"], full["grads_bytes"], full["optimizer_bytes"])
         assert record["saved_bytes"] == 0 and record["measured_over_floor"] == 1.0

@@ -14,7 +14,7 @@ import torch
 
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, MemorySavingsCallback
 from lightning_smp.planner import model_state, optimizer_state_layout, plan
-from tests.helpers import GLOO_TIMEOUT, TinyModel, cpu_trainer, make_loader
+from tests.helpers import FSDP_VERSIONS, GLOO_TIMEOUT, TinyModel, cpu_trainer, make_loader
 from tests.test_fsdp2 import FeatureModel, LoRABlock, token_loader
 
 WORLD = 4
@@ -57,7 +57,7 @@ MODELS = {
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
 @pytest.mark.parametrize("model_key", sorted(MODELS))
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
 @pytest.mark.parametrize("degree", [1, 2, 4])
 def test_predicted_model_state_equals_the_measured_one(tmp_path, model_key, version, degree):
     cls, loader, policy_of, optimizer = MODELS[model_key]
@@ -98,16 +98,16 @@ def test_optimizer_state_layouts():
 
 
 def test_the_fastest_fitting_degree_is_recommended_on_both_sides_of_each_threshold():
-    """In one node every degree's traffic takes the same link: degrees 1 and 2 tie (the smaller is chosen), and from
-    there the larger the group the more it sends. So the degree a budget just fits is the one chosen; a byte less and
-    it no longer fits."""
+    """In one node every degree's traffic takes the same link: degree 1 (the DDP engine: the same bytes as degree 2,
+    in one bucket instead of one all-reduce per unit) is fastest, and from there the larger the group the more it
+    sends. So the degree a budget just fits is the one chosen; a byte less and it no longer fits."""
     with torch.device("meta"):
         model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)])
     full = plan(model, world_size=8, budget_bytes=10**12, auto_wrap_policy={torch.nn.Linear})
     peaks = {r.degree: r.peak_bytes for r in full.rows}
     assert list(peaks) == [1, 2, 4, 8] and peaks[1] > peaks[2] > peaks[4] > peaks[8]
     steps = {r.degree: r.step_seconds for r in full.rows}
-    assert abs(steps[1] / steps[2] - 1) < 0.05 and steps[2] < steps[4] < steps[8]
+    assert steps[1] < steps[2] < steps[4] < steps[8]
     for degree in (1, 2, 4, 8):
         # a budget just large enough for this degree (with 10% headroom) picks it; a byte less picks the next
         budget = math.ceil(peaks[degree] * 1.1)
@@ -143,7 +143,7 @@ def test_accumulation_costs_in_the_plan():
 def test_gathered_units_at_the_peak_per_engine():
     """The unsharded parameters at the end of forward (what benchmarks/planner_peak.py measures): FSDP1 the root and
     the unit computing, FSDP2 the root and three times the unit (its buffer, its copy, the next unit's prefetched
-    buffer), ZeRO-2 every unit; FSDP2 copies even at degree 1."""
+    buffer), ZeRO-2 every unit; nothing at degree 1 (the DDP engine)."""
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:
@@ -163,11 +163,11 @@ def test_gathered_units_at_the_peak_per_engine():
     assert transient(1, 2) == root + blocks and transient(2, 4) == root + 3 * blocks
     assert transient(1, 2, "_HYBRID_SHARD_ZERO2") == root + blocks  # every unit
     assert transient(2, 2, "_HYBRID_SHARD_ZERO2") == root + blocks + 2 * blocks
-    assert transient(1, 1) == 0 and transient(2, 1) == root + blocks  # FSDP2 copies even unsharded
+    assert transient(1, 1) == transient(2, 1) == 0  # degree 1 runs on the DDP engine: nothing is gathered
     kwargs["auto_wrap_policy"] = {torch.nn.Linear}  # every Linear its own unit, the head too: the root holds none
     assert transient(1, 2) == block and transient(2, 2) == 3 * block
     kwargs["auto_wrap_policy"] = None  # one unit, the root
-    assert transient(1, 2) == transient(2, 2) == transient(2, 1) == root + blocks
+    assert transient(1, 2) == transient(2, 2) == root + blocks
 
 
 # ---------------------------------------------------------------------------------------------- activations, budgets

@@ -93,8 +93,10 @@ def test_the_choice_follows_the_link_rates():
         assert all(r.step_seconds > fastest * (1 + TIE) for r in smaller)
     # across nodes, per node: degree 1's one ring sends 2 x 15/16 of the gradient; degree 8's eight replica rings
     # (one per rank of the node, sharing the node's network) 8 x (2 x 1/2 x 1/8) = 1 gradient: 1.875 x less by the
-    # bytes; degree 1's 30-step rings add latency on top
-    assert 1.875 < slow.row(1).step_seconds / slow.row(8).step_seconds < 2.0
+    # bytes; degree 1's 30-step rings add latency on top. Degree 8's step also exposes its intra-node traffic.
+    one, eight = slow.row(1), slow.row(8)
+    assert 1.875 < one.replicate_seconds / eight.replicate_seconds < 2.0
+    assert eight.step_seconds == pytest.approx(eight.replicate_seconds + eight.shard_seconds)
 
 
 def test_the_reason_names_the_choice_its_step_time_and_the_runner_up():

@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from lightning_smp import HybridShardFSDPStrategy, UnitOrderError, unit_order
-from tests.helpers import GLOO_TIMEOUT, TinyModel, fit_and_record, make_loader
+from tests.helpers import FSDP_VERSIONS, GLOO_TIMEOUT, TinyModel, fit_and_record, make_loader
 
 WORLD = 4
 K = 2  # micro-batches per optimizer step
@@ -225,7 +225,7 @@ def _heads_window_dropped(fabric: L.Fabric, skip: bool = False) -> dict[str, lis
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_zero_grad_mid_window_then_a_head_left_out_trains_as_under_ddp(version):
     """FSDP1 kept a flag that the dropped gradient was still to be handed out, and stopped on its AssertionError."""
     from lightning.fabric.strategies import DDPStrategy as FabricDDP
@@ -250,7 +250,7 @@ def ddp_branch(tmp_path_factory) -> dict:
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
 @pytest.mark.parametrize("degree", [2, 4])
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_a_branch_taken_on_some_ranks_trains_as_under_ddp_inside_an_always_run_unit(tmp_path, ddp_branch, degree,
                                                                                    version):
     """DDP needs ``find_unused_parameters=True``; FSDP needs the branch's module inside a unit whose forward every
@@ -265,7 +265,7 @@ def test_a_branch_taken_on_some_ranks_trains_as_under_ddp_inside_an_always_run_u
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
 @pytest.mark.parametrize("degree", [1, 2, 4])
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_a_parameter_no_rank_used_beside_used_ones_in_its_unit_keeps_grad_none(tmp_path, degree, version):
     """``aux`` shares the root unit with ``head``: the unit's reduction hands it zeros in the steps where no rank took
     the branch. DDP leaves its ``.grad`` None there and AdamW skips it; before, AdamW moved it (6e-2) under both
@@ -281,7 +281,7 @@ def test_a_parameter_no_rank_used_beside_used_ones_in_its_unit_keeps_grad_none(t
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_a_branch_that_is_its_own_unit_fails_on_every_rank_under_the_unit_order_check(tmp_path, monkeypatch, version):
     """Without the setting above, ``aux`` as a unit of its own: some ranks gather it, others do not (a hang, or two
     units of one size exchanging parameters). ``LIGHTNING_SMP_CHECK_UNIT_ORDER=1`` finds it before that collective."""
@@ -293,7 +293,7 @@ def test_a_branch_that_is_its_own_unit_fails_on_every_rank_under_the_unit_order_
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_the_unit_order_check_passes_runs_whose_ranks_agree(tmp_path, monkeypatch, ddp_branch, version):
     monkeypatch.setenv(unit_order.ENV, "1")
     ours = _fit_branch(HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=version,
@@ -390,7 +390,7 @@ def _a_used_gradient_dropped_on_rank_1(fabric: L.Fabric) -> None:
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_a_used_parameter_left_without_gradient_fails_on_every_rank(tmp_path, monkeypatch, version):
     """The step guard checks the gradients against the notes: one rank's missing ``.grad`` of a parameter that took
     part would make that rank's optimizer skip it, and its replicas drift apart, silently."""

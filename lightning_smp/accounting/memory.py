@@ -16,9 +16,9 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_smp.accounting.comm import CommFigure, ddp_bucket_count, ddp_step_textbook
+from lightning_smp.accounting.comm import CommFigure
 from lightning_smp.engines import StorageUnit, engine_of
-from lightning_smp.names import NO_SYNC, REPLICATE_AXIS, GradientAccumulation
+from lightning_smp.names import NO_SYNC, GradientAccumulation
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -175,18 +175,12 @@ def peak_memory(device: torch.device) -> dict[str, int | None]:
 
 
 def comm_groups(model: Module, mesh: DeviceMesh | None = None) -> dict[str, Any]:
-    """``{axis: ProcessGroup}`` to attribute collectives by: ``mesh``'s named axes, else the engine's or DDP's groups."""
-    from torch.nn.parallel import DistributedDataParallel
-
+    """``{axis: ProcessGroup}`` to attribute collectives by: ``mesh``'s named axes, else the engine's groups."""
     if mesh is not None and mesh.mesh_dim_names:
         return {name: mesh.get_group(name) for name in mesh.mesh_dim_names}
     engine = engine_of(model)
     facts = engine.sharding(model) if engine is not None else None
-    if facts is not None:
-        return dict(facts.groups)
-    if isinstance(model, DistributedDataParallel):
-        return {REPLICATE_AXIS: model.process_group}
-    return {}
+    return dict(facts.groups) if facts is not None else {}
 
 
 def textbook(model: Module, backward_passes: int, accumulation: GradientAccumulation = NO_SYNC,
@@ -195,14 +189,9 @@ def textbook(model: Module, backward_passes: int, accumulation: GradientAccumula
     ``backward_passes`` micro-batches accumulated as ``accumulation`` says (Lightning's own FSDP and DDP strategies:
     ``no_sync``); ``root_gathered``: a forward without backward (validation) came right before the step. ``None`` on
     one device."""
-    from torch.nn.parallel import DistributedDataParallel
-
     engine = engine_of(model)
     if engine is not None:
         return engine.step_textbook(model, backward_passes, accumulation, root_gathered=root_gathered)
-    if isinstance(model, DistributedDataParallel):
-        grad_bytes = sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
-        return ddp_step_textbook(grad_bytes, model.process_group.size(), ddp_bucket_count(model) or 1)
     return None
 
 

@@ -96,8 +96,9 @@ class ShardingFacts:
 class Engine(Protocol):
     """One FSDP implementation, as the rest of the package needs it.
 
-    Implementations: :class:`~lightning_smp.engines.fsdp1.FSDP1Engine` (``FullyShardedDataParallel``) and
-    :class:`~lightning_smp.engines.fsdp2.FSDP2Engine` (``fully_shard``). Each also has its own patch of the
+    Implementations: :class:`~lightning_smp.engines.fsdp1.FSDP1Engine` (``FullyShardedDataParallel``),
+    :class:`~lightning_smp.engines.fsdp2.FSDP2Engine` (``fully_shard``) and :class:`~lightning_smp.engines.ddp.DDPEngine`
+    (``DistributedDataParallel``, for layouts with nothing sharded). The FSDP engines also has its own patch of the
     plain-PyTorch API for :func:`lightning_smp.init` (the APIs differ too much to share one signature).
     """
 
@@ -140,6 +141,11 @@ class Engine(Protocol):
 
     def wrap_context(self, plan: ShardingPlan) -> AbstractContextManager[None]:
         """A context in which modules the user shards by hand (``configure_model``) get ``plan``'s settings."""
+        ...
+
+    def prepare_backward(self, model: Module, output: Any) -> None:
+        """Before a backward that the root's forward did not prepare (Lightning's manual optimization, where a step
+        may run several): whatever the engine must know of it (DDP: the outputs its reducer starts from)."""
         ...
 
     def units(self, module: Module) -> list[tuple[str, Module]]:

@@ -151,6 +151,9 @@ class FSDP1Engine:
 
         return enable_wrap(wrapper_cls=_fsdp(), **self.wrapper_kwargs(plan))
 
+    def prepare_backward(self, model: Module, output: Any) -> None:
+        return None  # its hooks are registered at wrapping and need nothing per backward
+
     def units(self, module: Module) -> list[tuple[str, Module]]:
         from torch.distributed.fsdp._common_utils import clean_tensor_name  # without FSDP's wrapper prefixes
 

@@ -370,6 +370,9 @@ class FSDP2Engine:
         finally:
             restore()
 
+    def prepare_backward(self, model: Module, output: Any) -> None:
+        return None  # its hooks are registered at wrapping and need nothing per backward
+
     def units(self, module: Module) -> list[tuple[str, Module]]:
         return [(_clean_fqn(name), m) for name, m in module.named_modules() if isinstance(m, _fsdp_module_cls())]
 

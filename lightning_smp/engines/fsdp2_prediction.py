@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from torch.nn import Parameter
 
-from lightning_smp.engines.prediction import Held, UnitLayout
+from lightning_smp.engines.prediction import Held, UnitLayout, fsdp_textbook
+
+if TYPE_CHECKING:
+    from lightning_smp.accounting.comm import CommFigure
+    from lightning_smp.degree import Layout
 
 
 def chunk(p: Parameter, shard: int) -> tuple[int, int, int]:
@@ -55,6 +60,11 @@ class FSDP2Prediction:
         if unsharded:
             return root_bytes + largest
         return root_bytes + sum(unit_bytes) + 2 * largest if zero2 else root_bytes + 3 * largest
+
+
+    def step_textbook(self, units: Sequence[Sequence[Parameter]], layout: Layout, micro_batches: int,
+                      accumulation: str, precision: str) -> CommFigure:
+        return fsdp_textbook(self, units, layout, micro_batches, accumulation, precision)
 
 
 __all__ = ["FSDP2Prediction", "chunk"]

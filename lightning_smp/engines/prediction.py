@@ -11,9 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torch.nn import Parameter
+
+from lightning_smp.names import NO_SHARD
+
+if TYPE_CHECKING:
+    from lightning_smp.accounting.comm import CommFigure
+    from lightning_smp.degree import Layout
 
 
 @dataclass(frozen=True)
@@ -61,5 +67,45 @@ class Prediction(Protocol):
         _HYBRID_SHARD_ZERO2; ``unsharded``: no sharding at all (a shard group of one, or ``NO_SHARD``)."""
         ...
 
+    def step_textbook(self, units: Sequence[Sequence[Parameter]], layout: Layout, micro_batches: int,
+                      accumulation: str, precision: str) -> CommFigure:
+        """The textbook traffic of one optimizer step of ``micro_batches`` accumulated as ``accumulation`` says, under
+        a Lightning ``precision``; ``units`` in the order :func:`~lightning_smp.planner.state.fsdp_units` gives
+        them (the root's last)."""
+        ...
 
-__all__ = ["Held", "Prediction", "UnitLayout"]
+
+def dtype_bytes(precision: str, element_size: int) -> tuple[int, int]:
+    """Bytes per element of (gathered parameters, reduced gradients) under a Lightning precision for FSDP:
+    ``16-mixed``, ``bf16-mixed`` and the ``*-true`` 16-bit ones gather and reduce in 16 bits (Lightning's FSDP
+    mixed-precision config: ``param_dtype = reduce_dtype`` = the 16-bit type), ``32-true`` in the parameters' own
+    type."""
+    if "16" in precision:
+        return 2, 2
+    return element_size, element_size
+
+
+def fsdp_textbook(prediction: Prediction, units: Sequence[Sequence[Parameter]], layout: Layout, micro_batches: int,
+                  accumulation: str, precision: str) -> CommFigure:
+    """:meth:`Prediction.step_textbook` of the FSDP engines: all-gathers, reduce-scatters and all-reduces per unit
+    (:func:`~lightning_smp.accounting.comm.fsdp_step_textbook`), over the unit sizes of ``prediction``."""
+    from lightning_smp.accounting.comm import FSDPUnitSpec, accumulation_passes, fsdp_step_textbook
+
+    shard = layout.shard
+    group = layout.world_size if layout.sharding_strategy == NO_SHARD else shard
+    specs = []
+    for index, unit in enumerate(units):
+        gather, reduce = dtype_bytes(precision, unit[0].element_size())
+        sizes = prediction.unit_layout(unit, shard, group)
+        specs.append(FSDPUnitSpec(padded_numel=sizes.padded, is_root=index == len(units) - 1, gather_bytes=gather,
+                                  reduce_bytes=reduce, reduce_numel=sizes.reduced))
+    scattered, synced = accumulation_passes(accumulation, micro_batches)
+    replicas = layout.world_size if layout.sharding_strategy == NO_SHARD else layout.replicate
+    # the bitmap of parameters no rank used: one byte per parameter
+    return fsdp_step_textbook(specs, layout.sharding_strategy, shard, replicas, micro_batches, synced_passes=synced,
+                              reduce_scatter_passes=scattered,
+                              keep_gathered_unsynced=prediction.keeps_gathered_unsynced,
+                              unused_bitmap_bytes=sum(len(unit) for unit in units))
+
+
+__all__ = ["Held", "Prediction", "UnitLayout", "dtype_bytes", "fsdp_textbook"]

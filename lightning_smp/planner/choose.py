@@ -23,7 +23,7 @@ from torch.nn import Module
 
 from lightning_smp.accounting.comm import accumulation_passes
 from lightning_smp.degree import resolve_layout, valid_degrees
-from lightning_smp.engines import ENGINES, engine_for, wrap_targets
+from lightning_smp.engines import FSDP_ENGINES, engine_for, engine_for_layout, wrap_targets
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.names import (
     HYBRID_SHARD,
@@ -236,11 +236,13 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
         layout = resolve_layout(world_size, degree, sharding_strategy)
         state = max(s.total_bytes if training else s.params_bytes for s in model_state(
             model, world_size=world_size, hybrid_shard_degree=degree, fsdp_version=fsdp_version,
-            auto_wrap_policy=auto_wrap_policy, optimizer=name, sharding_strategy=sharding_strategy))
-        transient = transient_bytes(units, root_is_last, layout, engine.prediction,
+            auto_wrap_policy=auto_wrap_policy, optimizer=name, sharding_strategy=sharding_strategy,
+            cpu_offload=cpu_offload))
+        runs = engine_for_layout(fsdp_version, layout, cpu_offload=cpu_offload or None)  # DDP's when unsharded
+        transient = transient_bytes(units, root_is_last, layout, runs.prediction,
                                     micro_batches if training else 1, mode, precision)
         peak = (0 if cpu_offload else state) + transient + buffers + activations
-        figure = textbook(units, layout, engine.prediction, micro_batches, mode, precision)
+        figure = textbook(units, layout, runs.prediction, micro_batches, mode, precision)
         replicas = world_size if layout.sharding_strategy == NO_SHARD else layout.replicate
         shard_link, shard_inter = axis_link(link, world_size, layout.shard, True, per_node)
         replica_link, replica_inter = axis_link(link, world_size, layout.shard, False, per_node)
@@ -358,7 +360,7 @@ def _no_fit_message(rows: Sequence[DegreePlan], budget: int, headroom: float, wo
                  " rank and shrinks with the shard group)")
     if mode == NO_SYNC and micro_batches > 1:
         helps.extend(f"fsdp_version={other.version} (gradient_accumulation='{other.accumulations[0]}': no unsharded"
-                     " gradients between micro-batches)" for other in ENGINES
+                     " gradients between micro-batches)" for other in FSDP_ENGINES
                      if other.version != fsdp_version and other.accumulations[0] != NO_SYNC)
     return (f"no hybrid_shard_degree fits memory_budget={budget} bytes ({fmt_bytes(budget)}) with {headroom:.0%}"
             f" headroom on {world_size} rank(s): the least is {fmt_bytes(least.peak_bytes)} ({least.peak_bytes} bytes)"

@@ -17,7 +17,7 @@ import torch
 from torch.nn import Module, Parameter
 
 from lightning_smp.degree import resolve_layout
-from lightning_smp.engines import engine_for, wrap_targets
+from lightning_smp.engines import engine_for_layout, wrap_targets
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.names import NO_SHARD
 
@@ -103,15 +103,17 @@ class RankState:
 
 def model_state(model: Module, *, world_size: int, hybrid_shard_degree: int, fsdp_version: int = 1,
                 auto_wrap_policy: Any = None, optimizer: Any = "adamw",
-                sharding_strategy: str = "HYBRID_SHARD") -> list[RankState]:
+                sharding_strategy: str = "HYBRID_SHARD", cpu_offload: bool = False) -> list[RankState]:
     """The model state of every rank of ``world_size`` at ``hybrid_shard_degree``, at the optimizer step, by the
     layout rules of the engine of ``fsdp_version`` (:class:`~lightning_smp.engines.prediction.Prediction`).
 
     Parameters, gradients and optimizer state are taken in the dtype the model's parameters have (``bf16-true``:
-    build the model in bf16). Every parameter that requires a gradient is assumed to get one.
+    build the model in bf16). Every parameter that requires a gradient is assumed to get one. ``cpu_offload``: the
+    run offloads parameters to the CPU (a layout with nothing sharded then stays on FSDP).
     """
     layout = resolve_layout(world_size, hybrid_shard_degree, sharding_strategy)
-    prediction = engine_for(fsdp_version).prediction
+    # the engine that runs the layout: DDP's where nothing is sharded (unless the parameters live on the CPU)
+    prediction = engine_for_layout(fsdp_version, layout, cpu_offload=cpu_offload or None).prediction
     shard = layout.shard
     group = world_size if layout.sharding_strategy == NO_SHARD else shard
     tensors, fixed = optimizer_state_layout(optimizer)

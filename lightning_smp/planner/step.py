@@ -12,38 +12,15 @@ from typing import Any
 
 from torch.nn import Parameter
 
-from lightning_smp.engines.prediction import Prediction
+from lightning_smp.engines.prediction import Prediction, dtype_bytes
 from lightning_smp.names import DEFER_ALL_REDUCE, HYBRID_SHARD_ZERO2, NO_SHARD, NO_SYNC, SHARD_GRAD_OP
 
 
-def dtype_bytes(precision: str, element_size: int) -> tuple[int, int]:
-    """Bytes per element of (gathered parameters, reduced gradients) under a Lightning precision: ``16-mixed``,
-    ``bf16-mixed`` and the ``*-true`` 16-bit ones gather and reduce in 16 bits (Lightning's FSDP mixed-precision
-    config: ``param_dtype = reduce_dtype`` = the 16-bit type), ``32-true`` in the parameters' own type."""
-    if "16" in precision:
-        return 2, 2
-    return element_size, element_size
-
-
 def textbook(units: Sequence[Sequence[Parameter]], layout: Any, prediction: Prediction, micro_batches: int,
-              accumulation: str, precision: str) -> dict[str, dict[str, dict[str, float]]]:
-    from lightning_smp.accounting.comm import FSDPUnitSpec, accumulation_passes, fsdp_step_textbook
-
-    shard = layout.shard
-    group = layout.world_size if layout.sharding_strategy == NO_SHARD else shard
-    specs = []
-    for index, unit in enumerate(units):
-        gather, reduce = dtype_bytes(precision, unit[0].element_size())
-        sizes = prediction.unit_layout(unit, shard, group)
-        specs.append(FSDPUnitSpec(padded_numel=sizes.padded, is_root=index == len(units) - 1, gather_bytes=gather,
-                                  reduce_bytes=reduce, reduce_numel=sizes.reduced))
-    scattered, synced = accumulation_passes(accumulation, micro_batches)
-    replicas = layout.world_size if layout.sharding_strategy == NO_SHARD else layout.replicate
-    # the bitmap of parameters no rank used: one byte per parameter
-    return fsdp_step_textbook(specs, layout.sharding_strategy, shard, replicas, micro_batches, synced_passes=synced,
-                              reduce_scatter_passes=scattered,
-                              keep_gathered_unsynced=prediction.keeps_gathered_unsynced,
-                              unused_bitmap_bytes=sum(len(unit) for unit in units))
+             accumulation: str, precision: str) -> dict[str, dict[str, dict[str, float]]]:
+    """The textbook traffic of one optimizer step, by the engine's rule
+    (:meth:`~lightning_smp.engines.prediction.Prediction.step_textbook`)."""
+    return prediction.step_textbook(units, layout, micro_batches, accumulation, precision)
 
 
 def gathered_bytes(units: Sequence[Sequence[Parameter]], root_is_last: bool, layout: Any, prediction: Prediction,
