@@ -292,8 +292,9 @@ class HybridShardCore:
         mesh once per layout and device type; none when the user passed a ``process_group``."""
         if self.layout is None and self.auto_pending:
             return None  # the planner chooses once the model exists (choose_degree), and builds the mesh then
-        layout = self.layout if self.layout is not None else self.resolve_layout(num_nodes, devices)
-        self._set_layout(layout)
+        if self.layout is None:
+            self._set_layout(self.resolve_layout(num_nodes, devices))
+        layout = cast(Layout, self.layout)
         if dist.get_world_size() != layout.world_size:
             raise HybridShardConfigError(
                 f"torch.distributed has {dist.get_world_size()} ranks but the strategy was configured for"
@@ -375,6 +376,7 @@ class HybridShardCore:
         previous = self._wrapped_root
         if previous is not None and (previous is module or getattr(previous, "module", None) is module):
             # wrapping again would find the parameters already sharded (FSDP1: flattened, leaving 1-D views)
+            self.engine = engine_of(previous) or self.engine
             return previous
         other = engine_of(module)
         if other is not None and other is not self.engine:

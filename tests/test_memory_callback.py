@@ -112,11 +112,15 @@ def test_exact_bytes_and_collectives_per_rank(tmp_path: Path, degree: int, shard
 
 
 @pytest.mark.timeout(120)
-def test_degree_1_holds_the_whole_model_and_sends_one_bucket_per_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("find_unused", [None, False], ids=["default", "find_unused_parameters_false"])
+def test_degree_1_holds_the_whole_model_and_sends_one_bucket_per_step(tmp_path: Path, find_unused) -> None:
     """Degree 1 runs on the DDP engine (auto_wrap_policy describes sharding only, and is set aside): every rank holds
     every parameter whole, without FSDP's padding, and a step all-reduces the gradients in DDP's one bucket (2.7 KB,
-    under its 1 MB first-bucket cap) and its used-parameter bitmap (4 bytes a parameter) over all ranks."""
-    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=1, start_method="fork", auto_wrap_policy={torch.nn.Linear})
+    under its 1 MB first-bucket cap) and, unless find_unused_parameters=False, its used-parameter bitmap (4 bytes a
+    parameter) over all ranks."""
+    unused = {} if find_unused is None else {"find_unused_parameters": find_unused}
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=1, start_method="fork", auto_wrap_policy={torch.nn.Linear},
+                                       **unused)
     reports = _fit(tmp_path, strategy)
     full = unsharded_bytes(ROOT_UNIT)
     params = len(ROOT_UNIT[0])
@@ -126,7 +130,8 @@ def test_degree_1_holds_the_whole_model_and_sends_one_bucket_per_step(tmp_path: 
             assert (record["sharding_strategy"], record["shard_degree"], record["replicas"]) == (NO_SHARD, 1, WORLD)
             assert {k: record[k] for k in full} == full
             assert record["padding_bytes"] == 0 and record["saved_bytes"] == 0
-    expected = {(REPLICATE_AXIS, "all_reduce"): (1 + 1, 4 * 697 + 4 * params)}
+    bitmap = 0 if find_unused is False else 1
+    expected = {(REPLICATE_AXIS, "all_reduce"): (1 + bitmap, 4 * 697 + bitmap * 4 * params)}
     for record in reports["first_step"]:
         assert _measured(record["comm"]) == _measured(record["comm_textbook"]) == expected
 

@@ -62,8 +62,9 @@ def options_for(engine: Engine, options: Mapping[str, Any]) -> dict[str, Any]:
 def engine_for_layout(version: int, layout: Layout | None, *, options: Mapping[str, Any] | None = None,
                       mixed_precision: Any = None, cpu_offload: Any = None) -> Engine:
     """The engine that runs ``layout``: the DDP engine when nothing is sharded (a shard group of one rank, or
-    ``NO_SHARD``: degree 1, degree 0 with one rank per node, one rank in all) and the arguments ask for nothing only FSDP does (:func:`.ddp.takes`); else the engine of
-    ``fsdp_version=version``. ``None`` (the layout not known yet, ``"auto"``): the engine of ``version``."""
+    ``NO_SHARD``: degree 1, degree 0 with one rank per node, one rank in all) and the arguments ask for nothing that
+    only FSDP does (:func:`.ddp.takes`); else the engine of ``fsdp_version=version``. ``None`` (the layout not known
+    yet, ``"auto"``): the engine of ``version``."""
     unsharded = layout is not None and (layout.shard == 1 or layout.sharding_strategy == NO_SHARD)
     if unsharded and ddp.takes(options or {}, mixed_precision, cpu_offload):
         return DDP_ENGINE

@@ -11,7 +11,8 @@ than DDP on GPUs; 1.56x Lightning's DDP in ``make bench`` on CPU). This engine r
   ``.grad`` ``None`` (DDP's own rule, the one the FSDP engines reproduce with their bitmap); DDP all-reduces its
   used-parameter bitmap (4 bytes a parameter) with every synced backward, counted in the textbook. The strategy's
   ``find_unused_parameters=False`` (DDP's own default) declares a model whose every parameter takes part in every
-  step, and saves that traversal and all-reduce; a parameter left out then fails as under DDP;
+  step, and saves that traversal and all-reduce; a parameter left out then fails as under DDP (an error at the next
+  step, or, left out on some ranks only, a collective that waits until the process group's timeout);
 - gradients are views into DDP's buckets (``gradient_as_bucket_view=True``): one copy of the gradients, no copy
   after each all-reduce;
 - buffers are not broadcast at every forward (``forward_sync_buffers=False``), as under the FSDP engines: each rank
@@ -69,9 +70,10 @@ DDP_ONLY_OPTIONS = frozenset({"find_unused_parameters"})
 
 #: buffers stay each rank's own after the start: torch 2.13 names the switch ``forward_sync_buffers`` (its
 #: ``broadcast_buffers`` warns), older versions ``broadcast_buffers``
-_NO_BUFFER_SYNC: dict[str, Any] = ({"forward_sync_buffers": False}
-                   if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-                   else {"broadcast_buffers": False})
+_NO_BUFFER_SYNC: dict[str, Any] = (
+    {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
 
 #: bytes per parameter of DDP's used-parameter bitmap (``find_unused_parameters``: an ``int32`` per parameter)
 BITMAP_BYTES = 4

@@ -84,10 +84,7 @@ def restore_unused(presences: Iterable[Presence], device: torch.device, groups: 
     presences = list(presences)
     if not any(presence.size for presence in presences):
         return 0
-    # a safety net under the engines' notes: a gradient that is not zero was used, whatever the notes missed (so a
-    # gradient is never dropped; only exact zeros can be). One small reduction per parameter, no host sync here.
-    levels = torch.stack([_level(presence, index, param, device) for presence in presences
-                          for index, param in enumerate(presence.params())])
+    levels = _levels(presences, device)
     for group in groups:
         if dist.get_world_size(group) > 1:
             dist.all_reduce(levels, op=dist.ReduceOp.MAX, group=group)
@@ -123,16 +120,33 @@ def restore_unused(presences: Iterable[Presence], device: torch.device, groups: 
     return reset
 
 
-def _level(presence: Presence, index: int, param: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """This rank's byte for one parameter (:data:`USED_WITHOUT_GRAD`, :data:`USED` or :data:`UNUSED`)."""
-    noted = presence.used[index]
-    # a frozen parameter's view in a trainable flat parameter (FSDP1) gets a gradient that FSDP drops: not stepped
-    if noted and param is not None and param.requires_grad and param.grad is None and _local(param).numel():
-        return torch.tensor(USED_WITHOUT_GRAD, dtype=torch.uint8, device=device)
-    used = torch.tensor(noted, dtype=torch.bool, device=device)
-    if not presence.whole:
-        used = used | _nonzero(param, device)
-    return used.to(torch.uint8)
+def _levels(presences: Sequence[Presence], device: torch.device) -> torch.Tensor:
+    """This rank's byte for every parameter (:data:`USED_WITHOUT_GRAD`, :data:`USED` or :data:`UNUSED`), as one
+    tensor on ``device``.
+
+    The notes decide in Python; only a parameter the notes did not see used, but that holds a gradient, is read: a
+    safety net under the notes (a gradient that is not zero was used, whatever the notes missed, so a gradient is
+    never dropped; only exact zeros can be). In the common step, every parameter used, nothing is read, and the
+    check costs one small tensor (it runs before every optimizer step)."""
+    levels: list[int] = []
+    unnoted: list[tuple[int, torch.Tensor]] = []  # (position, gradient) of parameters to read
+    for presence in presences:
+        for index, param in enumerate(presence.params()):
+            noted = presence.used[index]
+            # a frozen parameter's view in a trainable flat parameter (FSDP1) gets a gradient FSDP drops: not stepped
+            if noted and param is not None and param.requires_grad and param.grad is None and _local(param).numel():
+                levels.append(USED_WITHOUT_GRAD)
+                continue
+            levels.append(USED if noted else UNUSED)
+            grad = None if noted or presence.whole or param is None or param.grad is None else _local(param.grad)
+            if grad is not None and grad.numel():
+                unnoted.append((len(levels) - 1, grad))
+    result = torch.tensor(levels, dtype=torch.uint8, device=device)
+    if unnoted:
+        positions = torch.tensor([position for position, _ in unnoted], device=device)
+        read = torch.stack([grad.ne(0).any().to(device) for _, grad in unnoted]).to(torch.uint8)
+        result[positions] = read  # UNUSED (0) or USED (1)
+    return result
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -141,14 +155,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def _some(names: Sequence[str], shown: int = 5) -> str:
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
-
-
-def _nonzero(param: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    grad = None if param is None else param.grad
-    local = None if grad is None else _local(grad)
-    if local is None or not local.numel():
-        return torch.zeros((), dtype=torch.bool, device=device)
-    return local.ne(0).any().to(device)
 
 
 def bitmap_bytes(presences: Iterable[Presence]) -> int:
