@@ -42,3 +42,17 @@ def _restore_process_state():
         else:
             os.environ[key] = value
     torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The edit-loop tier, ``pytest -m "not slow"``, runs every test function once: its first parametrization (the
+    first engine, backend, degree, ...); the others are marked ``slow`` here and run in the full suite (``make test``,
+    CI), as do the tests marked ``slow`` by hand (script launchers, torchrun, scenario matrices)."""
+    seen: set[tuple[str, str]] = set()
+    for item in items:
+        if getattr(item, "callspec", None) is None:
+            continue
+        function = (item.nodeid.split("::")[0], getattr(item, "originalname", item.name))
+        if function in seen:
+            item.add_marker(pytest.mark.slow)
+        seen.add(function)

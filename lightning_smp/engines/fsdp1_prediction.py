@@ -12,9 +12,7 @@ from typing import TYPE_CHECKING
 
 from torch.nn import Parameter
 
-from lightning_smp.accounting.comm import CommFigure
 from lightning_smp.accounting.shards import flat_param_numel, local_param_numels, local_shard_numel
-from lightning_smp.degree import Layout
 from lightning_smp.engines.prediction import Held, UnitLayout, fsdp_textbook
 
 if TYPE_CHECKING:
@@ -44,7 +42,6 @@ class FSDP1Prediction:
         if unsharded:
             return 0
         return root_bytes + sum(unit_bytes) if zero2 else root_bytes + max(unit_bytes, default=0)
-
 
     def step_textbook(self, units: Sequence[Sequence[Parameter]], layout: Layout, micro_batches: int,
                       accumulation: str, precision: str) -> CommFigure:

@@ -61,7 +61,6 @@ class FSDP2Prediction:
             return root_bytes + largest
         return root_bytes + sum(unit_bytes) + 2 * largest if zero2 else root_bytes + 3 * largest
 
-
     def step_textbook(self, units: Sequence[Sequence[Parameter]], layout: Layout, micro_batches: int,
                       accumulation: str, precision: str) -> CommFigure:
         return fsdp_textbook(self, units, layout, micro_batches, accumulation, precision)
