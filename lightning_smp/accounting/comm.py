@@ -320,17 +320,23 @@ def accumulation_passes(accumulation: str, backward_passes: int) -> tuple[int, i
 
 
 def ddp_step_textbook(
-    grad_bytes: int, world_size: int, buckets: int = 1, replicate_axis: str = REPLICATE_AXIS
+    grad_bytes: int, world_size: int, buckets: int = 1, replicate_axis: str = REPLICATE_AXIS, *,
+    synced_passes: int = 1, used_bitmap_bytes: int = 0, shard_axis: str = SHARD_AXIS,
 ) -> CommFigure:
-    """What DDP issues per rank in one optimizer step: all-reduces of every gradient across replicas, one per bucket.
+    """What DDP issues per rank in one optimizer step: all-reduces of every gradient across replicas, one per bucket,
+    per synced pass; with ``find_unused_parameters``, one more of its used-parameter bitmap (``used_bitmap_bytes``,
+    4 per parameter) per synced pass. The shard axis is there, empty, as in the FSDP figures (nothing is sharded).
 
-    Lightning runs gradient accumulation under DDP's ``no_sync``, so only the last micro-batch communicates.
+    Lightning runs gradient accumulation under DDP's ``no_sync``, so only the last micro-batch communicates
+    (``synced_passes=1``).
     """
-    figure = _new_figure([replicate_axis])
+    figure = _new_figure([shard_axis, replicate_axis])
     entry = figure[replicate_axis]["all_reduce"]
-    entry["count"] = buckets
-    entry["bytes"] = grad_bytes
-    entry["ring_bytes"] = ring_bytes("all_reduce", grad_bytes, world_size)
+    entry["count"] = buckets * synced_passes
+    entry["bytes"] = grad_bytes * synced_passes
+    entry["ring_bytes"] = ring_bytes("all_reduce", grad_bytes * synced_passes, world_size)
+    if used_bitmap_bytes:
+        _add(figure, replicate_axis, "all_reduce", synced_passes, used_bitmap_bytes, world_size)
     return figure
 
 

@@ -98,8 +98,8 @@ class Engine(Protocol):
 
     Implementations: :class:`~lightning_smp.engines.fsdp1.FSDP1Engine` (``FullyShardedDataParallel``),
     :class:`~lightning_smp.engines.fsdp2.FSDP2Engine` (``fully_shard``) and :class:`~lightning_smp.engines.ddp.DDPEngine`
-    (``DistributedDataParallel``, for layouts with nothing sharded). The FSDP engines also has its own patch of the
-    plain-PyTorch API for :func:`lightning_smp.init` (the APIs differ too much to share one signature).
+    (``DistributedDataParallel``, for layouts with nothing sharded). The FSDP engines also have their own patches of
+    the plain-PyTorch API for :func:`lightning_smp.init` (the APIs differ too much to share one signature).
     """
 
     #: a short name for logs and records (``"fsdp1"``)

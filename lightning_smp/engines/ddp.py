@@ -45,7 +45,6 @@ from lightning_smp.names import (
     NO_SHARD,
     NO_SYNC,
     REPLICATE_AXIS,
-    SHARD_AXIS,
     GradientAccumulation,
 )
 
@@ -119,28 +118,14 @@ class DDPPrediction:
                       accumulation: str, precision: str) -> CommFigure:
         """DDP's traffic: the gradients (in the parameters' dtype: autocast leaves them in it) and the bitmap, once
         per synced pass, in one bucket per 25 MiB (DDP's default cap; the count is only the latency term)."""
-        from lightning_smp.accounting.comm import accumulation_passes
+        from lightning_smp.accounting.comm import accumulation_passes, ddp_step_textbook
 
         trainable = [p for unit in units for p in unit if p.requires_grad]
         grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
         buckets = max(1, -(-grad_bytes // (25 * 1024 * 1024)))
-        return _textbook(grad_bytes, buckets, len(trainable), layout.world_size,
-                         accumulation_passes(accumulation, micro_batches)[1])
-
-
-def _textbook(grad_bytes: int, buckets: int, params: int, world_size: int, synced: int) -> CommFigure:
-    """Per synced pass: the gradients in ``buckets`` all-reduces, and one all-reduce of the used-parameter bitmap of
-    ``params`` parameters (none: no bitmap)."""
-    from lightning_smp.accounting.comm import _new_figure, ddp_step_textbook, ring_bytes
-
-    # both axes, as the FSDP engines' figures (the report and the planner read both): nothing on the shard axis
-    figure = {**_new_figure([SHARD_AXIS]), **ddp_step_textbook(grad_bytes * synced, world_size, buckets * synced)}
-    entry = figure[REPLICATE_AXIS]["all_reduce"]
-    bitmap = params * BITMAP_BYTES * synced
-    entry["count"] += synced if params else 0
-    entry["bytes"] += bitmap
-    entry["ring_bytes"] += ring_bytes("all_reduce", bitmap, world_size)
-    return figure
+        return ddp_step_textbook(grad_bytes, layout.world_size, buckets,
+                                 synced_passes=accumulation_passes(accumulation, micro_batches)[1],
+                                 used_bitmap_bytes=len(trainable) * BITMAP_BYTES)
 
 
 class DDPEngine:
@@ -241,13 +226,10 @@ class DDPEngine:
 
     def clip_grad_norm(self, model: Module, max_norm: float,
                        parameters: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
-        # the gradients are reduced and whole on every rank: the local norm is the global one, as DDP clips
+        # the gradients are reduced and whole on every rank: the local norm is the global one, and torch's own
+        # clip_grad_norm_ clips as Lightning's DDPStrategy does
         params = list(parameters) if parameters is not None else list(_inner(model).parameters())
-        grads = [p.grad for p in params if p.grad is not None]
-        device = next((g.device for g in grads), torch.device("cpu"))
-        total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
-        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total)
-        return total
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def accumulation_context(self, model: Module, accumulation: GradientAccumulation) -> AbstractContextManager[None]:
         if accumulation != EVERY_MICRO_BATCH and isinstance(model, DistributedDataParallel):
@@ -284,15 +266,16 @@ class DDPEngine:
 
     def step_textbook(self, model: Module, backward_passes: int, accumulation: GradientAccumulation,
                       root_gathered: bool = False) -> CommFigure | None:
-        from lightning_smp.accounting.comm import accumulation_passes, ddp_bucket_count
+        from lightning_smp.accounting.comm import accumulation_passes, ddp_bucket_count, ddp_step_textbook
 
         if not isinstance(model, DistributedDataParallel):
             return None
         trainable = _trainable(model)
         grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
-        synced = accumulation_passes(accumulation, backward_passes)[1]
-        bitmap = len(trainable) if model.find_unused_parameters else 0  # a DDP built elsewhere may have none
-        return _textbook(grad_bytes, ddp_bucket_count(model) or 1, bitmap, model.process_group.size(), synced)
+        bitmap = len(trainable) * BITMAP_BYTES if model.find_unused_parameters else 0  # a DDP built elsewhere: none
+        return ddp_step_textbook(grad_bytes, model.process_group.size(), ddp_bucket_count(model) or 1,
+                                 synced_passes=accumulation_passes(accumulation, backward_passes)[1],
+                                 used_bitmap_bytes=bitmap)
 
 
 __all__ = ["BITMAP_BYTES", "DDP_ONLY_OPTIONS", "SHARDING_ONLY_OPTIONS", "DDPEngine", "DDPPrediction", "takes"]
