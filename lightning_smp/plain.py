@@ -42,6 +42,7 @@ import os
 import socket
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,14 +63,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: undoes the patches (FSDP1's constructor, FSDP2's default mesh); ``None`` while nothing is patched
-_RESTORE: Callable[[], None] | None = None
-# one mesh per (mesh shape, device type): building a mesh creates process groups, a collective on every rank.
-# FSDP calls that differ only in sharding strategy (FULL_SHARD vs SHARD_GRAD_OP units) share one mesh.
-_MESHES: dict[tuple[tuple[int, int], str], DeviceMesh] = {}
-_WARNED: set[str] = set()
-#: the planner's choice for hybrid_shard_degree="auto" in this process (plain FSDP(...) calls), once made
-_AUTO_DEGREE: int | None = None
+@dataclass
+class _Session:
+    """What :func:`init` patched and what the patched calls built since, until :func:`shutdown`: one per process."""
+
+    #: undoes the patches (FSDP1's constructor, FSDP2's default mesh)
+    restore: Callable[[], None]
+    #: one mesh per (mesh shape, device type): building a mesh creates process groups, a collective on every rank.
+    #: FSDP calls that differ only in sharding strategy (FULL_SHARD vs SHARD_GRAD_OP units) share one mesh.
+    meshes: dict[tuple[tuple[int, int], str], DeviceMesh] = field(default_factory=dict)
+    #: the layouts already logged
+    logged: set[str] = field(default_factory=set)
+    #: the planner's choice for hybrid_shard_degree="auto" (plain FSDP(...) calls), once made
+    auto_degree: int | None = None
+
+
+#: the session :func:`init` opened; ``None`` before it and after :func:`shutdown`
+_SESSION: _Session | None = None
 
 
 def init(config: Mapping[str, Any] | str | os.PathLike | None = None) -> None:
@@ -103,38 +113,43 @@ def shutdown() -> None:
     Process groups built for the meshes are left to ``torch.distributed.destroy_process_group()``. Harmless
     when :func:`init` was never called.
     """
-    global _RESTORE, _AUTO_DEGREE
-    if _RESTORE is not None:
-        _RESTORE()
-        _RESTORE = None
-    _AUTO_DEGREE = None
+    global _SESSION
+    if _SESSION is not None:
+        _SESSION.restore()
+        _SESSION = None
     set_init_config(None)
-    _MESHES.clear()
-    _WARNED.clear()
 
 
 def is_initialized() -> bool:
     """Whether :func:`init` has patched FSDP in this process (and :func:`shutdown` has not undone it)."""
-    return _RESTORE is not None
+    return _SESSION is not None
 
 
 def _patch() -> None:
-    global _RESTORE
-    if _RESTORE is None:
+    global _SESSION
+    if _SESSION is None:
         restores = [FSDP1Engine().patch_wrapper(_rewrite), FSDP2Engine().patch_default_mesh(_default_fsdp2_mesh)]
 
         def restore() -> None:
             for undo in reversed(restores):
                 undo()
 
-        _RESTORE = restore
+        _SESSION = _Session(restore)
+
+
+def _session() -> _Session:
+    """The open session: the patched calls run only while one is open."""
+    if _SESSION is None:
+        raise RuntimeError("lightning_smp.init() has not been called, or shutdown() has undone it")
+    return _SESSION
 
 
 def _mesh_for(layout: Layout, device_type: str) -> DeviceMesh:
+    meshes = _session().meshes
     key = (layout.mesh_shape, device_type)
-    if key not in _MESHES:
-        _MESHES[key] = build_device_mesh(layout, device_type)
-    return _MESHES[key]
+    if key not in meshes:
+        meshes[key] = build_device_mesh(layout, device_type)
+    return meshes[key]
 
 
 def _default_fsdp2_mesh() -> DeviceMesh | None:
@@ -196,8 +211,8 @@ def _auto_degree(module: Module, arguments: dict[str, Any], requested: Any, devi
     """``hybrid_shard_degree="auto"`` in a plain ``FSDP(model, ...)`` call: planned once, from the outermost call's
     module (inner units that ``auto_wrap_policy`` wraps run inside it and reuse the choice), on every rank alike
     (:func:`~lightning_smp.planner.agree.plan_on_every_rank`)."""
-    global _AUTO_DEGREE
-    if _AUTO_DEGREE is None:
+    session = _session()
+    if session.auto_degree is None:
         from lightning_smp.collectives import Collectives
         from lightning_smp.config import resolve_config
         from lightning_smp.planner.agree import plan_on_every_rank
@@ -213,8 +228,8 @@ def _auto_degree(module: Module, arguments: dict[str, Any], requested: Any, devi
         )
         if dist.get_rank() == 0:
             log.info("lightning_smp.init: hybrid_shard_degree='auto' chose %d.\n%s", chosen.degree, chosen.text())
-        _AUTO_DEGREE = chosen.degree
-    return _AUTO_DEGREE
+        session.auto_degree = chosen.degree
+    return session.auto_degree
 
 
 def _gloo_only() -> bool:
@@ -238,9 +253,10 @@ def _root_device(module: Module, device_id: Any) -> torch.device:
 
 def _log_once(layout: Layout, what: str = "FSDP(...) runs") -> None:
     message = f"lightning_smp.init: {what} {layout.describe()}"
-    if message in _WARNED:
+    logged = _session().logged
+    if message in logged:
         return
-    _WARNED.add(message)
+    logged.add(message)
     if dist.get_rank() == 0:
         log.info(message)
         if layout.overridden:

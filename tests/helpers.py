@@ -234,3 +234,91 @@ def kill_when_ready(target: Callable[..., None], args: tuple, ready: Path, what:
             os.killpg(child.pid, signal.SIGKILL)
             child.join(10)
     assert child.exitcode == -signal.SIGKILL
+
+
+# ---------------------------------------------------------------------------------------- parity with DDP
+
+#: fp32's unit roundoff: one rounding moves a value by at most this fraction of it
+UNIT_ROUNDOFF = 2.0 ** -24
+
+
+def parity_bound(elements: int, steps: int = 6, lr: float = 0.05, world: int = 4) -> float:
+    """How far a weight may end from DDP's after ``steps`` fp32 optimizer steps at learning rate ``lr`` on ``world``
+    ranks, for a model of ``elements`` weights.
+
+    Both runs compute the same per-rank gradients bit for bit (the same kernels on the same local values). They
+    differ only in the order in which the ``world`` per-rank gradients are summed (a reduce-scatter and an all-reduce
+    over groups, or DDP's buckets on a ring) and in where the division by the world size happens (by a power of two:
+    exact). Reordering a sum of W terms moves it by at most (W - 1) u sum|g_r|, a relative change of (W - 1) u k,
+    where k = sum|g_r| / |sum g_r| is that sum's condition number. Adam's step lr m / (sqrt(v) + eps) is a ratio of
+    such sums (SGD's, lr g, a sum), so a step moves a weight by at most lr (W - 1) u k more or less than DDP's, and
+    ``steps`` steps by ``steps`` times that (a step's difference changes the next gradients at second order only).
+    k is unbounded for one sum, but per-rank gradients of either sign make the chance that it exceeds x about 1/x,
+    so the largest k among ``elements`` sums is about ``elements``.
+
+    A real fault is far outside: a skipped all-reduce, a gradient left out or a replica that drifts moves weights
+    by about the learning rate (1e-3 to 1e-1 in this suite). Parameters whose exact gradient is zero (k infinite)
+    are compared with :func:`rounding_residue_bound` instead.
+    """
+    return steps * lr * (world - 1) * UNIT_ROUNDOFF * elements
+
+
+#: The bound of the suite's small models (:class:`TinyModel`, 697 weights, and its kin up to 2,000) at the suite's
+#: longest runs (6 steps at 0.05 on 4 ranks): also the bound of their loss curves, whose gradients are of order one
+PARITY_BOUND = parity_bound(2_000)
+
+#: Where :func:`assert_matches_ddp` appends each comparison's largest difference and its bound, one line per check,
+#: when this environment variable names a file (to report the margins of several whole-suite runs).
+PARITY_LOG = "LIGHTNING_SMP_PARITY_LOG"
+
+
+def weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state dict, detached, on the CPU and copied (what a rank returns to compare)."""
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+
+def _tensor(value: Any) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else torch.tensor(value)  # Fabric's launch returns lists
+
+
+def weight_difference(ours: dict[str, Any], reference: dict[str, Any]) -> float:
+    """The largest absolute difference between two state dicts of the same keys in the same order."""
+    assert list(ours) == list(reference), "the runs hold different parameters"
+    return max((_tensor(ours[k]) - _tensor(reference[k])).abs().max().item() for k in reference)
+
+
+def rounding_residue_bound(steps: int, lr: float, eps: float = 1e-8, residue: float = 1e-9) -> float:
+    """The bound for weights whose exact gradient is zero (the key bias of attention: a softmax does not change
+    when the same number is added to a whole row of logits). Their fp32 gradient is rounding residue, of either sign
+    and order-dependent, which Adam divides by ``eps``: each run moves such a weight by at most ``lr * residue /
+    eps`` per step, so two runs differ by at most twice that over ``steps``. ``residue``: the size such a gradient
+    can reach, a hundred times what the suite's runs show (1e-12 to 1e-11)."""
+    return 2 * steps * lr * residue / eps
+
+
+def assert_matches_ddp(ours: dict[str, Any], reference: dict[str, Any], *, steps: int = 6, lr: float = 0.05,
+                       world: int = 4, start: dict[str, Any] | None = None,
+                       zero_gradient: dict[str, tuple[slice, float]] | None = None) -> float:
+    """Every weight of ``ours`` within :func:`parity_bound` of DDP's ``reference`` (same keys, same order), for a run
+    of at most ``steps`` steps at ``lr`` on ``world`` ranks; returns the largest difference. With ``start`` (the
+    weights both runs began from), every weight DDP moved must have moved here too. ``zero_gradient`` maps a key to
+    the elements of it whose exact gradient is zero and their bound (:func:`rounding_residue_bound`)."""
+    assert list(ours) == list(reference), "the runs hold different parameters"
+    bound = parity_bound(sum(_tensor(v).numel() for v in reference.values()), steps, lr, world)
+    largest = 0.0
+    for key in reference:
+        difference = (_tensor(ours[key]) - _tensor(reference[key])).abs()
+        if zero_gradient and key in zero_gradient:
+            elements, residue_bound = zero_gradient[key]
+            residue = difference[elements].max().item()
+            assert residue <= residue_bound, f"{key}[{elements}]: {residue:.2e} from DDP (bound {residue_bound:.1e})"
+            difference[elements] = 0
+        worst = difference.max().item()
+        assert worst <= bound, f"{key}: {worst:.2e} from DDP (bound {bound:.1e})"
+        largest = max(largest, worst)
+        if start is not None and not torch.equal(_tensor(reference[key]), _tensor(start[key])):
+            assert not torch.equal(_tensor(ours[key]), _tensor(start[key])), f"{key} moved under DDP but not here"
+    if os.environ.get(PARITY_LOG):
+        with open(os.environ[PARITY_LOG], "a") as log:
+            log.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t{largest:.3e}\t{bound:.3e}\n")
+    return largest

@@ -24,27 +24,23 @@ from tests.helpers import (
     FSDP_VERSIONS,
     LIGHTNING_DEFAULTS,
     NCCL_BACKENDS,
+    PARITY_BOUND,
     TinyModel,
     accelerator_for,
+    assert_matches_ddp,
     cpu_trainer,
     fit_and_record,
     make_loader,
     process_group_backend_for,
     require_devices,
     run_distributed,
+    weight_difference,
+    weights_of,
 )
 
 TINY_NUMELS = [n for layer in TinyModel.LAYER_NUMELS for n in layer]
-TOL = 1e-5
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def _state(model: torch.nn.Module) -> dict:
-    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 @lru_cache(maxsize=None)
@@ -57,7 +53,7 @@ def ddp_reference(devices: int, model_cls: type = TinyModel, accelerator: str = 
             DDPStrategy(start_method="fork"), Path(folder), devices, model=model_cls(), accelerator=accelerator,
             **dict(trainer_kwargs),
         )
-    return records[0]["losses"], _state(model)
+    return records[0]["losses"], weights_of(model)
 
 
 CONFIGS = [
@@ -110,8 +106,8 @@ def test_hybrid_training_matches_ddp(tmp_path, backend, devices, degree, request
 
     ddp_losses, ddp_weights = ddp_reference(devices, accelerator=accelerator)
     assert len(records[0]["losses"]) == len(ddp_losses) == 6
-    assert max(abs(a - b) for a, b in zip(records[0]["losses"], ddp_losses)) <= TOL
-    assert _max_diff(_state(model), ddp_weights) <= TOL
+    assert max(abs(a - b) for a, b in zip(records[0]["losses"], ddp_losses)) <= PARITY_BOUND
+    assert_matches_ddp(weights_of(model), ddp_weights, world=devices)
 
 
 @pytest.mark.parametrize("backend", NCCL_BACKENDS)  # the timeout comes with the backend
@@ -247,8 +243,8 @@ def test_replicas_start_from_rank0_weights(tmp_path, degree):
     torch.manual_seed(0)
     _, model, records = fit_and_record(strategy, tmp_path, 4, model=RankSeededModel())
     ddp_losses, ddp_weights = ddp_reference(4, RankSeededModel)
-    assert max(abs(a - b) for a, b in zip(records[0]["losses"], ddp_losses)) <= TOL
-    assert _max_diff(_state(model), ddp_weights) <= TOL
+    assert max(abs(a - b) for a, b in zip(records[0]["losses"], ddp_losses)) <= PARITY_BOUND
+    assert_matches_ddp(weights_of(model), ddp_weights)
 
 
 @pytest.mark.timeout(240)
@@ -278,10 +274,10 @@ def test_gradient_clipping_matches_ddp(tmp_path, degree, algorithm, value):
     torch.manual_seed(0)
     _, model, records = fit_and_record(strategy, tmp_path, 4, model=_SGDModel(), **clip)
     ddp_losses, ddp_weights = ddp_reference(4, _SGDModel, **clip)
-    assert max(abs(a - b) for a, b in zip(records[0]["losses"], ddp_losses)) <= TOL
-    assert _max_diff(_state(model), ddp_weights) <= TOL
+    assert max(abs(a - b) for a, b in zip(records[0]["losses"], ddp_losses)) <= PARITY_BOUND
+    assert_matches_ddp(weights_of(model), ddp_weights, lr=_SGDModel().lr)
     # clipping really acted: the unclipped run ends elsewhere
-    assert _max_diff(_state(model), ddp_reference(4, _SGDModel)[1]) > 1e-3
+    assert weight_difference(weights_of(model), ddp_reference(4, _SGDModel)[1]) > 1e-3
 
 
 class _SGDModel(TinyModel):
@@ -306,7 +302,7 @@ def test_norm_clipping_takes_the_optimizers_parameters(tmp_path, version):
     torch.manual_seed(0)
     _, model, _ = fit_and_record(strategy, tmp_path, 4, model=_HeadOnlySGD(), **clip)
     _, ddp_weights = ddp_reference(4, _HeadOnlySGD, **clip)
-    assert _max_diff(_state(model), ddp_weights) <= TOL
+    assert_matches_ddp(weights_of(model), ddp_weights, lr=_HeadOnlySGD().lr)
 
 
 class _AutocastProbe(TinyModel):

@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from lightning_smp import HybridShardFSDPStrategy, UnitOrderError, unit_order
-from tests.helpers import FSDP_VERSIONS, GLOO_TIMEOUT, TinyModel, fit_and_record, make_loader
+from tests.helpers import FSDP_VERSIONS, GLOO_TIMEOUT, TinyModel, assert_matches_ddp, fit_and_record, make_loader
 
 WORLD = 4
 K = 2  # micro-batches per optimizer step
@@ -81,10 +81,7 @@ def test_heads_used_in_some_micro_batches_train_as_under_ddp(tmp_path, ddp, degr
                                         start_method="fork"), tmp_path)
     moved_by_ddp = {k for k in ddp["end"] if not torch.equal(ddp["end"][k], ddp["start"][k])}
     assert {"aux_even.weight", "aux_odd.weight"} <= moved_by_ddp
-    for key in ddp["end"]:
-        assert torch.allclose(ours["end"][key], ddp["end"][key], atol=1e-5, rtol=0), key
-        if key in moved_by_ddp:
-            assert not torch.equal(ours["end"][key], ours["start"][key]), f"{key} did not move"
+    assert_matches_ddp(ours["end"], ddp["end"], start=ddp["start"])  # and whatever DDP moved moved here
 
 
 class AHeadForTheFirstStepOnly(AuxiliaryHeads):
@@ -129,8 +126,7 @@ def test_a_head_no_rank_uses_in_a_window_keeps_its_grad_as_under_ddp(tmp_path, v
                                                         auto_wrap_policy={torch.nn.Linear},
                                                         gradient_accumulation=accumulation, start_method="fork"),
                                 tmp_path / "ours", set_to_none)
-    for key in ddp["end"]:
-        assert torch.allclose(ours["end"][key], ddp["end"][key], atol=1e-5, rtol=0), key
+    assert_matches_ddp(ours["end"], ddp["end"])
     assert not torch.equal(ours["end"]["aux_even.weight"], ours["start"]["aux_even.weight"])
     assert torch.equal(ours["end"]["aux_odd.weight"], ours["start"]["aux_odd.weight"])
 
@@ -191,8 +187,7 @@ def test_a_head_that_runs_but_is_left_out_of_the_last_loss_trains_as_under_ddp(t
     ours = _fit(HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version,
                                         auto_wrap_policy={torch.nn.Linear}, gradient_accumulation=accumulation,
                                         start_method="fork"), tmp_path / "ours", run_both=True)
-    for key in ddp["end"]:
-        assert torch.allclose(ours["end"][key], ddp["end"][key], atol=1e-5, rtol=0), key
+    assert_matches_ddp(ours["end"], ddp["end"])
     assert not torch.equal(ours["end"]["aux_even.weight"], ours["start"]["aux_even.weight"])
 
 
@@ -238,9 +233,7 @@ def test_zero_grad_mid_window_then_a_head_left_out_trains_as_under_ddp(version):
     ours = L.Fabric(strategy=FabricStrategy(hybrid_shard_degree=2, fsdp_version=version,
                                             auto_wrap_policy={torch.nn.Linear}, start_method="fork"),
                     accelerator="cpu", devices=WORLD).launch(_heads_window_dropped)
-    assert list(ours) == list(reference)
-    for key in reference:
-        assert torch.allclose(torch.tensor(ours[key]), torch.tensor(reference[key]), atol=1e-5, rtol=0), key
+    assert_matches_ddp(ours, reference)
 
 
 @pytest.fixture(scope="module")
@@ -259,8 +252,7 @@ def test_a_branch_taken_on_some_ranks_trains_as_under_ddp_inside_an_always_run_u
     ours = _fit_branch(HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version,
                                                auto_wrap_policy=BODY_ONLY, start_method="fork"), tmp_path)
     assert not torch.equal(ddp_branch["end"]["aux.weight"], ddp_branch["start"]["aux.weight"])
-    for key in ddp_branch["end"]:
-        assert torch.allclose(ours["end"][key], ddp_branch["end"][key], atol=1e-5, rtol=0), key
+    assert_matches_ddp(ours["end"], ddp_branch["end"])
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
@@ -276,8 +268,7 @@ def test_a_parameter_no_rank_used_beside_used_ones_in_its_unit_keeps_grad_none(t
                                                auto_wrap_policy=BODY_ONLY, start_method="fork"), tmp_path / "ours",
                        ABranchNoRankTakesInOddSteps)
     assert not torch.equal(ddp["end"]["aux.weight"], ddp["start"]["aux.weight"])
-    for key in ddp["end"]:
-        assert torch.allclose(ours["end"][key], ddp["end"][key], atol=1e-5, rtol=0), key
+    assert_matches_ddp(ours["end"], ddp["end"])
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
@@ -298,8 +289,7 @@ def test_the_unit_order_check_passes_runs_whose_ranks_agree(tmp_path, monkeypatc
     monkeypatch.setenv(unit_order.ENV, "1")
     ours = _fit_branch(HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=version,
                                                auto_wrap_policy=BODY_ONLY, start_method="fork"), tmp_path)
-    for key in ddp_branch["end"]:
-        assert torch.allclose(ours["end"][key], ddp_branch["end"][key], atol=1e-5, rtol=0), key
+    assert_matches_ddp(ours["end"], ddp_branch["end"])
 
 
 def test_a_gradient_that_is_not_zero_is_never_dropped_whatever_the_notes_say():
