@@ -115,6 +115,7 @@ def main() -> None:
         reference = DDP(TinyLM().to(device), device_ids=[device.index] if gpu else None)
         facts["ddp_losses"] = train(reference, tokens, args.steps, args.batch)
         reference_weights = reference.module.state_dict()
+        facts["parameters"] = sum(v.numel() for v in reference_weights.values())
         facts["max_abs_diff_vs_ddp"] = max(
             (hybrid_weights[k] - reference_weights[k]).abs().max().item() for k in reference_weights
         )

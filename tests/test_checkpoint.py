@@ -33,7 +33,15 @@ from lightning_smp import CheckpointError, HybridShardFSDPStrategy
 from lightning_smp import checkpoint as ckpt
 from lightning_smp.checkpoint import convert, safety, saving
 from lightning_smp.names import FULL, SHARDED, STATE_DICT_TYPES, STRATEGY_NAMES
-from tests.helpers import FSDP_VERSIONS, TinyModel, cpu_trainer, kill_when_ready, make_loader
+from tests.helpers import (
+    FSDP_VERSIONS,
+    PARITY_BOUND,
+    TinyModel,
+    cpu_trainer,
+    kill_when_ready,
+    make_loader,
+    weight_difference,
+)
 
 #: every registered strategy name but the notebook one (the same as smp_hybrid, launched by fork): its init args
 STRATEGIES = {name: {k: v for k, v in args.items() if k != "start_method"}
@@ -430,13 +438,11 @@ def test_the_ddp_engine_s_checkpoint_resumes_under_fsdp(tmp_path: Path, written_
 @pytest.mark.timeout(60)
 def test_engines_write_the_same_checkpoint(written_by: dict[int, dict[str, Path]]) -> None:
     """Same model, data and degree: both engines' full files hold the same keys and shapes, and their sharded
-    folders the same tensor keys; the values agree to float tolerance (the engines reduce in different orders)."""
+    folders the same tensor keys; the values agree within twice the parity bound (each is within it of DDP's)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     full = {v: torch.load(written_by[v][FULL] / "ckpts" / "last.ckpt", weights_only=True) for v in (1, 2)}
-    assert list(full[1]["state_dict"]) == list(full[2]["state_dict"])
-    for key, value in full[1]["state_dict"].items():
-        assert torch.allclose(value, full[2]["state_dict"][key], atol=1e-5), key
+    assert weight_difference(full[1]["state_dict"], full[2]["state_dict"]) <= 2 * PARITY_BOUND
     keys = {v: {k for k, m in safety.SafeFileSystemReader(written_by[v][SHARDED] / "ckpts" / "last.ckpt")
                 .read_metadata().state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)} for v in (1, 2)}
     assert keys[1] == keys[2]
