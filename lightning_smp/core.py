@@ -85,6 +85,26 @@ _ASYNC_FULL = (
 )
 
 
+@dataclass(frozen=True)
+class Settled:
+    """What configuration settles, replaced whole and never edited: the configuration merged from every source once,
+    the layout (``None`` while ``hybrid_shard_degree="auto"`` waits for the model) and the engine that runs it."""
+
+    config: SMPConfig
+    layout: Layout | None
+    engine: Engine
+
+
+@dataclass(frozen=True)
+class Built:
+    """What setup builds once the process group exists, replaced whole: the mesh (``None`` under a ``process_group``
+    of the user's) and the layout and device type it was built for."""
+
+    mesh: DeviceMesh | None
+    layout: Layout
+    device_type: str
+
+
 @dataclass
 class HybridShardCore:
     """The front-end-independent state of one hybrid-sharding strategy (see the module docstring for its order).
@@ -104,8 +124,9 @@ class HybridShardCore:
             ``hybrid_shard_degree="auto"`` has been resolved by :meth:`choose_degree`.
         async_save_arg: the ``async_save`` argument, else ``None`` (the configuration sources decide).
         links_arg: the ``links`` argument (a preset, a JSON file or ``"calibrate"``), else ``None``.
-        engine: the engine in effect; config, layout, device_mesh: known after :meth:`configure` and
-            :meth:`build_mesh`; checkpoint_run: who writes this run's checkpoints.
+        settled: what :meth:`configure` settled (:class:`Settled`: the configuration, layout and engine), replaced
+            whole when "auto" chooses or a module sharded by another engine arrives; built: what
+            :meth:`build_mesh` built (:class:`Built`); checkpoint_run: who writes this run's checkpoints.
     """
 
     requested_strategy: ShardingStrategyName
@@ -122,12 +143,9 @@ class HybridShardCore:
     async_save_arg: bool | None = None
     links_arg: str | None = None
     chosen: Plan | None = None
-    engine: Engine = field(default_factory=lambda: engine_for(1))
-    config: SMPConfig | None = None
-    layout: Layout | None = None
-    device_mesh: DeviceMesh | None = None
+    settled: Settled | None = None
+    built: Built | None = None
     checkpoint_run: CheckpointRun = field(default_factory=CheckpointRun)
-    _mesh_key: tuple[Layout, str] | None = None
     _wrapped_root: Module | None = None
     #: every root :meth:`shard` returned, so that a state dict is only ever taken of one (see :meth:`sharded_model`)
     _roots: weakref.WeakSet[Module] = field(default_factory=weakref.WeakSet)
@@ -191,15 +209,15 @@ class HybridShardCore:
             engine_options={**kwargs, **({"auto_wrap_policy": auto_wrap_policy} if auto_wrap_policy else {})},
             mixed_precision_arg=mixed_precision, cpu_offload_arg=cpu_offload, user_mesh=user_mesh,
             mesh_shape_arg=tuple(device_mesh) if isinstance(device_mesh, (tuple, list)) else None,
-            memory_budget_arg=budget, async_save_arg=background, links_arg=links, engine=engine_for(version or 1),
+            memory_budget_arg=budget, async_save_arg=background, links_arg=links,
         )
         if version is not None:
             core.check_engine()  # the engine is known already: refuse its wrong arguments now
         return core
 
-    def check_engine(self) -> None:
-        """Static checks of the arguments against the engine that will run them."""
-        engine = self.engine
+    def check_engine(self, engine: Engine | None = None) -> None:
+        """Static checks of the arguments against ``engine`` (by default the one in effect)."""
+        engine = engine or self.engine
         engine.check_options(options_for(engine, self.engine_options), self.mixed_precision_arg, self.cpu_offload_arg)
         if self.accumulation_arg is not None and self.accumulation_arg not in engine.accumulations:
             raise HybridShardConfigError(
@@ -229,21 +247,47 @@ class HybridShardCore:
         """Resolve the configuration once, choose the engine, check the arguments against it and resolve the layout
         for ``num_nodes x devices`` ranks (``None`` while ``hybrid_shard_degree="auto"`` waits for the model). Call
         it before any process starts."""
-        self.config = config = self.resolve_config()
+        config = self.resolve_config()
         if config.async_save and self.state_dict_type != SHARDED:
             raise HybridShardConfigError(_ASYNC_FULL.format(state_dict_type=self.state_dict_type))
-        self.engine = engine_for(config.fsdp_version)
-        self.check_engine()
+        self.check_engine(engine_for(config.fsdp_version))
+        self.settled = Settled(config, None, engine_for(config.fsdp_version))
         self._set_layout(None if self.auto_pending else self.resolve_layout(num_nodes, devices))
         return self.layout
 
     def _set_layout(self, layout: Layout | None) -> None:
         """The layout, and the engine that runs it: DDP's where nothing is sharded and the arguments allow
         (:func:`~lightning_smp.engines.engine_for_layout`), else the engine of ``fsdp_version``."""
-        self.layout = layout
-        self.engine = engine_for_layout((self.config or self.resolve_config()).fsdp_version, layout,
-                                        options=self.engine_options, mixed_precision=self.mixed_precision_arg,
-                                        cpu_offload=self.cpu_offload_arg)
+        config = self.config
+        engine = engine_for_layout(config.fsdp_version, layout, options=self.engine_options,
+                                   mixed_precision=self.mixed_precision_arg, cpu_offload=self.cpu_offload_arg)
+        self.settled = Settled(config, layout, engine)
+
+    def _set_engine(self, engine: Engine) -> None:
+        """A module that ``engine`` sharded (by hand, or the root of an earlier run) runs on it."""
+        self.settled = replace(self.settled or Settled(self.config, self.layout, engine), engine=engine)
+
+    @property
+    def config(self) -> SMPConfig:
+        """The configuration: resolved once by :meth:`configure`; before it, from the sources as they stand."""
+        return self.settled.config if self.settled is not None else self.resolve_config()
+
+    @property
+    def layout(self) -> Layout | None:
+        """The layout, once :meth:`configure` (or "auto"'s choice) has settled it."""
+        return self.settled.layout if self.settled is not None else None
+
+    @property
+    def engine(self) -> Engine:
+        """The engine in effect: before :meth:`configure`, the one ``fsdp_version`` names."""
+        if self.settled is not None:
+            return self.settled.engine
+        return engine_for(self.fsdp_version_arg or 1)
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        """The ``(replicate, shard)`` mesh :meth:`build_mesh` built, or the user's own."""
+        return self.built.mesh if self.built is not None else None
 
     def resolve_layout(self, num_nodes: int, devices: int) -> Layout:
         given = tuple(self.user_mesh.shape) if self.user_mesh is not None else self.mesh_shape_arg
@@ -259,12 +303,12 @@ class HybridShardCore:
     @property
     def configured_degree(self) -> int | str:
         """The degree as configured: a number, or ``"auto"``."""
-        return (self.config or self.resolve_config()).hybrid_shard_degree
+        return self.config.hybrid_shard_degree
 
     @property
     def async_save(self) -> bool:
         """Whether sharded checkpoints are written in the background (the argument, else any configuration source)."""
-        return bool((self.config or self.resolve_config()).async_save)
+        return bool(self.config.async_save)
 
     @property
     def auto(self) -> bool:
@@ -283,7 +327,7 @@ class HybridShardCore:
     @property
     def gradient_accumulation(self) -> GradientAccumulation:
         # the default of the engine fsdp_version selects, also where the DDP engine runs (which takes every mode)
-        return self.accumulation_arg or engine_for((self.config or self.resolve_config()).fsdp_version).accumulations[0]
+        return self.accumulation_arg or engine_for(self.config.fsdp_version).accumulations[0]
 
     # ------------------------------------------------------------------ 3. the mesh, once the process group exists
 
@@ -300,13 +344,13 @@ class HybridShardCore:
                 f"torch.distributed has {dist.get_world_size()} ranks but the strategy was configured for"
                 f" world_size={layout.world_size} (num_nodes x devices). Fix: make devices/num_nodes match the launcher."
             )
-        if self.engine_options.get("process_group") is None:
-            if self.user_mesh is not None:
-                self.device_mesh = self.user_mesh
-            elif self._mesh_key != (layout, device_type):
-                # fit, then validate/test in the same processes: building again would create new process groups
-                self.device_mesh = build_device_mesh(layout, device_type)
-                self._mesh_key = (layout, device_type)
+        if self.engine_options.get("process_group") is not None:
+            self.built = Built(None, layout, device_type)
+        elif self.user_mesh is not None:
+            self.built = Built(self.user_mesh, layout, device_type)
+        elif self.built is None or (self.built.layout, self.built.device_type) != (layout, device_type):
+            # fit, then validate/test in the same processes: building again would create new process groups
+            self.built = Built(build_device_mesh(layout, device_type), layout, device_type)
         return layout
 
     def choose_degree(self, module: Module, *, num_nodes: int, devices: int, device: torch.device, precision: str,
@@ -330,7 +374,7 @@ class HybridShardCore:
                 " them (the strategy shards them), or pass a number as hybrid_shard_degree."
             )
         offload = self.cpu_offload_arg
-        config = self.config or self.resolve_config()
+        config = self.config
         chosen = plan_on_every_rank(
             module, configured_budget=config.memory_budget, configured_links=config.links, device=device,
             local_ranks=devices, world_size=num_nodes * devices, devices_per_node=devices,
@@ -376,12 +420,12 @@ class HybridShardCore:
         previous = self._wrapped_root
         if previous is not None and (previous is module or getattr(previous, "module", None) is module):
             # wrapping again would find the parameters already sharded (FSDP1: flattened, leaving 1-D views)
-            self.engine = engine_of(previous) or self.engine
+            self._set_engine(engine_of(previous) or self.engine)
             return previous
         other = engine_of(module)
         if other is not None and other is not self.engine:
             # sharded by hand in configure_model (fully_shard, or a DDP of the user's own): that engine runs it
-            self.engine = other
+            self._set_engine(other)
             if self.device_mesh is not None and self.user_mesh is None and self.layout is not None:
                 plan = replace(plan, mesh=other.mesh_for(self.device_mesh, self.layout))
         engine, device = self.engine, plan.device

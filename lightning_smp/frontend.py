@@ -87,7 +87,7 @@ class HybridShardFrontEnd:
     def fsdp_version(self) -> int:
         """The FSDP implementation configured: 1 (``FullyShardedDataParallel``) or 2 (``fully_shard``); a layout that
         shards nothing runs on the DDP engine whichever it is (:attr:`engine`)."""
-        return (self.core.config or self.core.resolve_config()).fsdp_version
+        return self.core.config.fsdp_version
 
     @property
     def gradient_accumulation(self) -> GradientAccumulation:
@@ -136,7 +136,7 @@ class HybridShardFrontEnd:
         if layout is not None and layout.overridden and not self._warned_override:
             self._warned_override = True
             rank_zero_warn(layout.override_message())
-        config = self.core.config or self.core.resolve_config()  # from any source
+        config = self.core.config  # from any source
         for key, value in (("memory_budget", config.memory_budget), ("links", config.links)):
             if value is not None and not self.core.auto and not self._warned_budget:
                 self._warned_budget = True
