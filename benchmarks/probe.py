@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.nn import Module
 
 from benchmarks.settings import Settings
-from lightning_smp.accounting.comm import CommCounter
+from lightning_smp.accounting.counter import CommCounter
 from lightning_smp.accounting.memory import comm_groups, gradient_bytes, measure_memory, textbook
 from lightning_smp.callbacks.memory import strategy_mesh
 

@@ -20,7 +20,7 @@ def _reset_smp_sources() -> None:
     lightning_smp.shutdown()
     for name in _SMP_ENV:
         os.environ.pop(name, None)
-    smp_config._env_layer_cached.cache_clear()
+    smp_config.sources._env_layer_cached.cache_clear()
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_smp.accounting.comm import CommCounter, FSDPUnitSpec, fsdp_step_textbook, ring_bytes
+from lightning_smp.accounting.comm import FSDPUnitSpec, fsdp_step_textbook, ring_bytes
+from lightning_smp.accounting.counter import CommCounter
 from lightning_smp.degree import resolve_layout
 from lightning_smp.mesh import build_device_mesh
 from lightning_smp.names import (

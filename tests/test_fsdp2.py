@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_smp import GradientSyncError, HybridShardFSDPStrategy, MemorySavingsCallback, resolve_layout
 from lightning_smp.engines import FSDP2Engine
-from lightning_smp.engines.fsdp2 import fsdp_modules
+from lightning_smp.engines.fsdp2_groups import fsdp_modules
 from lightning_smp.names import (
     DEFER_ALL_REDUCE,
     EVERY_MICRO_BATCH,
@@ -515,7 +515,7 @@ def test_precision_maps_to_a_mixed_precision_policy():
     from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
     from lightning_smp.engines import ShardingPlan
-    from lightning_smp.engines.fsdp2 import _mixed_precision_policy, _offload_policy
+    from lightning_smp.engines.fsdp2_options import _mixed_precision_policy, _offload_policy
 
     layout = resolve_layout(WORLD, 2)
     cpu = torch.device("cpu")
@@ -597,7 +597,7 @@ def test_auto_wrap_policies_pick_the_same_modules_as_fsdp1():
     from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy, size_based_auto_wrap_policy
 
     from lightning_smp import UnsupportedOptionError
-    from lightning_smp.engines.fsdp2 import wrap_targets
+    from lightning_smp.engines.fsdp2_wrap import wrap_targets
 
     model = FeatureModel()
     blocks = list(model.blocks)

@@ -1,16 +1,16 @@
-"""What a rank holds and sends: measurement (:mod:`.memory`), collective counting and textbook figures
-(:mod:`.comm`), FSDP1's shard arithmetic (:mod:`.shards`) and the table renderer (:mod:`.render`). No Lightning
-here: the memory callback (:mod:`lightning_smp.callbacks.memory`) and the benchmarks only call these."""
+"""What a rank holds and sends: measurement (:mod:`.memory`), textbook figures (:mod:`.comm`), collective
+counting (:mod:`.counter`), FSDP1's shard arithmetic (:mod:`.shards`) and the table renderer (:mod:`.render`). No
+Lightning here: the memory callback (:mod:`lightning_smp.callbacks.memory`) and the benchmarks only call these."""
 
 from lightning_smp.accounting.comm import (
     OPS,
-    CommCounter,
     CommFigure,
     FSDPUnitSpec,
     ddp_step_textbook,
     fsdp_step_textbook,
     ring_bytes,
 )
+from lightning_smp.accounting.counter import CommCounter
 from lightning_smp.accounting.memory import (
     MEMORY_FIELDS,
     PEAK_FIELDS,

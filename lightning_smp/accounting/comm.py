@@ -1,48 +1,25 @@
-"""Collective accounting: what a rank really sends per step, split by mesh axis, next to the textbook figure.
+"""Collective accounting: the textbook figure of one optimizer step, split by mesh axis, and the conventions that
+the counted figures follow too.
 
-Two halves, both usable without Lightning:
+Pure "textbook" functions (:func:`fsdp_step_textbook`, :func:`ddp_step_textbook`, :func:`ring_bytes`) give the
+figure FSDP1 / FSDP2 / DDP should produce for one optimizer step, usable without Lightning; what a rank really sends
+is counted by :class:`~lightning_smp.accounting.counter.CommCounter`.
 
-- :class:`CommCounter`, a context manager that counts every ``torch.distributed`` collective issued while it is
-  active (number of calls and logical bytes per operation), attributed to a mesh axis by its process group.
-- Pure "textbook" functions (:func:`fsdp_step_textbook`, :func:`ddp_step_textbook`, :func:`ring_bytes`) that give
-  the figure FSDP1 / DDP should produce for one optimizer step.
-
-Conventions (the same in both halves, so they compare one to one):
+Conventions (the same for counts and textbook figures, so they compare one to one):
 
 - **logical bytes** of a collective = the size of its full buffer: the gathered output of an all-gather, the
   unreduced input of a reduce-scatter, the tensor of an all-reduce or broadcast (the larger of the op's input and
   output). This is what ``nccl-tests`` calls the size of a collective.
 - **ring bytes** = what one rank sends on a ring: ``(n-1)/n`` of the logical bytes for all-gather, reduce-scatter and
   broadcast, ``2(n-1)/n`` for all-reduce, ``n`` being the size of the group.
-
-Example::
-
-    from lightning_smp.accounting import CommCounter
-
-    with CommCounter(strategy.device_mesh) as counter:
-        loss = model(batch).sum(); loss.backward()
-    counter.counts()["shard"]["all_gather"]      # {"count": 4, "bytes": 8992}
-
-When no counter is active nothing is installed, so accounting costs nothing. While one is active every tensor
-operation of the current thread passes through a Python ``TorchDispatchMode`` (a few microseconds per op; the
-memory report therefore counts one optimizer step, not all of them). Counting never changes a result: each call is
-forwarded unchanged.
-
-Above 300 lines for a reason: the counter and the textbook formulas share their conventions (logical bytes,
-ring bytes, axis names) and are compared one to one; they are kept side by side on purpose.
 """
 
 from __future__ import annotations
 
-import copy
-import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_smp.names import (
     DEFER_ALL_REDUCE,
@@ -52,142 +29,17 @@ from lightning_smp.names import (
     HYBRID_SHARD_ZERO2,
     NO_SHARD,
     NO_SYNC,
-    OTHER_AXIS,
     REPLICATE_AXIS,
     SHARD_AXIS,
     SHARD_GRAD_OP,
 )
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 #: Operation names in counts and textbook figures, in display order.
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "other")
 #: ``{axis: {op: {"count", "bytes", "ring_bytes"}}}``: a textbook figure of one step.
 CommFigure = dict[str, dict[str, dict[str, float]]]
 
-# c10d dispatcher ops (what every torch.distributed collective becomes, gloo and NCCL alike) -> operation name.
-_C10D_OPS = {
-    "allgather_": "all_gather",
-    "_allgather_base_": "all_gather",
-    "allgather_coalesced_": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather",
-    "reduce_scatter_": "reduce_scatter",
-    "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "allreduce_": "all_reduce",
-    "allreduce_coalesced_": "all_reduce",
-    "broadcast_": "broadcast",
-}
-
 _RING_FACTOR_TWICE = {"all_reduce"}
-
-
-def _tensor_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
-
-
-def _logical_bytes(args: Sequence[Any]) -> int:
-    # The full buffer is the larger side: output for all-gather, input for reduce-scatter, the only one otherwise.
-    return max((_tensor_bytes(a) for a in args), default=0)
-
-
-def _empty_axis() -> dict[str, dict[str, int]]:
-    return {op: {"count": 0, "bytes": 0} for op in OPS}
-
-
-class _CollectiveMode(TorchDispatchMode):
-    def __init__(self, counter: CommCounter) -> None:
-        super().__init__()
-        self.counter = counter
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func.namespace == "c10d":
-            self.counter._record(func._opname, args)
-        return func(*args, **(kwargs or {}))
-
-
-class CommCounter:
-    """Counts the collectives issued while active, per mesh axis and operation: number of calls and logical bytes.
-
-    Args:
-        mesh: a ``DeviceMesh`` whose dimensions name the axes (``("replicate", "shard")`` for
-            :class:`~lightning_smp.HybridShardFSDPStrategy`). A 1-D mesh without names gives the axis ``"dim0"``.
-        groups: instead of (or on top of) a mesh, ``{axis name: ProcessGroup}``; ``None`` as a group means the
-            default (world) group.
-
-    A collective is attributed to the axis whose process group it runs on (by group identity, not by ranks, so the
-    world group and a shard group with the same ranks stay apart); anything else goes to ``"other"``. Counts are
-    kept for the current thread and the threads autograd runs backward on; the counter can be entered again to
-    keep adding (``reset()`` clears it).
-    """
-
-    def __init__(self, mesh: DeviceMesh | None = None, groups: Mapping[str, Any] | None = None) -> None:
-        self._axes: dict[str, str] = {}  # group name -> axis
-        self.axis_names: list[str] = []
-        if mesh is not None:
-            names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-            for i, name in enumerate(names):
-                self._add_axis(name, mesh.get_group(i))
-        for name, group in (groups or {}).items():
-            self._add_axis(name, group)
-        self._lock = threading.Lock()
-        self._mode: _CollectiveMode | None = None
-        self._tally: dict[str, dict[str, dict[str, int]]] = {}
-        self.reset()
-
-    def _add_axis(self, name: str, group: Any) -> None:
-        group = group if group is not None else dist.group.WORLD
-        # first name wins when two axes share a group (e.g. a size-1 axis)
-        self._axes.setdefault(group.group_name, name)
-        if name not in self.axis_names:
-            self.axis_names.append(name)
-
-    def reset(self) -> None:
-        """Forget everything counted so far."""
-        self._tally = {name: _empty_axis() for name in [*self.axis_names, OTHER_AXIS]}
-
-    @property
-    def active(self) -> bool:
-        """Whether the counter is installed right now."""
-        return self._mode is not None
-
-    def __enter__(self) -> CommCounter:
-        if self._mode is not None:
-            raise RuntimeError("CommCounter is already active; a counter cannot be nested in itself.")
-        self._mode = _CollectiveMode(self)
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        mode, self._mode = self._mode, None
-        if mode is not None:
-            mode.__exit__(*exc)
-
-    def axis_of(self, group: Any) -> str:
-        """The axis a process group (a ``ProcessGroup`` or its boxed ``ScriptObject``) is counted on."""
-        if isinstance(group, torch.ScriptObject):
-            group = dist.ProcessGroup.unbox(group)
-        return self._axes.get(group.group_name, OTHER_AXIS)
-
-    def _record(self, opname: str, args: Sequence[Any]) -> None:
-        op = _C10D_OPS.get(opname, "other")
-        group = next((a for a in args if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type())), None)
-        axis = self.axis_of(group) if group is not None else OTHER_AXIS
-        size = _logical_bytes(args)
-        with self._lock:
-            entry = self._tally[axis][op]
-            entry["count"] += 1
-            entry["bytes"] += size
-
-    def counts(self) -> dict[str, dict[str, dict[str, int]]]:
-        """``{axis: {op: {"count": calls, "bytes": logical bytes}}}`` for every axis, ``"other"`` included (a copy)."""
-        with self._lock:
-            return copy.deepcopy(self._tally)
 
 
 # ---------------------------------------------------------------------------------------------- textbook figures
@@ -358,9 +210,7 @@ def ddp_bucket_count(model: torch.nn.Module) -> int | None:
 
 __all__ = [
     "OPS",
-    "OTHER_AXIS",
     "CommFigure",
-    "CommCounter",
     "FSDPUnitSpec",
     "accumulation_passes",
     "ddp_bucket_count",

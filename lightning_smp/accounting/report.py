@@ -20,7 +20,7 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_smp.accounting.comm import CommCounter
+from lightning_smp.accounting.counter import CommCounter
 from lightning_smp.accounting.memory import comm_groups, measure_memory, peak_memory, textbook
 from lightning_smp.accounting.render import comm_mismatches, print_report
 from lightning_smp.collectives import Collectives

@@ -71,7 +71,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_smp.accounting.comm import CommCounter
+from lightning_smp.accounting.counter import CommCounter
 from lightning_smp.accounting.memory import MEMORY_FIELDS, PEAK_FIELDS, comm_groups, gradient_bytes
 from lightning_smp.accounting.render import print_report
 from lightning_smp.accounting.report import memory_report

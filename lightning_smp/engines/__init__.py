@@ -15,7 +15,8 @@ from lightning_smp.engines import ddp
 from lightning_smp.engines.base import Engine, ShardingFacts, ShardingPlan, StorageUnit
 from lightning_smp.engines.ddp import DDPEngine
 from lightning_smp.engines.fsdp1 import FSDP1Engine
-from lightning_smp.engines.fsdp2 import FSDP2Engine, wrap_targets
+from lightning_smp.engines.fsdp2 import FSDP2Engine
+from lightning_smp.engines.fsdp2_wrap import wrap_targets
 from lightning_smp.names import NO_SHARD
 
 #: The engines ``fsdp_version`` selects.

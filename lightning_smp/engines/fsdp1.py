@@ -1,11 +1,14 @@
 """The FSDP1 engine: ``torch.distributed.fsdp.FullyShardedDataParallel`` with flat parameters.
 
 FSDP1 has no public API for what a rank stores (flat-parameter shards, their padding, the process groups of a
-hybrid unit), so this module is the one place that reads FSDP1's internals (``_handle``, ``flat_param._numels``,
-``_inter_node_pg``, ...). Each read is checked against the real tensors by the memory-accounting tests.
+hybrid unit), so this module reads FSDP1's internals (``_handle``, ``flat_param._numels``, ``_inter_node_pg``, ...);
+each read is checked against the real tensors by the memory-accounting tests. The only other modules that read
+them do one job each: :mod:`~lightning_smp.engines.fsdp1_state` (the shards of a background save),
+:mod:`~lightning_smp.engines.fsdp1_unused` (which parameters a backward used) and
+:mod:`~lightning_smp.engines.fsdp1_left_out` (units the last backward of a ``no_sync`` window did not reach).
 
-Slightly above 300 lines for a reason: one class implementing every method of the
-:class:`~lightning_smp.engines.Engine` protocol for FSDP1; splitting it would spread FSDP1's internals.
+Above 300 lines for a reason: one class implementing every method of the :class:`~lightning_smp.engines.Engine`
+protocol for FSDP1 (the class alone is over 300 lines); splitting it would spread FSDP1's internals further.
 """
 
 from __future__ import annotations
