@@ -52,9 +52,9 @@ from torch.nn import Module
 from lightning_smp.collectives import release_process_groups_at_exit
 from lightning_smp.config import configured_degree, load_config, set_init_config
 from lightning_smp.degree import Layout, resolve_layout
-from lightning_smp.engines import FSDP1Engine, FSDP2Engine
+from lightning_smp.engines import ENGINES, Engine
 from lightning_smp.errors import HybridShardConfigError
-from lightning_smp.mesh import build_device_mesh, fsdp_mesh
+from lightning_smp.mesh import build_device_mesh
 from lightning_smp.names import AUTO, FULL_SHARD, HYBRID_SHARD
 from lightning_smp.replicas import broadcast_across_replicas, broadcast_before_wrapping
 
@@ -128,7 +128,7 @@ def is_initialized() -> bool:
 def _patch() -> None:
     global _SESSION
     if _SESSION is None:
-        restores = [FSDP1Engine().patch_wrapper(_rewrite), FSDP2Engine().patch_default_mesh(_default_fsdp2_mesh)]
+        restores = [engine.patch_plain_calls(_PlainCalls()) for engine in ENGINES]
 
         def restore() -> None:
             for undo in reversed(restores):
@@ -152,7 +152,17 @@ def _mesh_for(layout: Layout, device_type: str) -> DeviceMesh:
     return meshes[key]
 
 
-def _default_fsdp2_mesh() -> DeviceMesh | None:
+class _PlainCalls:
+    """:class:`~lightning_smp.engines.base.PlainCalls`: the configured degree applied to the user's own calls."""
+
+    def rewrite(self, engine: Engine, arguments: dict[str, Any]) -> Callable[[Module], None] | None:
+        return _rewrite(engine, arguments)
+
+    def default_mesh(self, engine: Engine) -> DeviceMesh | None:
+        return _default_mesh(engine)
+
+
+def _default_mesh(engine: Engine) -> DeviceMesh | None:
     """The mesh a ``fully_shard`` call without ``mesh=`` gets: the configured degree's (``None``: torch's default)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
@@ -172,10 +182,10 @@ def _default_fsdp2_mesh() -> DeviceMesh | None:
     accelerator = torch.accelerator.current_accelerator()
     device_type = "cpu" if accelerator is None or _gloo_only() else accelerator.type
     _log_once(layout, "fully_shard(...) shards over")
-    return FSDP2Engine().mesh_for(_mesh_for(layout, device_type), layout)
+    return engine.mesh_for(_mesh_for(layout, device_type), layout)
 
 
-def _rewrite(arguments: dict[str, Any]) -> Any | None:
+def _rewrite(engine: Engine, arguments: dict[str, Any]) -> Callable[[Module], None] | None:
     """Apply the configured degree to one FSDP call's arguments in place; return a post-wrap hook or None."""
     if arguments.get("device_mesh") is not None or arguments.get("process_group") is not None:
         return None
@@ -196,13 +206,13 @@ def _rewrite(arguments: dict[str, Any]) -> Any | None:
     _log_once(layout)
 
     arguments["sharding_strategy"] = ShardingStrategy[layout.sharding_strategy]
-    arguments["device_mesh"] = fsdp_mesh(mesh, layout)
+    arguments["device_mesh"] = engine.mesh_for(mesh, layout)
     if arguments.get("device_id") is None and device.type == "cpu":
         arguments["device_id"] = device
     # DDP semantics: all replicas train from global rank 0's weights, however the ranks were seeded; units the user
     # wrapped by hand before this outer call (FSDP(layer), enable_wrap/wrap) were synced by their own call, and
     # their shards differ between ranks by design: only the rest is sent
-    if broadcast_before_wrapping(module, device, is_shard=FSDP1Engine().is_shard):
+    if broadcast_before_wrapping(module, device, is_shard=engine.is_shard):
         return None
     return lambda wrapped: broadcast_across_replicas(wrapped, mesh, device)
 

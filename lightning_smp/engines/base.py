@@ -246,6 +246,26 @@ class Engine(Protocol):
         ...
 
 
+    def patch_plain_calls(self, calls: PlainCalls) -> Callable[[], None]:
+        """Make the user's own calls of this engine's API (:func:`lightning_smp.init`'s plain-PyTorch mode) take the
+        configured degree through ``calls``; return a function that undoes it."""
+        ...
+
+
+class PlainCalls(Protocol):
+    """What :func:`lightning_smp.init` does to the user's own wrapping calls; each engine's
+    :meth:`Engine.patch_plain_calls` calls it from the hook its API offers."""
+
+    def rewrite(self, engine: Engine, arguments: dict[str, Any]) -> Callable[[Module], None] | None:
+        """Apply the configured degree to one wrapper constructor's ``arguments`` in place; return a hook to run on
+        the wrapped module, or ``None``."""
+        ...
+
+    def default_mesh(self, engine: Engine) -> DeviceMesh | None:
+        """The mesh a sharding call that passes none gets (``None``: the engine's own default)."""
+        ...
+
+
 def replace_attribute(owner: Any, name: str, replacement: Any, what: str) -> Callable[[], None]:
     """Set ``owner.name`` to ``replacement`` and return a function that puts the original back, unless something
     else replaced it again in the meantime (that later patch is then left in place, with a warning naming
@@ -265,4 +285,4 @@ def replace_attribute(owner: Any, name: str, replacement: Any, what: str) -> Cal
     return restore
 
 
-__all__ = ["Engine", "ShardingFacts", "ShardingPlan", "StorageUnit", "replace_attribute"]
+__all__ = ["Engine", "PlainCalls", "ShardingFacts", "ShardingPlan", "StorageUnit", "replace_attribute"]

@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_smp.degree import Layout
-from lightning_smp.engines.base import ShardingFacts, ShardingPlan, StorageUnit
+from lightning_smp.engines.base import PlainCalls, ShardingFacts, ShardingPlan, StorageUnit
 from lightning_smp.engines.prediction import Held, Prediction, UnitLayout
 from lightning_smp.errors import GradientSyncError
 from lightning_smp.names import (
@@ -169,6 +169,11 @@ class DDPEngine:
 
     def call_through_root(self, root: Module, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return method(*args, **kwargs)  # DDP is a wrapper: Lightning redirects through its forward itself
+
+    def patch_plain_calls(self, calls: PlainCalls) -> Callable[[], None]:
+        """Nothing: a ``DistributedDataParallel`` of the user's own shards nothing, and already starts every replica
+        from rank 0's weights."""
+        return lambda: None
 
     def wrap_context(self, plan: ShardingPlan) -> AbstractContextManager[None]:
         return nullcontext()  # torch's wrap() outside enable_wrap returns the module: nothing to shard

@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 
 from lightning_smp.degree import Layout
 from lightning_smp.engines import fsdp1_left_out, fsdp1_unused, unused
-from lightning_smp.engines.base import ShardingFacts, ShardingPlan, StorageUnit, replace_attribute
+from lightning_smp.engines.base import PlainCalls, ShardingFacts, ShardingPlan, StorageUnit, replace_attribute
 from lightning_smp.engines.fsdp1_prediction import FSDP1Prediction
 from lightning_smp.engines.prediction import Prediction
 from lightning_smp.errors import GradientSyncError, UnsupportedOptionError
@@ -378,8 +378,10 @@ class FSDP1Engine:
 
     # ------------------------------------------------------------------ plain PyTorch
 
-    def patch_wrapper(self, rewrite: Callable[[dict[str, Any]], Callable[[Module], None] | None]) -> Callable[[], None]:
-        """Patch ``FullyShardedDataParallel.__init__`` (the only thing :func:`lightning_smp.init` changes in FSDP1)."""
+    def patch_plain_calls(self, calls: PlainCalls) -> Callable[[], None]:
+        """Patch ``FullyShardedDataParallel.__init__`` (the only thing :func:`lightning_smp.init` changes in FSDP1):
+        every call's arguments go through ``calls.rewrite``."""
+        engine = self
         cls = _fsdp()
         original = cls.__init__
         signature = inspect.signature(original)
@@ -387,7 +389,7 @@ class FSDP1Engine:
         @functools.wraps(original)
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             bound = signature.bind(self, *args, **kwargs)
-            after = rewrite(bound.arguments)
+            after = calls.rewrite(engine, bound.arguments)
             original(*bound.args, **bound.kwargs)
             if after is not None:
                 after(self)

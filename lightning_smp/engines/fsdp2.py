@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 
 from lightning_smp.degree import Layout
 from lightning_smp.engines import fsdp2_accumulation, fsdp2_groups, fsdp2_options, fsdp2_state_dicts, unused
-from lightning_smp.engines.base import ShardingFacts, ShardingPlan, StorageUnit, replace_attribute
+from lightning_smp.engines.base import PlainCalls, ShardingFacts, ShardingPlan, StorageUnit, replace_attribute
 from lightning_smp.engines.fsdp2_groups import fsdp_module_cls, fsdp_modules
 from lightning_smp.engines.fsdp2_prediction import FSDP2Prediction
 from lightning_smp.engines.fsdp2_wrap import materialize_where_shards_cannot_draw, shard_root, wrap_targets
@@ -111,7 +111,7 @@ class FSDP2Engine:
         if plan.mesh is None:
             yield
             return
-        restore = self.patch_default_mesh(lambda: plan.mesh)
+        restore = _patch_default_mesh(lambda: plan.mesh)
         try:
             yield
         finally:
@@ -253,23 +253,27 @@ class FSDP2Engine:
 
     # ------------------------------------------------------------------ plain PyTorch
 
-    def patch_default_mesh(self, mesh: Callable[[], DeviceMesh | None]) -> Callable[[], None]:
-        """Make ``fully_shard(module)`` calls that pass no ``mesh`` shard over ``mesh()`` (when it is not ``None``);
-        return a function that undoes it. A ``mesh=`` the caller passes always wins.
+    def patch_plain_calls(self, calls: PlainCalls) -> Callable[[], None]:
+        """Make ``fully_shard(module)`` calls that pass no ``mesh`` shard over ``calls.default_mesh(self)`` (when it
+        is not ``None``); return a function that undoes it. A ``mesh=`` the caller passes always wins."""
+        return _patch_default_mesh(lambda: calls.default_mesh(self))
 
-        ``fully_shard`` looks its default mesh up through a module-level function at every call, so replacing that
-        function reaches every caller, however it imported ``fully_shard``.
-        """
-        from torch.distributed.fsdp._fully_shard import _fully_shard
 
-        original = _fully_shard._init_default_mesh
+def _patch_default_mesh(mesh: Callable[[], DeviceMesh | None]) -> Callable[[], None]:
+    """Make ``fully_shard`` calls without ``mesh=`` shard over ``mesh()`` when it is not ``None``; return the undo.
 
-        def _init_default_mesh(*args: Any, **kwargs: Any) -> DeviceMesh:
-            configured = mesh()
-            return configured if configured is not None else original(*args, **kwargs)
+    ``fully_shard`` looks its default mesh up through a module-level function at every call, so replacing that
+    function reaches every caller, however it imported ``fully_shard``.
+    """
+    from torch.distributed.fsdp._fully_shard import _fully_shard
 
-        return replace_attribute(_fully_shard, "_init_default_mesh", _init_default_mesh,
-                                 "fully_shard's default mesh")
+    original = _fully_shard._init_default_mesh
+
+    def _init_default_mesh(*args: Any, **kwargs: Any) -> DeviceMesh:
+        configured = mesh()
+        return configured if configured is not None else original(*args, **kwargs)
+
+    return replace_attribute(_fully_shard, "_init_default_mesh", _init_default_mesh, "fully_shard's default mesh")
 
 
 __all__ = ["FSDP2Engine"]
