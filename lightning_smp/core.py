@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
 from torch.nn import Module
 
 from lightning_smp import unit_order
@@ -66,7 +67,9 @@ from lightning_smp.names import (
     SHARDED,
     STATE_DICT_TYPES,
     GradientAccumulation,
+    ProcessStartMethod,
     ShardingStrategyName,
+    StartMethod,
     StateDictType,
 )
 from lightning_smp.replicas import broadcast_across_replicas, broadcast_before_wrapping
@@ -74,9 +77,12 @@ from lightning_smp.replicas import broadcast_across_replicas, broadcast_before_w
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from lightning.fabric.plugins.environments import ClusterEnvironment
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_smp.planner import Plan
+
+_Launcher = TypeVar("_Launcher")
 
 _ASYNC_FULL = (
     "async_save=True writes sharded checkpoints in the background, but state_dict_type={state_dict_type!r} assembles"
@@ -450,6 +456,7 @@ class HybridShardCore:
         if not first:
             checkpoint_activations(module)
         unit_order.install(module, engine.units(module), device)  # LIGHTNING_SMP_CHECK_UNIT_ORDER=1 only
+        _move_torchmetrics_to_device(module, device)  # as Lightning's FSDP strategies: metric states are not shards
         return module
 
     def before_backward(self, module: Module) -> None:
@@ -478,4 +485,19 @@ class HybridShardCore:
             )
 
 
-__all__ = ["HybridShardCore"]
+def choose_launcher(start_method: StartMethod, cluster_environment: ClusterEnvironment | None, *,
+                    script: Callable[[ClusterEnvironment], _Launcher],
+                    in_process: Callable[[ProcessStartMethod], _Launcher], owner: str, creator: str) -> _Launcher:
+    """The launcher of a run, one rule for both front ends: the script launcher (``script``, the front end's
+    ``_SubprocessScriptLauncher``) for ``start_method="popen"`` and for processes something else started (torchrun,
+    SLURM: unlike Lightning's FSDP strategies, there too, because that launcher caps their threads), else
+    ``in_process``, the front end's launcher of forked or spawned ranks. ``owner`` and ``creator`` name the strategy
+    and what creates it, for the error without a cluster environment."""
+    if cluster_environment is None:
+        raise HybridShardConfigError(f"{owner} has no cluster environment: create it through {creator}.")
+    if start_method == "popen" or cluster_environment.creates_processes_externally:
+        return script(cluster_environment)
+    return in_process(start_method)
+
+
+__all__ = ["HybridShardCore", "choose_launcher"]

@@ -36,7 +36,6 @@ from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision
 from lightning.fabric.strategies import FSDPStrategy
-from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -54,7 +53,7 @@ from lightning_smp.checkpoint import FABRIC_KEYS
 from lightning_smp.checkpoint.local import background_module_state, background_optimizer_state
 from lightning_smp.checkpoint.saving import check_storage_options
 from lightning_smp.collectives import Collectives
-from lightning_smp.core import HybridShardCore
+from lightning_smp.core import HybridShardCore, choose_launcher
 from lightning_smp.engines import Engine, ShardingPlan, engine_of, own_offload_config
 from lightning_smp.errors import GradientSyncError, HybridShardConfigError, UnsupportedOptionError
 from lightning_smp.frontend import HybridShardFrontEnd
@@ -257,14 +256,11 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         elif isinstance(self._precision, HybridShardFabricPrecision):
             self._precision.device_type = device_type
         self._warn_override_once(layout)
-        if self.cluster_environment is None:
-            raise HybridShardConfigError(
-                "lightning_smp.fabric.HybridShardFSDPStrategy has no cluster environment: create it through Fabric."
-            )
-        if self._start_method == "popen" or self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _WaitingLauncher(self, start_method=self._start_method)
+        self._launcher = choose_launcher(
+            self._start_method, self.cluster_environment, owner="lightning_smp.fabric.HybridShardFSDPStrategy",
+            creator="Fabric",
+            script=lambda cluster: _SubprocessScriptLauncher(cluster, self.num_processes, self.num_nodes),
+            in_process=lambda start_method: _WaitingLauncher(self, start_method=start_method))
 
     @override
     def setup_environment(self) -> None:
@@ -313,12 +309,8 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     @override
     def setup_module(self, module: Module) -> Module:
         self._choose(module, [])
-        module = self.core.shard(
-            module, self._plan(),
-            checkpoint_activations=self._checkpoint_activations,
-            on_already_sharded=self._already_sharded,
-        )
-        _move_torchmetrics_to_device(module, self.root_device)
+        module = self.core.shard(module, self._plan(), checkpoint_activations=self._checkpoint_activations,
+                                 on_already_sharded=self._already_sharded)
         self._module, self._module_engine = module, engine_of(module)
         return module
 

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
@@ -41,7 +40,7 @@ from lightning_smp.checkpoint import ShardedModel
 from lightning_smp.checkpoint.after_commit import defer_until_commit
 from lightning_smp.checkpoint.local import background_module_state, background_optimizer_state
 from lightning_smp.collectives import Collectives
-from lightning_smp.core import HybridShardCore
+from lightning_smp.core import HybridShardCore, choose_launcher
 from lightning_smp.engines import ShardingPlan, own_offload_config
 from lightning_smp.errors import CheckpointError, HybridShardConfigError, UnsupportedOptionError
 from lightning_smp.frontend import HybridShardFrontEnd
@@ -52,6 +51,7 @@ from lightning_smp.names import (
     SHARDED,
     STRATEGY_NAMES,
     GradientAccumulation,
+    ProcessStartMethod,
     ShardingStrategyName,
     StartMethod,
     StateDictType,
@@ -240,17 +240,17 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         layout = self.core.configure(self.num_nodes, self.num_processes)
         self.precision_plugin.set_device_type(self.root_device.type)
         self._warn_override_once(layout)
-        if self.cluster_environment is None:
-            raise HybridShardConfigError("HybridShardFSDPStrategy has no cluster environment: create it through a Trainer.")
-        if self._start_method == "popen" or self.cluster_environment.creates_processes_externally:
-            # unlike FSDPStrategy, also in externally started processes: the launcher caps their threads
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launch_results = MainProcessResults()
-            self._launcher = HybridShardMultiProcessingLauncher(
-                self, self._start_method, results=self._launch_results, run=self.checkpoint_run,
-                adopt_plan=lambda chosen: self.core.adopt(chosen, self.num_nodes, self.num_processes),
-            )
+        self._launcher = choose_launcher(
+            self._start_method, self.cluster_environment, owner="HybridShardFSDPStrategy", creator="a Trainer",
+            script=lambda cluster: _SubprocessScriptLauncher(cluster, self.num_processes, self.num_nodes),
+            in_process=self._in_process_launcher)
+
+    def _in_process_launcher(self, start_method: ProcessStartMethod) -> HybridShardMultiProcessingLauncher:
+        self._launch_results = MainProcessResults()
+        return HybridShardMultiProcessingLauncher(
+            self, start_method, results=self._launch_results, run=self.checkpoint_run,
+            adopt_plan=lambda chosen: self.core.adopt(chosen, self.num_nodes, self.num_processes),
+        )
 
     @override
     def setup_environment(self) -> None:
@@ -369,13 +369,8 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        model = self.core.shard(
-            model, self._plan(),
-            checkpoint_activations=self._checkpoint_activations,
-            on_already_sharded=self._already_sharded,
-        )
-        _move_torchmetrics_to_device(model, self.root_device)
-        return model
+        return self.core.shard(model, self._plan(), checkpoint_activations=self._checkpoint_activations,
+                               on_already_sharded=self._already_sharded)
 
     def _already_sharded(self, model: Module) -> None:
         self._warn_already_sharded(model, self.kwargs)
