@@ -10,7 +10,7 @@ Lightning's own naming: the same class name as the Trainer strategy, under a ``f
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
 
 It is thin glue around :class:`lightning_smp.core.HybridShardCore`, the same core as the Trainer strategy's: the
-same arguments and checks (before any process starts), every configuration source, both engines, replicas from rank
+same arguments and checks (before any process starts), every configuration source, every engine, replicas from rank
 0's weights, and the same checkpoint formats (a checkpoint of either front end loads in the other).
 ``fabric.no_backward_sync(model)`` follows ``gradient_accumulation`` (FSDP2: only the cross-replica all-reduce is
 deferred, gradients stay sharded); an optimizer step after a backward that never reduced its gradients is refused
