@@ -30,6 +30,8 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 #: Every fsdp_version, as the parameter of the tests that run on each (a layout that shards nothing runs on the DDP
 #: engine under either)
 FSDP_VERSIONS = [pytest.param(1, id="fsdp1"), pytest.param(2, id="fsdp2")]
+#: Every front end, as the parameter of the tests that run through each: Lightning's Trainer and Fabric
+FRONT_ENDS = ["trainer", "fabric"]
 #: how long one distributed test body may run: gloo ranks on the CPU, and CUDA ranks, which start a CUDA context
 #: and NCCL communicators first (a test parametrized over the backends takes its timeout from them)
 GLOO_TIMEOUT, CUDA_TIMEOUT = 240, 600

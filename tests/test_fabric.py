@@ -38,6 +38,7 @@ from lightning_smp.names import (
     STRATEGY_NAMES,
 )
 from tests.helpers import (
+    FRONT_ENDS,
     FSDP_VERSIONS,
     GLOO_TIMEOUT,
     TinyModel,
@@ -698,7 +699,7 @@ def test_errors_are_instances_of_what_fabrics_fsdp_strategy_raises(tmp_path):
     (1, HYBRID_SHARD, 2, NO_SHARD),
     (2, HYBRID_SHARD_ZERO2, 4, HYBRID_SHARD_ZERO2),
 ])
-@pytest.mark.parametrize("front_end", ["fabric", "trainer"])
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
 def test_sharding_strategy_attribute_says_what_will_run(degree, requested, devices, effective, front_end):
     from lightning_smp import HybridShardFSDPStrategy as TrainerStrategy
     from tests.helpers import cpu_trainer

@@ -26,7 +26,7 @@ from lightning_smp.launcher import (
     check_start_method_name,
 )
 from lightning_smp.names import SHARDED, START_METHODS
-from tests.helpers import PROCESS_TIMEOUT, RankRecorder, TinyModel, cpu_trainer, make_loader, state_digest
+from tests.helpers import FRONT_ENDS, PROCESS_TIMEOUT, RankRecorder, TinyModel, cpu_trainer, make_loader, state_digest
 
 
 @pytest.fixture
@@ -251,7 +251,7 @@ else:
 """
 
 
-@pytest.mark.parametrize("front_end", ["trainer", "fabric"])
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
 def test_process_groups_are_destroyed_before_interpreter_exit(tmp_path, front_end):
     """A gloo group left to interpreter finalization can abort a finished run (exit code -6); both front ends
     destroy every group at exit, on every rank of Lightning's subprocess launcher."""

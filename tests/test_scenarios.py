@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy as TrainerDDP
 
 from lightning_smp import HybridShardFSDPStrategy
 from lightning_smp.fabric import HybridShardFSDPStrategy as FabricHybridShardFSDPStrategy
-from tests.helpers import GLOO_TIMEOUT, TinyModel, assert_matches_ddp, fit_and_record, make_loader
+from tests.helpers import FRONT_ENDS, GLOO_TIMEOUT, TinyModel, assert_matches_ddp, fit_and_record, make_loader
 from tests.test_fabric import _batches, _clipped_by_optimizer, _full, _window_dropped, make_net
 from tests.test_manual_optimization import GAN
 from tests.test_unused_parameters import BODY_ONLY, AuxiliaryHeads, DataDependentBranch, ZeroGradAfterTheFirstMicroBatch
@@ -184,7 +184,7 @@ CASES = [
     pytest.param(scenario.name, front_end, version, degree,
                  id=f"{scenario.name}-{front_end}-" + (f"fsdp{version}-d{degree}" if degree > 1 else "d1"))
     for scenario in SCENARIOS
-    for front_end in ("trainer", "fabric")
+    for front_end in FRONT_ENDS
     if (scenario.trainer if front_end == "trainer" else scenario.fabric) is not None
     for version, degree in [(scenario.engines[0], 1), *((v, d) for v in scenario.engines for d in (2, 4))]
 ]
