@@ -321,3 +321,27 @@ def test_comm_step_must_be_positive() -> None:
 
     with pytest.raises(HybridShardConfigError, match="comm_step=0"):
         MemorySavingsCallback(comm_step=0)
+
+
+def test_an_engine_without_the_accounting_role_is_reported_as_not_available(monkeypatch):
+    """Accounting is an optional role of an engine: the report of a model whose engine does not take it says "n/a"
+    where only the engine could answer, and nothing fails."""
+    from lightning_smp.accounting import memory, render
+    from lightning_smp.engines import ENGINES
+    from lightning_smp.engines.base import Accounting
+
+    assert all(isinstance(engine, Accounting) for engine in ENGINES)  # every engine of the package takes it
+
+    class TrainingOnly:  # the protocol's training members would be here; none of the accounting ones
+        name = "training-only"
+
+    model = TinyModel()
+    monkeypatch.setattr(memory, "engine_of", lambda module: TrainingOnly())
+    record = measure_memory(model, [])
+    assert record["shard_degree"] is None and all(record[f] is None for f in MEMORY_FIELDS if f not in PEAK_FIELDS)
+    assert memory.textbook(model, 1) is None and memory.comm_groups(model) == {}
+    assert memory.no_sync_extra_bytes(model) == 0
+    record.update(rank=0, stage="manual", step=0, strategy="TrainingOnly", comm=None, comm_textbook=None,
+                  peak_allocated_bytes=None, peak_reserved_bytes=None, peak_rss_bytes=1 << 20)
+    text = render.format_report([record])
+    assert "sharding n/a" in text and text.count(render.NOT_AVAILABLE) >= 8

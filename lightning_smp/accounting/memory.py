@@ -1,7 +1,9 @@
 """Measuring what a rank holds and which collectives it should issue, from the real tensors; no Lightning.
 
-Works on any engine's sharded model (through :mod:`lightning_smp.engines`), on DDP and on plain modules, so that the
-memory report compares them side by side. The record fields are documented in
+Works on any engine's sharded model (through the engine's optional :class:`~lightning_smp.engines.base.Accounting`
+role), on DDP and on plain modules, so that the memory report compares them side by side. A model whose engine does
+not take that role gets ``None`` ("n/a" in the tables) for what only the engine could say: its shards, gradients and
+textbook traffic. The record fields are documented in
 :mod:`lightning_smp.callbacks.memory`.
 """
 
@@ -18,6 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_smp.accounting.comm import CommFigure
 from lightning_smp.engines import StorageUnit, engine_of
+from lightning_smp.engines.base import Accounting
 from lightning_smp.names import NO_SYNC, GradientAccumulation
 
 if TYPE_CHECKING:
@@ -44,18 +47,42 @@ def _nbytes(tensor: torch.Tensor | None) -> int:
     return local.numel() * local.element_size()
 
 
+class UnaccountedError(LookupError):
+    """``model``'s engine does not take the :class:`~lightning_smp.engines.base.Accounting` role."""
+
+
+def _accounting(model: Module) -> Accounting | None:
+    """The accounting of the engine that sharded ``model``; ``None`` for a plain module; raises
+    :class:`UnaccountedError` for an engine without the role."""
+    engine = engine_of(model)
+    if engine is None:
+        return None
+    if not isinstance(engine, Accounting):
+        raise UnaccountedError(engine.name)
+    return engine
+
+
+def accounted(model: Module) -> bool:
+    """Whether what ``model``'s ranks hold can be read back: a plain module, or an engine with the accounting role."""
+    try:
+        _accounting(model)
+    except UnaccountedError:
+        return False
+    return True
+
+
 def storage_units(model: Module) -> list[StorageUnit]:
     """What this rank stores of every parameter: the engine's shards, or the plain parameters of other models."""
-    engine = engine_of(model)
-    if engine is not None:
-        return engine.storage(model)
+    accounting = _accounting(model)
+    if accounting is not None:
+        return accounting.storage(model)
     return [StorageUnit(p, p.numel(), p.numel(), p.numel()) for p in model.parameters()]
 
 
 def shard_layout(model: Module) -> tuple[str | None, int, int]:
     """``(FSDP sharding strategy name or None, shard degree, replicas)`` read from the model itself."""
-    engine = engine_of(model)
-    facts = engine.sharding(model) if engine is not None else None
+    accounting = _accounting(model)
+    facts = accounting.sharding(model) if accounting is not None else None
     if facts is None:
         return None, 1, 1
     return facts.sharding_strategy, facts.shard_degree, facts.replicas
@@ -64,15 +91,17 @@ def shard_layout(model: Module) -> tuple[str | None, int, int]:
 def gradient_bytes(model: Module) -> int:
     """Bytes of gradient memory this rank holds now: an engine's sharded gradients (padding included) and, during
     gradient accumulation, its unsharded (``no_sync``) or partially reduced (deferred all-reduce) buffers."""
-    engine = engine_of(model)
-    if engine is not None:
-        return engine.gradient_bytes(model)
+    accounting = _accounting(model)
+    if accounting is not None:
+        return accounting.gradient_bytes(model)
     return sum(_nbytes(p.grad) for p in model.parameters())
 
 
 def no_sync_extra_bytes(model: Module) -> int:
     """Bytes more than the sharded gradient that each rank holds while accumulating under ``no_sync``: the
     unsharded (padded) gradient of every trainable parameter instead of this rank's shard of it."""
+    if not accounted(model):
+        return 0  # unknown: the engine does not say what it holds
     return sum((u.padded_numel - u.local_numel) * u.tensor.element_size()
                for u in storage_units(model) if u.tensor.requires_grad)
 
@@ -124,11 +153,16 @@ def measure_memory(model: Module, optimizers: Sequence[Optimizer], grads_bytes: 
     """Memory fields of one rank, from the real tensors: works on sharded, DDP and plain modules, without Lightning.
 
     ``grads_bytes`` overrides the gradients measured now (they may be gone after ``zero_grad``); the unsharded
-    gradient figure is the unsharded parameter figure when gradients exist, else 0.
+    gradient figure is the unsharded parameter figure when gradients exist, else 0. A model whose engine does not take
+    the accounting role: every field ``None``.
     """
-    engine = engine_of(model)
+    if not accounted(model):
+        return {"sharding_strategy": None, "shard_degree": None, "replicas": None,
+                **dict.fromkeys(f for f in MEMORY_FIELDS if f not in PEAK_FIELDS)}
+    accounting = _accounting(model)
     units = storage_units(model)
-    full_numel = engine.full_numels(model) if engine is not None else {id(u.tensor): u.full_numel for u in units}
+    full_numel = (accounting.full_numels(model) if accounting is not None
+                  else {id(u.tensor): u.full_numel for u in units})
     name, shard, replicas = shard_layout(model)
     params = sum(u.local_numel * u.tensor.element_size() for u in units)
     grads = gradient_bytes(model) if grads_bytes is None else grads_bytes
@@ -178,8 +212,8 @@ def comm_groups(model: Module, mesh: DeviceMesh | None = None) -> dict[str, Any]
     """``{axis: ProcessGroup}`` to attribute collectives by: ``mesh``'s named axes, else the engine's groups."""
     if mesh is not None and mesh.mesh_dim_names:
         return {name: mesh.get_group(name) for name in mesh.mesh_dim_names}
-    engine = engine_of(model)
-    facts = engine.sharding(model) if engine is not None else None
+    accounting = _accounting(model) if accounted(model) else None
+    facts = accounting.sharding(model) if accounting is not None else None
     return dict(facts.groups) if facts is not None else {}
 
 
@@ -188,16 +222,18 @@ def textbook(model: Module, backward_passes: int, accumulation: GradientAccumula
     """The textbook communication of one optimizer step of ``model`` (sharded or DDP) under Lightning's loop, with
     ``backward_passes`` micro-batches accumulated as ``accumulation`` says (Lightning's own FSDP and DDP strategies:
     ``no_sync``); ``root_gathered``: a forward without backward (validation) came right before the step. ``None`` on
-    one device."""
-    engine = engine_of(model)
-    if engine is not None:
-        return engine.step_textbook(model, backward_passes, accumulation, root_gathered=root_gathered)
+    one device, and for an engine without the accounting role."""
+    accounting = _accounting(model) if accounted(model) else None
+    if accounting is not None:
+        return accounting.step_textbook(model, backward_passes, accumulation, root_gathered=root_gathered)
     return None
 
 
 __all__ = [
     "MEMORY_FIELDS",
     "PEAK_FIELDS",
+    "UnaccountedError",
+    "accounted",
     "comm_groups",
     "gradient_bytes",
     "measure_memory",

@@ -15,10 +15,18 @@ from lightning_smp.accounting.comm import OPS
 TableSpec = tuple[str, Sequence[str], Sequence[Sequence[str]]]
 
 
+#: What a table shows for a figure the engine cannot give (it does not take the accounting role)
+NOT_AVAILABLE = "n/a"
+
+
+def _ratio(value: float | None, spec: str) -> str:
+    return NOT_AVAILABLE if value is None else format(value, spec)
+
+
 def fmt_bytes(value: float | None) -> str:
-    """``1536`` -> ``"1.50 KiB"``; ``None`` -> ``"-"``."""
+    """``1536`` -> ``"1.50 KiB"``; ``None`` (not available) -> ``"n/a"``."""
     if value is None:
-        return "-"
+        return NOT_AVAILABLE
     sign = "-" if value < 0 else ""
     value = abs(value)
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -85,8 +93,8 @@ def memory_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
         rows.append([
             str(r["rank"]), fmt_bytes(r["params_bytes"]), fmt_bytes(r["grads_bytes"]), fmt_bytes(r["optimizer_bytes"]),
             fmt_bytes(r["total_bytes"]), fmt_bytes(r["unsharded_total_bytes"]),
-            f"{fmt_bytes(r['saved_bytes'])} ({r['saved_ratio']:.1%})", fmt_bytes(r["floor_bytes"]),
-            f"{r['measured_over_floor']:.3f}", fmt_bytes(peak),
+            f"{fmt_bytes(r['saved_bytes'])} ({_ratio(r['saved_ratio'], '.1%')})", fmt_bytes(r["floor_bytes"]),
+            _ratio(r["measured_over_floor"], ".3f"), fmt_bytes(peak),
             *([fmt_bytes(r.get("checkpoint_staging_bytes") or 0)] if staging else []),
         ])
     return header, rows
@@ -143,8 +151,11 @@ def comm_title(records: Sequence[dict]) -> str:
 def report_tables(records: Sequence[dict]) -> list[TableSpec]:
     """The memory table and the communication table of one report."""
     r0 = records[0]
-    where = (f"{r0['strategy']}, {r0['sharding_strategy'] or 'no sharding'}, {r0['replicas']} replica(s) x"
-             f" {r0['shard_degree']} shard(s)")
+    if r0["shard_degree"] is None:  # an engine without the accounting role
+        where = f"{r0['strategy']}, sharding {NOT_AVAILABLE}"
+    else:
+        where = (f"{r0['strategy']}, {r0['sharding_strategy'] or 'no sharding'}, {r0['replicas']} replica(s) x"
+                 f" {r0['shard_degree']} shard(s)")
     return [
         (f"Memory per rank at {r0['stage']} (step {r0['step']}): {where}", *memory_rows(records)),
         (comm_title(records), *comm_rows(records)),

@@ -98,8 +98,8 @@ class Engine(Protocol):
 
     Implementations: :class:`~lightning_smp.engines.fsdp1.FSDP1Engine` (``FullyShardedDataParallel``),
     :class:`~lightning_smp.engines.fsdp2.FSDP2Engine` (``fully_shard``) and :class:`~lightning_smp.engines.ddp.DDPEngine`
-    (``DistributedDataParallel``, for layouts with nothing sharded). The FSDP engines also have their own patches of
-    the plain-PyTorch API for :func:`lightning_smp.init` (the APIs differ too much to share one signature).
+    (``DistributedDataParallel``, for layouts with nothing sharded); each also takes the optional
+    :class:`Accounting` role.
     """
 
     #: a short name for logs and records (``"fsdp1"``)
@@ -221,6 +221,18 @@ class Engine(Protocol):
         in the middle of an accumulation window discards them, as it does under DDP)."""
         ...
 
+    def patch_plain_calls(self, calls: PlainCalls) -> Callable[[], None]:
+        """Make the user's own calls of this engine's API (:func:`lightning_smp.init`'s plain-PyTorch mode) take the
+        configured degree through ``calls``; return a function that undoes it."""
+        ...
+
+
+@runtime_checkable
+class Accounting(Protocol):
+    """The optional role of an :class:`Engine`: reading back what a rank of a model it sharded holds and sends, for
+    the memory report and its tests. An engine without it trains as well; the report then shows "n/a" for what only
+    it could say (:mod:`lightning_smp.accounting.memory`)."""
+
     def gradient_bytes(self, model: Module) -> int:
         """Bytes of gradient memory this rank holds now: reduced gradients, padding included, and any unsharded or
         partially reduced gradient buffers of gradient accumulation; each storage counted once."""
@@ -243,12 +255,6 @@ class Engine(Protocol):
         """The textbook communication of one optimizer step of ``model`` with ``backward_passes`` micro-batches
         accumulated as ``accumulation`` says (see :func:`~lightning_smp.accounting.comm.fsdp_step_textbook` for
         ``root_gathered``)."""
-        ...
-
-
-    def patch_plain_calls(self, calls: PlainCalls) -> Callable[[], None]:
-        """Make the user's own calls of this engine's API (:func:`lightning_smp.init`'s plain-PyTorch mode) take the
-        configured degree through ``calls``; return a function that undoes it."""
         ...
 
 
@@ -285,4 +291,4 @@ def replace_attribute(owner: Any, name: str, replacement: Any, what: str) -> Cal
     return restore
 
 
-__all__ = ["Engine", "PlainCalls", "ShardingFacts", "ShardingPlan", "StorageUnit", "replace_attribute"]
+__all__ = ["Accounting", "Engine", "PlainCalls", "ShardingFacts", "ShardingPlan", "StorageUnit", "replace_attribute"]
