@@ -6,7 +6,9 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
+from tempfile import TemporaryDirectory
 from typing import Any
 
 import lightning as L
@@ -212,6 +214,23 @@ def fit_and_record(strategy: Any, folder: Path, devices: int, model: L.Lightning
     trainer.fit(model, train_loader if train_loader is not None else make_loader())
     records = [torch.load(Path(folder) / "records" / f"rank{r}.pt", weights_only=False) for r in range(devices)]
     return trainer, model, records
+
+
+@lru_cache(maxsize=None)
+def ddp_fit(model_factory: Callable[[], L.LightningModule] = TinyModel, devices: int = 4, *,
+            loader_factory: Callable[[], DataLoader] = make_loader, accelerator: str = "cpu",
+            **trainer_kwargs: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The suite's DDP reference for the Trainer: Lightning's ``DDPStrategy`` fits ``model_factory()`` (seeded 0) on
+    ``loader_factory()`` with ``devices`` ranks, as :func:`fit_and_record` fits the strategies it is compared with;
+    returns the global-batch loss curve and the final weights. Each configuration is fitted once per session."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    with TemporaryDirectory() as folder:
+        torch.manual_seed(0)
+        _, model, records = fit_and_record(DDPStrategy(start_method="fork"), Path(folder), devices,
+                                           model=model_factory(), accelerator=accelerator,
+                                           train_loader=loader_factory(), **trainer_kwargs)
+    return records[0]["losses"], weights_of(model)
 
 
 def kill_when_ready(target: Callable[..., None], args: tuple, ready: Path, what: str) -> None:

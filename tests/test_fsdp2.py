@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from functools import lru_cache
 from pathlib import Path
-from tempfile import TemporaryDirectory
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_smp import GradientSyncError, HybridShardFSDPStrategy, MemorySavingsCallback, resolve_layout
@@ -42,6 +39,7 @@ from tests.helpers import (
     accelerator_for,
     assert_matches_ddp,
     cpu_trainer,
+    ddp_fit,
     fit_and_record,
     make_loader,
     process_group_backend_for,
@@ -59,18 +57,6 @@ def _chunk_rows(rows: int, shard: int, rank: int) -> int:
     """Rows of dim 0 that ``rank`` of a shard group holds: ``torch.chunk``'s split, FSDP2's placement ``Shard(0)``."""
     chunk = math.ceil(rows / shard)
     return max(0, min(chunk, rows - rank * chunk))
-
-
-@lru_cache(maxsize=None)
-def ddp_reference(model_key: str, accelerator: str = "cpu", **trainer_kwargs: Any) -> tuple[list[float], dict]:
-    """DDP on the same model, data and global batch: the loss curve and the final weights."""
-    with TemporaryDirectory() as folder:
-        torch.manual_seed(0)
-        model = MODELS[model_key]()
-        _, model, records = fit_and_record(DDPStrategy(start_method="fork"), Path(folder), WORLD, model=model,
-                                           accelerator=accelerator, train_loader=LOADERS[model_key](),
-                                           **dict(trainer_kwargs))
-    return records[0]["losses"], weights_of(model)
 
 
 # ---------------------------------------------------------------------------------------- models
@@ -185,7 +171,7 @@ def test_fsdp2_matches_ddp(tmp_path, backend, degree, requested, expected):
     for rank, record in enumerate(records):
         for peer in layout.replicate_group(rank):
             assert all(torch.equal(a, b) for a, b in zip(record["shards"], records[peer]["shards"])), (rank, peer)
-    ddp_losses, ddp_weights = ddp_reference("tiny", accelerator=accelerator)
+    ddp_losses, ddp_weights = ddp_fit(TinyModel, WORLD, accelerator=accelerator)
     assert max(abs(a - b) for a, b in zip(records[0]["losses"], ddp_losses)) <= PARITY_BOUND
     assert_matches_ddp(weights_of(model), ddp_weights)
 
@@ -223,11 +209,12 @@ def test_features_match_ddp(tmp_path, version, degree, requested, accumulation):
     assert trainer.strategy.fsdp_version == version
     assert trainer.strategy.gradient_accumulation == (accumulation or (DEFER_ALL_REDUCE if version == 2 else NO_SYNC))
     assert records[0]["counters"][0] == 6  # optimizer steps, each of 2 micro-batches
-    ddp_losses, ddp_weights = ddp_reference("features", **FEATURES)
+    ddp_losses, ddp_weights = ddp_fit(FeatureModel, WORLD, loader_factory=token_loader, **FEATURES)
     assert_matches_ddp(weights_of(model), ddp_weights, lr=0.5)  # FeatureModel's SGD
     assert max(abs(a - b) for a, b in zip(records[0]["losses"], ddp_losses)) <= PARITY_BOUND
     # the features really acted: clipping changes the result, the tied weight stayed one tensor
-    assert weight_difference(ddp_weights, ddp_reference("features", accumulate_grad_batches=2)[1]) > 1e-3
+    unclipped = ddp_fit(FeatureModel, WORLD, loader_factory=token_loader, accumulate_grad_batches=2)[1]
+    assert weight_difference(ddp_weights, unclipped) > 1e-3
     assert model.head.weight is model.embed.weight
     assert not any(isinstance(m, CheckpointWrapper) for m in model.modules())  # the launching process's model
 
@@ -422,18 +409,11 @@ def test_replicas_start_from_rank0_and_stay_identical(tmp_path, how):
         for peer in layout.replicate_group(rank):
             assert all(torch.equal(a, b) for a, b in zip(record["shards"], records[peer]["shards"])), (rank, peer)
     if how == "seeded_per_rank":  # exactly DDP, which also starts every rank from rank 0's weights
-        ddp_losses, _ = _ddp_rank_seeded()
+        ddp_losses, _ = ddp_fit(RankSeededModel, WORLD)
         assert max(abs(a - b) for a, b in zip(records[0]["losses"], ddp_losses)) <= PARITY_BOUND
     if how == "shards_itself":  # fully_shard(layer) without a mesh got the strategy's 2-D mesh, not torch's 1-D one
         for rank, record in enumerate(records):
             assert record["shards"][0].shape == (_chunk_rows(33, 2, layout.shard_group(rank).index(rank)), 16)
-
-
-@lru_cache(maxsize=None)
-def _ddp_rank_seeded() -> tuple[list[float], dict]:
-    with TemporaryDirectory() as folder:
-        _, model, records = fit_and_record(DDPStrategy(start_method="fork"), Path(folder), WORLD, model=RankSeededModel())
-    return records[0]["losses"], weights_of(model)
 
 
 # ---------------------------------------------------------------------------------------- arguments and sources

@@ -1,20 +1,14 @@
 """Real multi-process training: what each rank holds, and equality with DDP, on CPU (gloo) and, where GPUs
-exist, on CUDA (NCCL).
-
-Slightly above 300 lines on purpose: the DDP references (``ddp_reference``, cached per process) are shared by the
-tests of this module, which split modules would each train again.
+exist, on CUDA (NCCL). The DDP references are the suite's (``tests.helpers.ddp_fit``, fitted once per session).
 """
 
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 from pathlib import Path
-from tempfile import TemporaryDirectory
 
 import pytest
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, resolve_layout
 from lightning_smp.accounting.shards import local_shard_numel
@@ -29,6 +23,7 @@ from tests.helpers import (
     accelerator_for,
     assert_matches_ddp,
     cpu_trainer,
+    ddp_fit,
     fit_and_record,
     make_loader,
     process_group_backend_for,
@@ -41,19 +36,6 @@ from tests.helpers import (
 TINY_NUMELS = [n for layer in TinyModel.LAYER_NUMELS for n in layer]
 
 
-
-
-@lru_cache(maxsize=None)
-def ddp_reference(devices: int, model_cls: type = TinyModel, accelerator: str = "cpu",
-                  **trainer_kwargs) -> tuple[list[float], dict]:
-    """DDP on the same model, data and global batch: the loss curve and the final weights."""
-    with TemporaryDirectory() as folder:
-        torch.manual_seed(0)
-        _, model, records = fit_and_record(
-            DDPStrategy(start_method="fork"), Path(folder), devices, model=model_cls(), accelerator=accelerator,
-            **dict(trainer_kwargs),
-        )
-    return records[0]["losses"], weights_of(model)
 
 
 CONFIGS = [
@@ -104,7 +86,7 @@ def test_hybrid_training_matches_ddp(tmp_path, backend, devices, degree, request
             for mine, theirs in zip(record["shards"], records[peer]["shards"]):
                 assert torch.equal(mine, theirs), (rank, peer)
 
-    ddp_losses, ddp_weights = ddp_reference(devices, accelerator=accelerator)
+    ddp_losses, ddp_weights = ddp_fit(TinyModel, devices, accelerator=accelerator)
     assert len(records[0]["losses"]) == len(ddp_losses) == 6
     assert max(abs(a - b) for a, b in zip(records[0]["losses"], ddp_losses)) <= PARITY_BOUND
     assert_matches_ddp(weights_of(model), ddp_weights, world=devices)
@@ -242,7 +224,7 @@ def test_replicas_start_from_rank0_weights(tmp_path, degree):
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, start_method="fork")
     torch.manual_seed(0)
     _, model, records = fit_and_record(strategy, tmp_path, 4, model=RankSeededModel())
-    ddp_losses, ddp_weights = ddp_reference(4, RankSeededModel)
+    ddp_losses, ddp_weights = ddp_fit(RankSeededModel)
     assert max(abs(a - b) for a, b in zip(records[0]["losses"], ddp_losses)) <= PARITY_BOUND
     assert_matches_ddp(weights_of(model), ddp_weights)
 
@@ -273,11 +255,11 @@ def test_gradient_clipping_matches_ddp(tmp_path, degree, algorithm, value):
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, start_method="fork")
     torch.manual_seed(0)
     _, model, records = fit_and_record(strategy, tmp_path, 4, model=_SGDModel(), **clip)
-    ddp_losses, ddp_weights = ddp_reference(4, _SGDModel, **clip)
+    ddp_losses, ddp_weights = ddp_fit(_SGDModel, **clip)
     assert max(abs(a - b) for a, b in zip(records[0]["losses"], ddp_losses)) <= PARITY_BOUND
     assert_matches_ddp(weights_of(model), ddp_weights, lr=_SGDModel().lr)
     # clipping really acted: the unclipped run ends elsewhere
-    assert weight_difference(weights_of(model), ddp_reference(4, _SGDModel)[1]) > 1e-3
+    assert weight_difference(weights_of(model), ddp_fit(_SGDModel)[1]) > 1e-3
 
 
 class _SGDModel(TinyModel):
@@ -301,7 +283,7 @@ def test_norm_clipping_takes_the_optimizers_parameters(tmp_path, version):
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=version, start_method="fork")
     torch.manual_seed(0)
     _, model, _ = fit_and_record(strategy, tmp_path, 4, model=_HeadOnlySGD(), **clip)
-    _, ddp_weights = ddp_reference(4, _HeadOnlySGD, **clip)
+    _, ddp_weights = ddp_fit(_HeadOnlySGD, **clip)
     assert_matches_ddp(weights_of(model), ddp_weights, lr=_HeadOnlySGD().lr)
 
 
