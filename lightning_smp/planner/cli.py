@@ -29,8 +29,9 @@ from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.names import HYBRID_SHARD, STRATEGY_NAMES
 from lightning_smp.planner.activations import transformer_activation_bytes
 from lightning_smp.planner.budget import UNITS, default_budget, parse_bytes
-from lightning_smp.planner.choose import Plan, plan
+from lightning_smp.planner.choose import plan
 from lightning_smp.planner.links import DEFAULT_PRESET, LINK_PRESETS, Links, save_links
+from lightning_smp.planner.result import Plan
 from lightning_smp.planner.shape_model import ShapeModel, _Block, parse_count
 from lightning_smp.planner.timing import transformer_flops
 
