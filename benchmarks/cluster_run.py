@@ -4,7 +4,7 @@ Fits each configuration in turn in the same processes, with the Trainer: a stack
 unit), AdamW, random data. At every optimizer-step boundary all ranks meet in a barrier, then each records the time
 and its node's link counter (bytes this node has sent to the other so far). One warm-up step is counted with a
 :class:`~lightning_smp.accounting.CommCounter`, which gives the collectives one rank issues per optimizer step and so
-the bytes that must cross between nodes as gloo runs them (:func:`~lightning_smp.testing.cluster.cross_node_bytes`).
+the bytes that must cross between nodes as gloo runs them (:func:`~lightning_smp.testing.crossing.cross_node_bytes`).
 Global rank 0 writes ``<out>/<config>.json``.
 
 A configuration is ``kind[:degree[:fsdp_version[:k[:accumulation]]]]``: ``ddp``, ``fsdp`` (Lightning's
@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from lightning_smp.accounting import CommCounter  # noqa: E402
 from lightning_smp.accounting.comm import ring_bytes  # noqa: E402
 from lightning_smp.names import MESH_AXES, OTHER_AXIS  # noqa: E402
-from lightning_smp.testing.cluster import cross_node_bytes, crossing_edges, link_tx_bytes  # noqa: E402
+from lightning_smp.testing.crossing import cross_node_bytes, crossing_edges, link_tx_bytes  # noqa: E402
 
 
 class Block(torch.nn.Module):

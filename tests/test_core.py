@@ -21,7 +21,7 @@ from lightning_smp.errors import (
     UnitOrderError,
     UnsupportedOptionError,
 )
-from lightning_smp.launcher import rank_error
+from lightning_smp.forking import rank_error
 from lightning_smp.names import FULL
 
 

@@ -6,14 +6,16 @@
 - :mod:`.calibrate`: the links and the compute of the running job, measured;
 - :mod:`.timing`: one optimizer step's predicted time;
 - :mod:`.budget`: memory budgets (``"40GB"``) and the default one of a device;
-- :mod:`.choose`: :func:`plan`, every candidate's figures and the recommendation.
+- :mod:`.choose`: :func:`plan`, every candidate's figures and the recommendation;
+- :mod:`.result`: what it returns, :class:`Plan` and :class:`DegreePlan`, with the table and the reason.
 """
 
 from lightning_smp.planner.activations import measure_activations, transformer_activation_bytes
 from lightning_smp.planner.budget import default_budget, parse_bytes
 from lightning_smp.planner.calibrate import calibrate
-from lightning_smp.planner.choose import DegreePlan, Plan, plan
+from lightning_smp.planner.choose import plan
 from lightning_smp.planner.links import DEFAULT_PRESET, LINK_PRESETS, Links, links_for, load_links, save_links
+from lightning_smp.planner.result import DegreePlan, Plan
 from lightning_smp.planner.state import (
     OPTIMIZER_STATE,
     RankState,

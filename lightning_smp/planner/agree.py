@@ -19,7 +19,8 @@ from lightning_smp.config import CALIBRATE
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.planner.budget import default_budget, parse_bytes
 from lightning_smp.planner.calibrate import calibrate
-from lightning_smp.planner.choose import Plan, plan
+from lightning_smp.planner.choose import plan
+from lightning_smp.planner.result import Plan
 
 
 def plan_on_every_rank(module: Module, *, configured_budget: int | str | None, device: torch.device, local_ranks: int,

@@ -11,25 +11,22 @@ throughput, and the communication FSDP cannot hide behind it) among those that f
 spare; degrees within :data:`TIE` of the fastest count as tied, and the smallest of them is chosen (SMP's own
 guidance, "the lowest degree that fits", is what the tie keeps: the fewer ranks in a shard group, the less can go
 wrong in it).
+
+What :func:`plan` returns, its table and the message when no degree fits are in :mod:`.result`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch.nn import Module
 
 from lightning_smp.accounting.comm import accumulation_passes
 from lightning_smp.degree import resolve_layout, valid_degrees
-from lightning_smp.engines import FSDP_ENGINES, engine_for, engine_for_layout, wrap_targets
+from lightning_smp.engines import engine_for, engine_for_layout, wrap_targets
 from lightning_smp.errors import HybridShardConfigError
-from lightning_smp.names import (
-    HYBRID_SHARD,
-    NO_SHARD,
-    NO_SYNC,
-)
+from lightning_smp.names import HYBRID_SHARD, NO_SHARD
 from lightning_smp.planner.budget import parse_bytes
 from lightning_smp.planner.links import (
     Links,
@@ -38,119 +35,13 @@ from lightning_smp.planner.links import (
     collective_seconds,
     links_for,
 )
+from lightning_smp.planner.result import GIVEN, MEASURED, NOT_INCLUDED, DegreePlan, Plan, _no_fit_message
 from lightning_smp.planner.state import fsdp_units, model_state, optimizer_name
 from lightning_smp.planner.step import textbook, transient_bytes
 from lightning_smp.planner.timing import step_time
 
-#: Where the activation figure of a plan comes from.
-MEASURED, GIVEN, NOT_INCLUDED = "measured on fake tensors", "given", "not included"
 #: Predicted step times within this fraction of the fastest count as tied (the smaller degree wins).
 TIE = 0.05
-
-
-@dataclass(frozen=True)
-class DegreePlan:
-    """One candidate degree: the figures of its fullest rank, and whether it fits.
-
-    Attributes:
-        degree, sharding_strategy, shard, replicas: the ``hybrid_shard_degree``, what FSDP runs, the group sizes.
-        model_state_bytes: parameters + gradients + optimizer state (exact, padding included; parameters only when
-            not training); left out of the peak under CPU offload, where it lives in CPU memory.
-        transient_bytes: on top at the step's peak (the end of forward): the unsharded parameters held then (see
-            :func:`~.step.gathered_bytes`) and, between micro-batches, FSDP1 ``no_sync``'s unsharded gradients or
-            FSDP2's 1/shard partial buffer.
-        buffer_bytes: the model's buffers (replicated). activation_bytes: one micro-batch.
-        peak_bytes: the sum; fits: ``peak_bytes * (1 + headroom) <= budget``.
-        shard_bytes, replicate_bytes: logical bytes of one optimizer step inside the shard group and across replicas.
-        shard_seconds, replicate_seconds: their time on the links (alpha-beta ring model, no overlap).
-        shard_link, replicate_link: ``"intra-node"``, ``"inter-node"`` or ``"-"`` (a group of one rank).
-        compute_seconds, exposed_seconds, step_seconds: one optimizer step's predicted compute, the communication
-            not hidden behind it, and their sum (:mod:`.timing`).
-    """
-
-    degree: int
-    sharding_strategy: str
-    shard: int
-    replicas: int
-    model_state_bytes: int
-    transient_bytes: int
-    buffer_bytes: int
-    activation_bytes: int
-    peak_bytes: int
-    fits: bool
-    shard_bytes: int
-    replicate_bytes: int
-    shard_seconds: float
-    replicate_seconds: float
-    shard_link: str
-    replicate_link: str
-    compute_seconds: float = 0.0
-    exposed_seconds: float = 0.0
-    step_seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The planner's answer: the recommended ``degree``, why, and every candidate's figures;
-    ``activation_checkpointing`` names what the planner checkpointed because nothing fitted without it (the figures
-    are then those of the checkpointed model), empty when it did not."""
-
-    degree: int
-    reason: str
-    rows: tuple[DegreePlan, ...]
-    budget_bytes: int
-    headroom: float
-    world_size: int
-    devices_per_node: int
-    fsdp_version: int
-    optimizer: str
-    activations: str
-    links: Links
-    activation_checkpointing: tuple[str, ...] = ()
-
-    def row(self, degree: int) -> DegreePlan:
-        return next(r for r in self.rows if r.degree == degree)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain values (for JSON)."""
-        return asdict(self)  # (recursive: the rows and the links too)
-
-    def table_rows(self) -> tuple[list[str], list[list[str]]]:
-        from lightning_smp.accounting.render import fmt_bytes
-
-        header = ["degree", "mesh", "model state", "transient", "activations", "peak / rank", "fits",
-                  "shard bytes", "replica bytes", "comm time", "step time"]
-        rows = []
-        for r in self.rows:
-            mark = "<- chosen" if r.degree == self.degree else ("yes" if r.fits else "no")
-            rows.append([str(r.degree), f"{r.replicas} x {r.shard}", fmt_bytes(r.model_state_bytes),
-                         fmt_bytes(r.transient_bytes), fmt_bytes(r.activation_bytes), fmt_bytes(r.peak_bytes), mark,
-                         f"{fmt_bytes(r.shard_bytes)} ({r.shard_link})",
-                         f"{fmt_bytes(r.replicate_bytes)} ({r.replicate_link})",
-                         f"{(r.shard_seconds + r.replicate_seconds) * 1e3:.1f} ms",
-                         f"{r.step_seconds * 1e3:.1f} ms ({r.exposed_seconds * 1e3:.1f} exposed)"])
-        return header, rows
-
-    def title(self) -> str:
-        from lightning_smp.accounting.render import fmt_bytes
-
-        return (f"Degree plan: {self.world_size} rank(s), {self.devices_per_node} per node, FSDP{self.fsdp_version},"
-                f" {self.optimizer}, budget {fmt_bytes(self.budget_bytes)} per rank, {self.headroom:.0%} headroom,"
-                f" activations {self.activations}")
-
-    def text(self, width: int | None = 200) -> str:
-        """The table and the reason, as plain text (for logs)."""
-        from lightning_smp.accounting.render import tables_text
-
-        header, rows = self.table_rows()
-        return tables_text([(self.title(), header, rows)], width=width) + f"\n{self.reason}"
-
-    def print(self) -> None:
-        """The table and the reason on the terminal or in the notebook (rich)."""
-        from lightning_smp.accounting.render import print_tables
-
-        header, rows = self.table_rows()
-        print_tables([(self.title(), header, rows)], footer=self.reason)
 
 
 def _checkpointing(classes: tuple[type[Module], ...]) -> Callable[[Module], None]:
@@ -345,26 +236,4 @@ def _fastest(fitting: Sequence[DegreePlan]) -> tuple[DegreePlan, DegreePlan | No
     return chosen, min(others, key=lambda r: (r.step_seconds, r.degree)) if others else None
 
 
-def _no_fit_message(rows: Sequence[DegreePlan], budget: int, headroom: float, world_size: int, source: str,
-                    fsdp_version: int, mode: str, micro_batches: int, cpu_offload: bool) -> str:
-    from lightning_smp.accounting.render import fmt_bytes
-
-    least = min(rows, key=lambda r: r.peak_bytes)
-    helps = []
-    if least.activation_bytes:
-        helps.append(f"activation checkpointing or a smaller micro-batch (activations are"
-                     f" {fmt_bytes(least.activation_bytes)} per rank)")
-    if not cpu_offload:
-        helps.append("CPU offload (cpu_offload=True; FSDP2: CPUOffloadPolicy())")
-    helps.append(f"more devices (the model state at degree {least.degree} is {fmt_bytes(least.model_state_bytes)} per"
-                 " rank and shrinks with the shard group)")
-    if mode == NO_SYNC and micro_batches > 1:
-        helps.extend(f"fsdp_version={other.version} (gradient_accumulation='{other.accumulations[0]}': no unsharded"
-                     " gradients between micro-batches)" for other in FSDP_ENGINES
-                     if other.version != fsdp_version and other.accumulations[0] != NO_SYNC)
-    return (f"no hybrid_shard_degree fits memory_budget={budget} bytes ({fmt_bytes(budget)}) with {headroom:.0%}"
-            f" headroom on {world_size} rank(s): the least is {fmt_bytes(least.peak_bytes)} ({least.peak_bytes} bytes)"
-            f" per rank at degree {least.degree} (activations {source}). What would help: " + "; ".join(helps) + ".")
-
-
-__all__ = ["DegreePlan", "GIVEN", "MEASURED", "NOT_INCLUDED", "Plan", "TIE", "plan"]
+__all__ = ["TIE", "plan"]
