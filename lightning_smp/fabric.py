@@ -56,8 +56,8 @@ from lightning_smp.collectives import Collectives
 from lightning_smp.core import HybridShardCore, choose_launcher
 from lightning_smp.engines import Engine, ShardingPlan, engine_of, own_offload_config
 from lightning_smp.errors import GradientSyncError, HybridShardConfigError, UnsupportedOptionError
+from lightning_smp.forking import check_fork_safety, check_start_method, check_start_method_name, rank_errors_retyped
 from lightning_smp.frontend import HybridShardFrontEnd
-from lightning_smp.launcher import check_fork_safety, check_start_method, check_start_method_name, rank_errors_retyped
 from lightning_smp.names import (
     STRATEGY_NAMES,
     GradientAccumulation,

@@ -31,12 +31,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_smp.errors import HybridShardConfigError
-from lightning_smp.forking import (  # check_start_method_name: strategy.py and fabric.py import it from here
-    check_fork_safety,
-    check_start_method,
-    check_start_method_name,
-    rank_errors_retyped,
-)
+from lightning_smp.forking import check_fork_safety, check_start_method, rank_errors_retyped
 from lightning_smp.names import ProcessStartMethod
 
 if TYPE_CHECKING:
@@ -287,8 +282,4 @@ __all__ = [
     "HybridShardMultiProcessingLauncher",
     "LaunchedStrategy",
     "MainProcessResults",
-    "check_fork_safety",
-    "check_start_method",
-    "check_start_method_name",
-    "rank_errors_retyped",
 ]

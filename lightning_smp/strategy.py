@@ -43,8 +43,9 @@ from lightning_smp.collectives import Collectives
 from lightning_smp.core import HybridShardCore, choose_launcher
 from lightning_smp.engines import ShardingPlan, own_offload_config
 from lightning_smp.errors import CheckpointError, HybridShardConfigError, UnsupportedOptionError
+from lightning_smp.forking import check_start_method_name
 from lightning_smp.frontend import HybridShardFrontEnd
-from lightning_smp.launcher import HybridShardMultiProcessingLauncher, MainProcessResults, check_start_method_name
+from lightning_smp.launcher import HybridShardMultiProcessingLauncher, MainProcessResults
 from lightning_smp.names import (
     FULL,
     NO_SYNC,

@@ -18,6 +18,7 @@ import torch
 from lightning_smp import HybridShardFSDPStrategy
 from lightning_smp.checkpoint import read_full
 from lightning_smp.testing import cluster as harness
+from lightning_smp.testing import crossing
 from lightning_smp.testing.cluster import Cluster, LinkShape
 from tests.helpers import RankRecorder, TinyModel, cpu_trainer, make_loader, state_digest
 
@@ -40,16 +41,16 @@ def test_without_netadmin_the_harness_says_why_in_one_line(monkeypatch):
 
 def test_crossing_edges_follow_gloo_rings():
     node_of = [0, 0, 1, 1]
-    assert harness.crossing_edges([0, 1, 2, 3], node_of) == 2  # 1->2 and 3->0
-    assert harness.crossing_edges([0, 2], node_of) == 2 and harness.crossing_edges([0, 1], node_of) == 0
+    assert crossing.crossing_edges([0, 1, 2, 3], node_of) == 2  # 1->2 and 3->0
+    assert crossing.crossing_edges([0, 2], node_of) == 2 and crossing.crossing_edges([0, 1], node_of) == 0
     counts = {"replicate": {"all_reduce": {"count": 3, "bytes": 1000}},
               "shard": {"all_gather": {"count": 6, "bytes": 4000}, "reduce_scatter": {"count": 3, "bytes": 2000}}}
     groups = {"replicate": [[0, 2], [1, 3]], "shard": [[0, 1], [2, 3]]}
     # only the replica all-reduce crosses: per group 2 edges x 2(n-1)/n x 1000 with n = 2
-    assert harness.cross_node_bytes(counts, groups, node_of) == 2 * 2 * 1000.0
+    assert crossing.cross_node_bytes(counts, groups, node_of) == 2 * 2 * 1000.0
     everything = {"shard": counts["shard"]}
     # one 4-rank shard group: all-gather (3/4 x 4000) and gloo's reduce-scatter as all-reduce (2 x 3/4 x 2000)
-    assert harness.cross_node_bytes(everything, {"shard": [[0, 1, 2, 3]]}, node_of) == 2 * (3000 + 3000)
+    assert crossing.cross_node_bytes(everything, {"shard": [[0, 1, 2, 3]]}, node_of) == 2 * (3000 + 3000)
 
 
 def test_a_lost_peer_is_named_by_its_node():

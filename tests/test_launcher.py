@@ -18,13 +18,8 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 
 import lightning_smp.strategy as strategy_module
 from lightning_smp import CheckpointError, HybridShardConfigError, HybridShardFSDPStrategy
-from lightning_smp.launcher import (
-    HybridShardMultiProcessingLauncher,
-    _callback_reports,
-    _set_callback_reports,
-    check_fork_safety,
-    check_start_method_name,
-)
+from lightning_smp.forking import check_fork_safety, check_start_method_name
+from lightning_smp.launcher import HybridShardMultiProcessingLauncher, _callback_reports, _set_callback_reports
 from lightning_smp.names import SHARDED, START_METHODS
 from tests.helpers import FRONT_ENDS, PROCESS_TIMEOUT, RankRecorder, TinyModel, cpu_trainer, make_loader, state_digest
 

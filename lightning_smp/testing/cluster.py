@@ -5,7 +5,7 @@ between two nodes, or a pair per node into a bridge namespace for more. The egre
 shaped by ``tbf`` (rate; ``netem`` above it for delay and loss, where the kernel has it), so traffic between ranks
 of different nodes crosses a link of the chosen rate, while traffic between ranks of one node stays on that node's loopback (gloo binds to
 ``GLOO_SOCKET_IFNAME``, the node interface, whose own address is reached over ``lo``). The kernel counts every byte
-that crossed (:meth:`Cluster.link_bytes`, or :func:`link_tx_bytes` from inside a node).
+that crossed (:meth:`Cluster.link_bytes`, or :func:`~lightning_smp.testing.crossing.link_tx_bytes` from inside a node).
 
 Only link-local addresses (``169.254.0.0/16``), only inside namespaces this module created; every name carries the
 id of the run (and the pid that made it), everything is deleted on exit, on an error, on Ctrl-C and on SIGTERM, and
@@ -46,12 +46,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
-
-from lightning_smp.testing.crossing import (  # importable from here too, as docs/cluster.md and the tests name them
-    cross_node_bytes,
-    crossing_edges,
-    link_tx_bytes,
-)
 
 #: every namespace and interface this module creates starts with it
 PREFIX = "lsmp"
@@ -383,9 +377,6 @@ __all__ = [
     "LinkShape",
     "Node",
     "cluster",
-    "cross_node_bytes",
-    "crossing_edges",
-    "link_tx_bytes",
     "netadmin_problem",
     "remove_stale",
 ]
