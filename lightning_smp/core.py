@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
 from torch.nn import Module
 
 from lightning_smp import unit_order
@@ -456,7 +455,6 @@ class HybridShardCore:
         if not first:
             checkpoint_activations(module)
         unit_order.install(module, engine.units(module), device)  # LIGHTNING_SMP_CHECK_UNIT_ORDER=1 only
-        _move_torchmetrics_to_device(module, device)  # as Lightning's FSDP strategies: metric states are not shards
         return module
 
     def before_backward(self, module: Module) -> None:

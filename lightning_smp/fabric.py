@@ -309,13 +309,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     @override
     def setup_module(self, module: Module) -> Module:
         self._choose(module, [])
-        module = self.core.shard(module, self._plan(), checkpoint_activations=self._checkpoint_activations,
-                                 on_already_sharded=self._already_sharded)
+        module = self._shard(module, self._fsdp_kwargs)
         self._module, self._module_engine = module, engine_of(module)
         return module
-
-    def _already_sharded(self, module: Module) -> None:
-        self._warn_already_sharded(module, self._fsdp_kwargs)
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:

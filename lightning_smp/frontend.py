@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing
+from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 
@@ -205,6 +205,16 @@ class HybridShardFrontEnd:
         mesh = self.core.device_mesh
         groups = [world] + ([group_ranks(mesh, axis) for axis in MESH_AXES] if mesh is not None else [])
         return lost_peer_note(error, self._peers, groups, dist.get_rank() if dist.is_initialized() else 0)
+
+    def _shard(self, module: Module, options: dict[str, Any]) -> Module:
+        """Both front ends' sharding: :meth:`HybridShardCore.shard` on this strategy's plan, then torchmetrics' states
+        moved to the root device, as Lightning's FSDP strategies do (they are not shards); ``options``: the user's
+        engine arguments, for the warnings about a model they sharded themselves."""
+        plan = self._plan()
+        module = self.core.shard(module, plan, checkpoint_activations=self._checkpoint_activations,
+                                 on_already_sharded=lambda sharded: self._warn_already_sharded(sharded, options))
+        _move_torchmetrics_to_device(module, plan.device)
+        return module
 
     def _checkpoint_activations(self, module: Module) -> None:
         """The strategy's activation checkpointing (its ``activation_checkpointing*`` arguments) applied to

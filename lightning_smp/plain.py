@@ -138,7 +138,7 @@ def _patch() -> None:
 
 
 def _session() -> _Session:
-    """The open session: the patched calls run only while one is open."""
+    """The open session (:func:`_rewrite` and :func:`_default_mesh` check that there is one first)."""
     if _SESSION is None:
         raise RuntimeError("lightning_smp.init() has not been called, or shutdown() has undone it")
     return _SESSION
@@ -164,8 +164,8 @@ class _PlainCalls:
 
 def _default_mesh(engine: Engine) -> DeviceMesh | None:
     """The mesh a ``fully_shard`` call without ``mesh=`` gets: the configured degree's (``None``: torch's default)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
+    if _SESSION is None or not (dist.is_available() and dist.is_initialized()):
+        return None  # (no session: a patch left in place after shutdown() because another came after it)
     degree = configured_degree()
     if degree == 0:
         return None
@@ -189,7 +189,7 @@ def _rewrite(engine: Engine, arguments: dict[str, Any]) -> Callable[[Module], No
     """Apply the configured degree to one FSDP call's arguments in place; return a post-wrap hook or None."""
     if arguments.get("device_mesh") is not None or arguments.get("process_group") is not None:
         return None
-    if not (dist.is_available() and dist.is_initialized()):
+    if _SESSION is None or not (dist.is_available() and dist.is_initialized()):
         return None
     degree = configured_degree()
     if degree == 0:

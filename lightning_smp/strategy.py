@@ -370,11 +370,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        return self.core.shard(model, self._plan(), checkpoint_activations=self._checkpoint_activations,
-                               on_already_sharded=self._already_sharded)
-
-    def _already_sharded(self, model: Module) -> None:
-        self._warn_already_sharded(model, self.kwargs)
+        return self._shard(model, self.kwargs)
 
     # ------------------------------------------------------------------ steps
 

@@ -340,7 +340,7 @@ def test_an_engine_without_the_accounting_role_is_reported_as_not_available(monk
     record = measure_memory(model, [])
     assert record["shard_degree"] is None and all(record[f] is None for f in MEMORY_FIELDS if f not in PEAK_FIELDS)
     assert memory.textbook(model, 1) is None and memory.comm_groups(model) == {}
-    assert memory.no_sync_extra_bytes(model) == 0
+    assert memory.no_sync_extra_bytes(model) == 0 and memory.gradient_bytes(model) is None
     record.update(rank=0, stage="manual", step=0, strategy="TrainingOnly", comm=None, comm_textbook=None,
                   peak_allocated_bytes=None, peak_reserved_bytes=None, peak_rss_bytes=1 << 20)
     text = render.format_report([record])

@@ -72,7 +72,8 @@ def accounted(model: Module) -> bool:
 
 
 def storage_units(model: Module) -> list[StorageUnit]:
-    """What this rank stores of every parameter: the engine's shards, or the plain parameters of other models."""
+    """What this rank stores of every parameter: the engine's shards, or the plain parameters of other models.
+    Raises :class:`UnaccountedError` for an engine without the accounting role."""
     accounting = _accounting(model)
     if accounting is not None:
         return accounting.storage(model)
@@ -80,7 +81,8 @@ def storage_units(model: Module) -> list[StorageUnit]:
 
 
 def shard_layout(model: Module) -> tuple[str | None, int, int]:
-    """``(FSDP sharding strategy name or None, shard degree, replicas)`` read from the model itself."""
+    """``(FSDP sharding strategy name or None, shard degree, replicas)`` read from the model itself. Raises
+    :class:`UnaccountedError` for an engine without the accounting role."""
     accounting = _accounting(model)
     facts = accounting.sharding(model) if accounting is not None else None
     if facts is None:
@@ -88,9 +90,12 @@ def shard_layout(model: Module) -> tuple[str | None, int, int]:
     return facts.sharding_strategy, facts.shard_degree, facts.replicas
 
 
-def gradient_bytes(model: Module) -> int:
+def gradient_bytes(model: Module) -> int | None:
     """Bytes of gradient memory this rank holds now: an engine's sharded gradients (padding included) and, during
-    gradient accumulation, its unsharded (``no_sync``) or partially reduced (deferred all-reduce) buffers."""
+    gradient accumulation, its unsharded (``no_sync``) or partially reduced (deferred all-reduce) buffers; ``None``
+    for an engine without the accounting role."""
+    if not accounted(model):
+        return None
     accounting = _accounting(model)
     if accounting is not None:
         return accounting.gradient_bytes(model)
@@ -165,7 +170,7 @@ def measure_memory(model: Module, optimizers: Sequence[Optimizer], grads_bytes: 
                   else {id(u.tensor): u.full_numel for u in units})
     name, shard, replicas = shard_layout(model)
     params = sum(u.local_numel * u.tensor.element_size() for u in units)
-    grads = gradient_bytes(model) if grads_bytes is None else grads_bytes
+    grads = (gradient_bytes(model) or 0) if grads_bytes is None else grads_bytes  # (accounted: never None)
     unsharded_params = sum(u.full_numel * u.tensor.element_size() for u in units)
     unsharded_grads = unsharded_params if grads else 0
     # average padding per rank of one tensor kind (parameters, and gradients when held)

@@ -191,12 +191,12 @@ class MemorySavingsCallback(Callback):
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # between micro-batches: what accumulation holds (no_sync's unsharded gradients, FSDP2's partial buffers)
-        self._step_grads = max(self._step_grads, gradient_bytes(trainer.strategy.model or pl_module))
+        self._step_grads = max(self._step_grads, gradient_bytes(trainer.strategy.model or pl_module) or 0)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
         # gradients are complete here and may be set to None before the next report
-        held = gradient_bytes(trainer.strategy.model or pl_module)
+        held = gradient_bytes(trainer.strategy.model or pl_module) or 0  # None: an engine without accounting
         self._grads_bytes, self._step_grads = max(self._step_grads, held), 0
 
     @override

@@ -7,9 +7,9 @@ which FSDP2 issues no shard-group collective and all-reduces every gradient acro
 This module is the :class:`~lightning_smp.engines.Engine` protocol for ``fully_shard``; the work behind it lives
 beside it: the arguments it takes (:mod:`~lightning_smp.engines.fsdp2_options`), wrapping
 (:mod:`~lightning_smp.engines.fsdp2_wrap`), gradient accumulation (:mod:`~lightning_smp.engines.fsdp2_accumulation`),
-full state dicts (:mod:`~lightning_smp.engines.fsdp2_state_dicts`), and
-every read of FSDP2's internals (:mod:`~lightning_smp.engines.fsdp2_groups`, with
-:mod:`~lightning_smp.engines.fsdp2_unused`).
+full state dicts (:mod:`~lightning_smp.engines.fsdp2_state_dicts`), and every read of FSDP2's parameter groups
+(:mod:`~lightning_smp.engines.fsdp2_groups`, with :mod:`~lightning_smp.engines.fsdp2_unused`). This module itself
+replaces ``fully_shard``'s default-mesh lookup (``_patch_default_mesh``).
 """
 
 from __future__ import annotations
