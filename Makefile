@@ -7,6 +7,12 @@ TORCH_SPEC ?= torch==2.13.0
 # litgpt's own pretraining loop runs in examples/litgpt_pretrain.py and its test; its pins would move torch and
 # lightning, so it is installed without its dependencies (the ones it imports come with the test extra)
 LITGPT_SPEC ?= litgpt==0.5.13
+# transformers (for the tests that train Hugging Face models) goes to a folder outside site-packages, which only the
+# test process adds to its path (tests/conftest.py): torchmetrics, which every `import lightning` imports, imports
+# transformers whenever it is installed, one to several seconds in each of the processes the tests start. Its own
+# dependencies come with the test extra (pyproject.toml), so it is installed without them.
+TRANSFORMERS_SPEC ?= transformers==4.57.6
+HUGGING_FACE := $(VENV)/hugging-face
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
@@ -20,6 +26,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python -m pip install -q --no-deps "$(LITGPT_SPEC)"
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(HUGGING_FACE) "$(TRANSFORMERS_SPEC)"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 

@@ -1,5 +1,7 @@
 import gc
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -9,6 +11,13 @@ import torch.distributed as dist  # noqa: E402
 
 import lightning_smp  # noqa: E402  (registers the strategy names)
 from lightning_smp import config as smp_config  # noqa: E402
+
+#: Where `make install` puts transformers (the Makefile says why it is not in site-packages). The tests that train a
+#: Hugging Face model run in this process or in ranks forked from it, which find it through this path; the processes
+#: the tests start (scripts, torchrun, kernels) do not, and do not pay for importing it.
+HUGGING_FACE = Path(sys.prefix) / "hugging-face"
+if HUGGING_FACE.is_dir():
+    sys.path.append(str(HUGGING_FACE))
 
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
              "PL_GLOBAL_SEED")
