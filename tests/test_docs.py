@@ -1,7 +1,9 @@
 """The README and ``docs/`` stay true: every Python snippet compiles, the marked ones run, every relative link resolves.
 
 A fenced ``python`` block is compile-only unless the line right before its opening fence is exactly
-``<!-- snippet: run -->``. Marked blocks run in a fresh interpreter from the repository root on CPU, so they must be
+``<!-- snippet: run -->``. Marked blocks run as ``python -c`` would, from the repository root on CPU, each in a child
+forked from one interpreter that has imported torch, lightning and lightning_smp and nothing else (a fresh
+interpreter's state, without paying those imports for every snippet), so they must be
 self-contained (no ``model`` or ``...`` placeholders), write only into temporary directories and finish in a few
 seconds. The marker is explicit rather than guessed (e.g. "runs if it has no ``...``") so that a reader of the
 markdown can see which examples are proven to work, and a typo in a marker is an error, not a silent skip.
@@ -9,11 +11,16 @@ markdown can see which examples are proven to work, and a typo in a marker is an
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import select
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +41,8 @@ PYTHON_INFO = {"python", "py", "python3"}
 README_MAX_LINES = 160
 #: Per snippet; the slowest (two short fits and a checkpoint round trip on one CPU device) takes about 4 s.
 RUN_TIMEOUT = 120
+#: For the snippet runner to import torch, lightning and lightning_smp (several seconds) and start a child.
+STARTUP_TIMEOUT = 120
 #: Inline links and images ``[text](target)`` / ``![alt](target "title")``, and reference definitions ``[x]: target``.
 INLINE_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?(?P<target>[^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 REFERENCE_LINK = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(?P<target>\S+?)>?(?:\s|$)", re.MULTILINE)
@@ -168,13 +177,58 @@ def test_snippet_compiles(snippet: Snippet) -> None:
     compile(snippet.padded, snippet.id.rsplit(":", 1)[0], "exec", dont_inherit=True)
 
 
+class SnippetRunner:
+    """``tests/scripts/snippet_runner.py``: one interpreter that has imported torch, lightning and lightning_smp, and
+    forks a child for each snippet (a fresh interpreter's state without its import time, seconds per snippet)."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "scripts" / "snippet_runner.py")],
+                                        cwd=ROOT, env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+
+    def _answer(self, deadline: float) -> dict:
+        assert self.process.stdout is not None
+        ready, _, _ = select.select([self.process.stdout], [], [], max(deadline - time.monotonic(), 0))
+        if not ready:
+            raise TimeoutError
+        line = self.process.stdout.readline()  # unbuffered (bufsize=0): nothing read ahead where select cannot see it
+        assert line, f"the snippet runner ended (status {self.process.poll()})"
+        return json.loads(line)
+
+    def run(self, snippet: Snippet, folder: Path) -> tuple[int, str, str]:
+        """``(returncode, stdout, stderr)`` of ``snippet``, run as ``python -c`` from the repository root."""
+        assert self.process.stdin is not None
+        out, err = folder / "stdout", folder / "stderr"
+        request = {"source": snippet.padded, "filename": "<string>", "stdout": str(out), "stderr": str(err)}
+        self.process.stdin.write(json.dumps(request).encode() + b"\n")
+        pid = self._answer(time.monotonic() + STARTUP_TIMEOUT)["pid"]  # the first waits for the runner's imports
+        try:
+            returncode = self._answer(time.monotonic() + RUN_TIMEOUT)["returncode"]
+        except TimeoutError:
+            os.killpg(pid, signal.SIGKILL)  # the child and every rank it started
+            self._answer(time.monotonic() + 30)
+            returncode = -signal.SIGKILL
+            err.write_text(err.read_text() + f"\n(killed after {RUN_TIMEOUT} s)")
+        return returncode, out.read_text(), err.read_text()
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def snippet_runner() -> Iterator[SnippetRunner]:
+    runner = SnippetRunner()
+    yield runner
+    runner.close()
+
+
 @pytest.mark.parametrize("snippet", RUN, ids=[s.id for s in RUN])
-def test_marked_snippet_runs(snippet: Snippet) -> None:
-    result = subprocess.run([sys.executable, "-c", snippet.padded], cwd=ROOT, env=_env(), capture_output=True,
-                            text=True, timeout=RUN_TIMEOUT)
-    assert result.returncode == 0, (
-        f"{snippet.id} exited with status {result.returncode} (traceback line numbers are the markdown file's)\n"
-        f"--- stdout ---\n{result.stdout[-3000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+def test_marked_snippet_runs(snippet: Snippet, snippet_runner: SnippetRunner, tmp_path: Path) -> None:
+    returncode, stdout, stderr = snippet_runner.run(snippet, tmp_path)
+    assert returncode == 0, (
+        f"{snippet.id} exited with status {returncode} (traceback line numbers are the markdown file's)\n"
+        f"--- stdout ---\n{stdout[-3000:]}\n--- stderr ---\n{stderr[-6000:]}"
     )
 
 
@@ -251,11 +305,26 @@ def test_an_unclosed_fence_is_reported(tmp_path: Path) -> None:
     assert problems and "never closed" in problems[0]
 
 
-def test_a_failing_snippet_exits_non_zero() -> None:
-    failing = Snippet(README, 3, "raise SystemExit('boom')\n", run=True)
-    result = subprocess.run([sys.executable, "-c", failing.padded], cwd=ROOT, env=_env(), capture_output=True,
-                            text=True, timeout=RUN_TIMEOUT)
-    assert result.returncode != 0 and "boom" in result.stderr
+@pytest.mark.parametrize(("source", "status", "says"), [
+    ("raise SystemExit('boom')\n", 1, "boom"),
+    ("import json\njson.missing\n", 1, "AttributeError"),
+    ("import atexit, sys\natexit.register(lambda: print('at exit', file=sys.stderr))\n", 0, "at exit"),
+])
+def test_the_runner_reports_what_python_dash_c_would(snippet_runner, tmp_path, source, status, says) -> None:
+    returncode, _, stderr = snippet_runner.run(Snippet(README, 3, source, run=True), tmp_path)
+    assert returncode == status and says in stderr
+    expected = subprocess.run([sys.executable, "-c", source], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT)
+    assert expected.returncode == status and says in expected.stderr
+
+
+def test_a_snippet_past_the_timeout_is_ended_with_what_it_started(snippet_runner, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "RUN_TIMEOUT", 2)
+    source = "import os, time\nif os.fork() == 0:\n    time.sleep(600)\ntime.sleep(600)\n"
+    returncode, _, stderr = snippet_runner.run(Snippet(README, 3, source, run=True), tmp_path)
+    assert returncode != 0 and "killed after 2 s" in stderr
+    monkeypatch.undo()  # the runner still serves the next snippet
+    assert snippet_runner.run(Snippet(README, 3, "print('next')\n", run=True), tmp_path)[:2] == (0, "next\n")
 
 
 def test_broken_links_are_found(tmp_path: Path) -> None:
