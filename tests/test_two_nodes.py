@@ -17,20 +17,23 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "two_node_train.py"
 
 
-def _launch_two_nodes(degree: int, out: Path) -> None:
+DEGREES = (2, 4)
+
+
+def _launch_two_nodes(degrees: tuple[int, ...], out: Path) -> None:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
              "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port),
-             str(SCRIPT), "--degree", str(degree), "--out", str(out)],
+             str(SCRIPT), "--degrees", ",".join(map(str, degrees)), "--out", str(out)],
             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for node in (0, 1)
     ]
     try:
-        outputs = [p.communicate(timeout=150)[0] for p in procs]
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -39,12 +42,19 @@ def _launch_two_nodes(degree: int, out: Path) -> None:
         assert p.returncode == 0, f"node {node} failed:\n{output[-4000:]}"
 
 
+@pytest.fixture(scope="module")
+def two_node_runs(tmp_path_factory) -> Path:
+    """Every degree of ``DEGREES`` fitted by one two-node launch (the interpreters start once)."""
+    out = tmp_path_factory.mktemp("two_nodes")
+    _launch_two_nodes(DEGREES, out)
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize(("degree", "inside_a_node"), [(2, True), (4, False)], ids=["degree2_in_node", "degree4_spans"])
-def test_two_nodes(tmp_path, degree, inside_a_node):
-    out = tmp_path / "two_nodes"
-    _launch_two_nodes(degree, out)
+def test_two_nodes(two_node_runs, tmp_path, degree, inside_a_node):
+    out = two_node_runs / f"degree{degree}"
     layout = resolve_layout(4, degree)
     nodes = {r: torch.load(out / f"node{r}.pt")["node_rank"] for r in range(4)}
     assert nodes == {0: 0, 1: 0, 2: 1, 3: 1}
