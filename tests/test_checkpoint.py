@@ -502,9 +502,12 @@ def test_consolidate_sharded_to_full(tmp_path: Path, written_by: dict[int, dict[
     full = torch.load(written[FULL] / "ckpts" / "last.ckpt", weights_only=True)
 
     ours = tmp_path / "ours.ckpt"
-    done = subprocess.run([sys.executable, "-m", "lightning_smp.checkpoint", "consolidate", str(source), str(ours)],
-                          check=False, capture_output=True, text=True, timeout=100)
-    assert done.returncode == 0, done.stderr
+    if version == FSDP_VERSIONS[0]:  # the `python -m` entry point once: the engines differ only in what they wrote
+        done = subprocess.run([sys.executable, "-m", "lightning_smp.checkpoint", "consolidate", str(source), str(ours)],
+                              check=False, capture_output=True, text=True, timeout=100)
+        assert done.returncode == 0, done.stderr
+    else:
+        assert convert.main(["consolidate", str(source), str(ours)]) == 0
     converted = torch.load(ours, weights_only=True)
     assert_same_tensors(converted["state_dict"], full["state_dict"])
     assert_same_optimizer(converted["optimizer_states"][0], full["optimizer_states"][0])
