@@ -318,11 +318,22 @@ def test_the_runner_reports_what_python_dash_c_would(snippet_runner, tmp_path, s
     assert expected.returncode == status and says in expected.stderr
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs (a killed process that no parent has reaped yet is a zombie: not running)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_a_snippet_past_the_timeout_is_ended_with_what_it_started(snippet_runner, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(sys.modules[__name__], "RUN_TIMEOUT", 2)
-    source = "import os, time\nif os.fork() == 0:\n    time.sleep(600)\ntime.sleep(600)\n"
+    started = tmp_path / "started"
+    source = (f"import os, time\npid = os.fork()\nif pid == 0:\n    time.sleep(600)\n"
+              f"open({str(started)!r}, 'w').write(str(pid))\ntime.sleep(600)\n")
     returncode, _, stderr = snippet_runner.run(Snippet(README, 3, source, run=True), tmp_path)
     assert returncode != 0 and "killed after 2 s" in stderr
+    assert not _running(int(started.read_text())), "the process the snippet started outlived it"
     monkeypatch.undo()  # the runner still serves the next snippet
     assert snippet_runner.run(Snippet(README, 3, "print('next')\n", run=True), tmp_path)[:2] == (0, "next\n")
 
