@@ -333,7 +333,10 @@ def test_a_snippet_past_the_timeout_is_ended_with_what_it_started(snippet_runner
               f"open({str(started)!r}, 'w').write(str(pid))\ntime.sleep(600)\n")
     returncode, _, stderr = snippet_runner.run(Snippet(README, 3, source, run=True), tmp_path)
     assert returncode != 0 and "killed after 2 s" in stderr
-    assert not _running(int(started.read_text())), "the process the snippet started outlived it"
+    grandchild, ended = int(started.read_text()), time.monotonic() + 30  # SIGKILL takes effect when it is scheduled
+    while _running(grandchild) and time.monotonic() < ended:
+        time.sleep(0.05)
+    assert not _running(grandchild), "the process the snippet started outlived it"
     monkeypatch.undo()  # the runner still serves the next snippet
     assert snippet_runner.run(Snippet(README, 3, "print('next')\n", run=True), tmp_path)[:2] == (0, "next\n")
 
