@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "two_node_train.py"
 
 
-DEGREES = (2, 4)
+#: (degree, whether its shard groups stay inside a node) for 2 nodes x 2 ranks
+CASES = [(2, True), (4, False)]
+DEGREES = tuple(degree for degree, _ in CASES)
 
 
 def _launch_two_nodes(degrees: tuple[int, ...], out: Path) -> None:
@@ -52,7 +54,7 @@ def two_node_runs(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("degree", "inside_a_node"), [(2, True), (4, False)], ids=["degree2_in_node", "degree4_spans"])
+@pytest.mark.parametrize(("degree", "inside_a_node"), CASES, ids=["degree2_in_node", "degree4_spans"])
 def test_two_nodes(two_node_runs, tmp_path, degree, inside_a_node):
     out = two_node_runs / f"degree{degree}"
     layout = resolve_layout(4, degree)
