@@ -1,11 +1,15 @@
 """One node's ranks of a cluster run (``torchrun`` inside a node namespace of :mod:`lightning_smp.testing.cluster`).
 
 Fits each configuration in turn in the same processes, with the Trainer: a stack of ``Block`` layers (each one FSDP
-unit), AdamW, random data. At every optimizer-step boundary all ranks meet in a barrier, then each records the time
-and its node's link counter (bytes this node has sent to the other so far). One warm-up step is counted with a
+unit), AdamW, random data in whole micro-batches. At every optimizer-step boundary all ranks meet in a barrier, then
+each records the time and its node's link counter (bytes this node has sent to the other so far). One warm-up step is counted with a
 :class:`~lightning_smp.accounting.CommCounter`, which gives the collectives one rank issues per optimizer step and so
 the bytes that must cross between nodes as gloo runs them (:func:`~lightning_smp.testing.crossing.cross_node_bytes`).
 Global rank 0 writes ``<out>/<config>.json``.
+
+With ``--calibrate``, each configuration's job first calibrates the cluster as ``hybrid_shard_degree="auto"`` with
+``calibrate=True`` does at a job's start (:func:`lightning_smp.planner.calibrate`: the links, and the forward and
+backward passes of the job's model and micro-batch on every rank at once), and the record holds the ``links``.
 
 A configuration is ``kind[:degree[:fsdp_version[:k[:accumulation]]]]``: ``ddp``, ``fsdp`` (Lightning's
 ``FSDPStrategy``, FULL_SHARD over every rank), ``smp`` (:class:`~lightning_smp.HybridShardFSDPStrategy`); ``k``
@@ -127,24 +131,45 @@ def parse_config(text: str) -> dict[str, Any]:
             "accumulation": parts[4] if len(parts) > 4 else None}
 
 
+def step(module: Stack, batch: torch.Tensor) -> torch.Tensor:
+    """One micro-batch's loss as ``Stack.training_step`` computes it (the planner's and the calibration's step)."""
+    return torch.nn.functional.mse_loss(module.blocks(batch), batch)
+
+
+def calibrated_links(args: argparse.Namespace, nodes: int) -> dict[str, Any]:
+    """The cluster calibrated now, in this job, with its model and one rank's micro-batch (the planner's ``Links``)."""
+    from dataclasses import asdict
+
+    from lightning_smp.planner import calibrate
+
+    torch.manual_seed(0)
+    links = calibrate(int(os.environ["WORLD_SIZE"]) // nodes, model=Stack(args.dim, args.layers),
+                      example_input=torch.zeros(args.batch, args.dim), step=step)
+    return asdict(links)
+
+
 def run(config: dict[str, Any], args: argparse.Namespace, nodes: int) -> dict[str, Any] | None:
     k = config["k"]
+    links = calibrated_links(args, nodes) if args.calibrate else None
     torch.manual_seed(0)
     model = Stack(args.dim, args.layers)
     steps = args.warmup + args.steps
     g = torch.Generator().manual_seed(1)
     world = int(os.environ["WORLD_SIZE"])
-    samples = args.batch * k * steps * world
-    data = TensorDataset(torch.randn(samples, args.dim, generator=g), torch.randn(samples, args.dim, generator=g))
+    # whole micro-batches, handed out as they are (``batch_size=None``): a job's loader prefetches its batches in
+    # workers, and collating thousands of single samples per step in the training process would be timed as the step
+    micro_batches = k * steps * world
+    shape = (micro_batches, args.batch, args.dim)
+    data = TensorDataset(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
     probe = LinkProbe(k, count_step=args.warmup - 1)
     trainer = L.Trainer(accelerator="cpu", devices=world // nodes, num_nodes=nodes,
                         strategy=strategy_for(config["kind"], config["degree"], config["version"],
                                               config["accumulation"]),
                         max_steps=steps, accumulate_grad_batches=k, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe])
-    trainer.fit(model, DataLoader(data, batch_size=args.batch))
+    trainer.fit(model, DataLoader(data, batch_size=None))
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    record = {"marks": probe.marks, "counts": probe.counts, "groups": probe.groups,
+    record = {"marks": probe.marks, "counts": probe.counts, "groups": probe.groups, "links": links,
               "node": int(os.environ["GROUP_RANK"]), "grad_bytes": grad_bytes}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, record)
@@ -169,7 +194,8 @@ def summarize(config: dict[str, Any], args: argparse.Namespace, ranks: list[dict
         textbook = cross_node_bytes(ranks[0]["counts"], ranks[0]["groups"], node_of)
     return {**config, "step_times": step_times, "link_bytes": sent, "link_bytes_per_node": per_node,
             "textbook_bytes": textbook,
-            "counts": ranks[0]["counts"], "grad_bytes": ranks[0]["grad_bytes"], "node_of": node_of}
+            "counts": ranks[0]["counts"], "grad_bytes": ranks[0]["grad_bytes"], "node_of": node_of,
+            "links": ranks[0]["links"]}
 
 
 def main() -> None:
@@ -180,11 +206,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="samples per rank and micro-batch")
     parser.add_argument("--warmup", type=int, default=2, help="optimizer steps before the measured ones")
     parser.add_argument("--steps", type=int, default=2, help="measured optimizer steps")
+    parser.add_argument("--calibrate", action="store_true", help="calibrate the cluster before each configuration")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     import warnings
 
     warnings.filterwarnings("ignore")
+    if args.calibrate and not dist.is_initialized():  # the calibration needs the job's process group before the
+        dist.init_process_group("gloo")             # first fit; Lightning's strategies take an existing one as it is
     nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
     for text in args.configs.split(","):
         result = run(parse_config(text), args, nodes)

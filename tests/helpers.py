@@ -159,13 +159,42 @@ class RankRecorder(Callback):
     other ranks), which the fork launcher hands back to the launching process's callback, and each record gains
     ``weights_sha256``: :func:`state_digest` of the strategy's ``full_state_dict()`` (a collective) on rank 0,
     ``None`` elsewhere.
+
+    With ``full_state=True`` the ranks also gather the full model (and, around fit, optimizer) state at the start and
+    end of fit and at the start of ``validate`` and ``predict``; rank 0 writes it to ``<folder>/full_<when>.pt``
+    (``model``, ``optimizers``, ``global_step``, ``epoch``, ``losses`` so far, ``batch_idx``; :func:`full_state`).
     """
 
-    def __init__(self, folder: Path, report: bool = False) -> None:
+    def __init__(self, folder: Path, report: bool = False, full_state: bool = False) -> None:
         self.folder = Path(folder)
         self.gather_report = report
+        self.full_state = full_state
         self.losses: list[float] = []
         self.local_losses: list[float] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._dump_full_state(trainer, "start", optimizers=True)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "validate":
+            self._dump_full_state(trainer, "validate")
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._dump_full_state(trainer, "predict")
+
+    def _dump_full_state(self, trainer: L.Trainer, when: str, optimizers: bool = False) -> None:
+        if not self.full_state:
+            return
+        strategy = trainer.strategy
+        record = {  # the gathers are collectives: every rank takes part, rank 0 writes
+            "model": strategy.full_state_dict(),
+            "optimizers": [strategy.full_optimizer_state(o) for o in trainer.optimizers] if optimizers else [],
+            "global_step": trainer.global_step, "epoch": trainer.current_epoch, "losses": list(self.losses),
+            "batch_idx": trainer.fit_loop.epoch_loop.batch_idx if trainer.state.fn == "fit" else None,
+        }
+        if trainer.global_rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            torch.save(record, self.folder / f"full_{when}.pt")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -175,6 +204,7 @@ class RankRecorder(Callback):
         self.losses.append(float(trainer.strategy.reduce(loss.clone(), reduce_op="mean")))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._dump_full_state(trainer, "end", optimizers=True)
         strategy = trainer.strategy
         record: dict[str, Any] = {
             "rank": trainer.global_rank,
@@ -199,6 +229,11 @@ class RankRecorder(Callback):
             self.report = gathered if trainer.global_rank == 0 else None
         self.folder.mkdir(parents=True, exist_ok=True)
         torch.save(record, self.folder / f"rank{trainer.global_rank}.pt")
+
+
+def full_state(folder: Path, when: str) -> dict[str, Any]:
+    """What a ``RankRecorder(folder, full_state=True)`` wrote at ``when`` (start, end, validate, predict)."""
+    return torch.load(Path(folder) / f"full_{when}.pt", weights_only=True)
 
 
 def fit_and_record(strategy: Any, folder: Path, devices: int, model: L.LightningModule | None = None,

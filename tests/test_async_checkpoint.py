@@ -31,6 +31,7 @@ from tests.helpers import (
     BACKENDS,
     FSDP_VERSIONS,
     GLOO_TIMEOUT,
+    RankRecorder,
     accelerator_for,
     cpu_trainer,
     kill_when_ready,
@@ -38,7 +39,7 @@ from tests.helpers import (
     process_group_backend_for,
     require_devices,
 )
-from tests.test_checkpoint import CkptModel, Probe, assert_same_state, probe, run
+from tests.test_checkpoint import CkptModel, assert_same_state, probe, run
 
 WORLD, DEGREE = 4, 2  # replica groups {0, 2} and {1, 3}: ranks 0 and 1 write, 2 and 3 hold the same shards
 
@@ -510,7 +511,7 @@ def test_killed_while_writing_in_the_background(tmp_path: Path) -> None:
     trainer = cpu_trainer(HybridShardFSDPStrategy(hybrid_shard_degree=4, async_save=True, start_method="fork"),
                           tmp_path / "resume", WORLD, max_steps=3, limit_val_batches=0, num_sanity_val_steps=0,
                           enable_checkpointing=True,
-                          callbacks=[Probe(tmp_path, "resumed"), again])
+                          callbacks=[RankRecorder(tmp_path / "resumed", full_state=True), again])
     trainer.fit(CkptModel(), make_loader(), ckpt_path="last")
     start = probe(tmp_path, "resumed", "start")
     assert start["global_step"] == 1

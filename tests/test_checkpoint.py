@@ -31,13 +31,17 @@ from torch.multiprocessing import ProcessRaisedException
 
 from lightning_smp import CheckpointError, HybridShardFSDPStrategy
 from lightning_smp import checkpoint as ckpt
+from lightning_smp.accounting import CommCounter
+from lightning_smp.callbacks.memory import strategy_mesh
 from lightning_smp.checkpoint import convert, safety, saving
-from lightning_smp.names import FULL, SHARDED, STATE_DICT_TYPES, STRATEGY_NAMES
+from lightning_smp.names import FULL, MESH_AXES, OTHER_AXIS, SHARD_AXIS, SHARDED, STATE_DICT_TYPES, STRATEGY_NAMES
 from tests.helpers import (
     FSDP_VERSIONS,
     PARITY_BOUND,
+    RankRecorder,
     TinyModel,
     cpu_trainer,
+    full_state,
     kill_when_ready,
     make_loader,
     weight_difference,
@@ -64,41 +68,6 @@ class CkptModel(TinyModel):
         return self(batch[0])
 
 
-class Probe(Callback):
-    """Gathers the full model (and optimizer) state inside the ranks; rank 0 writes it to ``<folder>/<tag>_<when>.pt``."""
-
-    def __init__(self, folder: Path, tag: str) -> None:
-        self.folder, self.tag = Path(folder), tag
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach().clone(), reduce_op="mean")))
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        self._dump(trainer, "start", optimizers=True)
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self._dump(trainer, "end", optimizers=True)
-
-    def on_validation_start(self, trainer, pl_module) -> None:
-        if trainer.state.fn == "validate":
-            self._dump(trainer, "validate")
-
-    def on_predict_start(self, trainer, pl_module) -> None:
-        self._dump(trainer, "predict")
-
-    def _dump(self, trainer: L.Trainer, when: str, optimizers: bool = False) -> None:
-        strategy = trainer.strategy
-        record = {
-            "model": strategy.full_state_dict(),
-            "optimizers": [strategy.full_optimizer_state(o) for o in trainer.optimizers] if optimizers else [],
-            "global_step": trainer.global_step, "epoch": trainer.current_epoch, "losses": list(self.losses),
-            "batch_idx": trainer.fit_loop.epoch_loop.batch_idx if trainer.state.fn == "fit" else None,
-        }
-        if trainer.global_rank == 0:
-            torch.save(record, self.folder / f"{self.tag}_{when}.pt")
-
-
 def strategy(degree: int, kind: str = SHARDED, name: str = "smp_hybrid", **kwargs: Any) -> HybridShardFSDPStrategy:
     return HybridShardFSDPStrategy(hybrid_shard_degree=degree, state_dict_type=kind, start_method="fork",
                                    **{**STRATEGIES[name], **kwargs})
@@ -108,7 +77,8 @@ def run(folder: Path, devices: int, degree: int, *, tag: str, kind: str = SHARDE
         max_steps: int = N, fn: str = "fit", ckpt_path: Optional[Path] = None, callbacks: tuple = (),
         model: Optional[L.LightningModule] = None, strategy_kwargs: Optional[dict] = None,
         **trainer_kwargs: Any) -> L.Trainer:
-    """One fork-launched run on ``devices`` CPU ranks with a seeded model; the probe records what the ranks hold."""
+    """One fork-launched run on ``devices`` CPU ranks with a seeded model; a :class:`~tests.helpers.RankRecorder`
+    records what the ranks hold in ``<folder>/<tag>`` (read back with :func:`probe`)."""
     folder.mkdir(parents=True, exist_ok=True)
     if model is None:
         torch.manual_seed(0)
@@ -119,7 +89,7 @@ def run(folder: Path, devices: int, degree: int, *, tag: str, kind: str = SHARDE
     trainer = cpu_trainer(
         strategy(degree, kind, name, **(strategy_kwargs or {})), folder, devices, max_steps=max_steps,
         limit_val_batches=2, num_sanity_val_steps=0,
-        callbacks=[Probe(folder, tag), *callbacks], **trainer_kwargs,
+        callbacks=[RankRecorder(folder / tag, full_state=True), *callbacks], **trainer_kwargs,
     )
     loader = make_loader()
     if fn == "fit":
@@ -132,7 +102,8 @@ def run(folder: Path, devices: int, degree: int, *, tag: str, kind: str = SHARDE
 
 
 def probe(folder: Path, tag: str, when: str) -> dict[str, Any]:
-    return torch.load(folder / f"{tag}_{when}.pt", weights_only=True)
+    """The full state the ranks of :func:`run`'s ``tag`` run held at ``when`` (start, end, validate, predict)."""
+    return full_state(folder / tag, when)
 
 
 def assert_same_tensors(actual: dict, expected: dict) -> None:
@@ -225,42 +196,36 @@ def test_sharded_checkpoint_tensors_are_written_once_by_replica_group_zero(writt
     assert any(k.startswith("optimizer_0.state.net.0.weight.exp_avg") for k in metadata.state_dict_metadata)
 
 
-class CollectiveCounter(Callback):
-    """Saves a full checkpoint at the end of fit and records which c10d collectives each rank issued meanwhile."""
+class FullSaveCounter(Callback):
+    """Saves a full checkpoint at the end of fit, counting the collectives each rank issues meanwhile per mesh axis
+    (the library's :class:`~lightning_smp.accounting.CommCounter`, as the memory report counts a step)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
 
     def on_train_end(self, trainer, pl_module) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        calls: list[str] = []
-
-        from torch.utils._pytree import tree_leaves
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                # collectives that move model or optimizer state (floating point); the ranks' small agreements
-                # (all_gather_object: bytes and sizes) do not count as assembling the checkpoint
-                if "c10d" in str(func) and any(
-                        isinstance(t, torch.Tensor) and t.is_floating_point() for t in tree_leaves((args, kwargs))):
-                    calls.append(str(func))
-                return func(*args, **(kwargs or {}))
-
-        with Mode():
+        with CommCounter(strategy_mesh(trainer.strategy)) as counter:
             trainer.save_checkpoint(self.folder / "full_once.ckpt")
-        torch.save(calls, self.folder / f"calls_rank{trainer.global_rank}.pt")
+        torch.save(counter.counts(), self.folder / f"counts_rank{trainer.global_rank}.pt")
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_full_checkpoint_is_assembled_once(tmp_path: Path, version: int) -> None:
-    run(tmp_path, 4, 2, tag="once", kind=FULL, max_steps=2, callbacks=(CollectiveCounter(tmp_path),),
+    run(tmp_path, 4, 2, tag="once", kind=FULL, max_steps=2, callbacks=(FullSaveCounter(tmp_path),),
         strategy_kwargs={"fsdp_version": version})
-    gathers = {r: [c for c in torch.load(tmp_path / f"calls_rank{r}.pt") if "gather" in c] for r in range(4)}
-    # replica group 0 (ranks 0, 1) gathers the shards; replica group 1 (ranks 2, 3) does no gathering at all
-    assert gathers[0] and gathers[1], gathers
-    assert gathers[2] == [] and gathers[3] == [], gathers
+    counts = [torch.load(tmp_path / f"counts_rank{r}.pt") for r in range(4)]
+    moved = [{axis: {op: c["count"] for op, c in counts[r][axis].items() if c["count"]} for axis in MESH_AXES}
+             for r in range(4)]
+    # replica group 0 (ranks 0, 1) gathers the shards inside its shard group; replica group 1 (ranks 2, 3) issues
+    # no collective on either mesh axis at all
+    state_bytes = sum(t.numel() * t.element_size() for t in probe(tmp_path, "once", "end")["model"].values())
+    for r in (0, 1):
+        assert counts[r][SHARD_AXIS]["all_gather"]["bytes"] >= state_bytes, moved
+    assert moved[2] == moved[3] == {axis: {} for axis in MESH_AXES}, moved
+    # what runs on the world group is the ranks' agreement on the save (objects), the same on every rank: no rank
+    # gathers state there that the others do not
+    assert all(counts[r][OTHER_AXIS] == counts[0][OTHER_AXIS] for r in range(4)), [c[OTHER_AXIS] for c in counts]
     saved = torch.load(tmp_path / "full_once.ckpt", weights_only=True)
     assert_same_tensors(saved["state_dict"], probe(tmp_path, "once", "end")["model"])
     assert_same_optimizer(saved["optimizer_states"][0], probe(tmp_path, "once", "end")["optimizers"][0])

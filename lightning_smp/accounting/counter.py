@@ -48,6 +48,25 @@ _C10D_OPS = {
     "broadcast_": "broadcast",
 }
 
+# Functional collectives (``torch.distributed._functional_collectives``: DTensor's redistributions, ``full_tensor()``,
+# the state dict API under FSDP2) are ops of their own namespace: they name their group by its name, return a new
+# tensor (an all-gather's input is the shard) and complete with ``wait_tensor``, which is not a collective.
+_FUNCTIONAL_OPS = {
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+    "all_to_all_single": "other",
+}
+
+
 def _tensor_bytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
@@ -73,6 +92,8 @@ class _CollectiveMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func.namespace == "c10d":
             self.counter._record(func._opname, args)
+        elif func.namespace == "_c10d_functional" and func._opname in _FUNCTIONAL_OPS:
+            self.counter._record_functional(func._opname, args)
         return func(*args, **(kwargs or {}))
 
 
@@ -144,6 +165,21 @@ class CommCounter:
         group = next((a for a in args if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type())), None)
         axis = self.axis_of(group) if group is not None else OTHER_AXIS
         size = _logical_bytes(args)
+        with self._lock:
+            entry = self._tally[axis][op]
+            entry["count"] += 1
+            entry["bytes"] += size
+
+    def _record_functional(self, opname: str, args: Sequence[Any]) -> None:
+        op = _FUNCTIONAL_OPS[opname]
+        name = args[-1]  # the group: by name (or, in some versions, the group itself)
+        if isinstance(name, torch.ScriptObject):
+            axis = self.axis_of(name)
+        else:
+            axis = self._axes.get(name.group_name if isinstance(name, dist.ProcessGroup) else str(name), OTHER_AXIS)
+        size = _tensor_bytes(args[0])
+        if op == "all_gather":  # the logical size is the gathered output: the shard times the group's size
+            size *= int(args[1])
         with self._lock:
             entry = self._tally[axis][op]
             entry["count"] += 1

@@ -30,6 +30,8 @@ from lightning_smp.precision import autocast_context
 
 #: Bytes of the timed all-reduces (a small one for the latency, larger ones for the bandwidth).
 SIZES = (1 << 12, 1 << 20, 1 << 22)
+#: Rounds of timed compute (the median is kept): at least one run each, however long a run takes.
+ROUNDS = 3
 
 
 def _sync(device: torch.device) -> None:
@@ -80,7 +82,7 @@ def fit_alpha_beta(sizes: Sequence[int], seconds: Sequence[float], ranks: int) -
 
 def _matmul_flops(device: torch.device, size: int, seconds: float) -> float:
     """What this rank computes per second while every rank computes: the same number of matrix multiplications on
-    every rank at once, back to back for about ``seconds`` (ranks that share cores or a memory bus slow each other
+    every rank at once, for about ``seconds`` (ranks that share cores or a memory bus slow each other
     down, as they do in a training step; one multiplication alone would measure an idle machine)."""
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     a = torch.randn(size, size, dtype=dtype, device=device)
@@ -89,26 +91,31 @@ def _matmul_flops(device: torch.device, size: int, seconds: float) -> float:
     def run() -> None:
         torch.mm(a, b)
 
-    count, elapsed = _timed_count(run, device, seconds)
-    return 2.0 * size**3 * count / elapsed
+    return 2.0 * size**3 / _timed_run(run, device, seconds)
 
 
-def _timed_count(run: Callable[[], None], device: torch.device, seconds: float) -> tuple[int, float]:
-    """Run ``run`` the same number of times on every rank at once, about ``seconds`` long: ``(count, elapsed)``."""
+def _timed_run(run: Callable[[], None], device: torch.device, seconds: float) -> float:
+    """The seconds one ``run()`` takes while every rank runs it: every rank runs it the same number of times, about
+    ``seconds`` in all, in :data:`ROUNDS` rounds that all ranks start together; the median round's time per run.
+    Timed as one stretch, a run longer than ``seconds`` would be timed once, and partly on cores that the ranks
+    which finished first had left idle."""
     run()  # warm-up
     _sync(device)
     start = time.perf_counter()
     run()
     _sync(device)
     once = max(time.perf_counter() - start, 1e-9)
-    # one count for every rank, the slowest rank's (so that no rank runs its last ones alone, on idle cores)
-    count = int(max(-_slowest([-min(seconds / once, 10_000.0)], device)[0], 1.0))
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(count):
-        run()
-    _sync(device)
-    return count, time.perf_counter() - start
+    # one count for every rank, the slowest rank's
+    per_round = int(max(-_slowest([-min(seconds / once / ROUNDS, 10_000.0)], device)[0], 1.0))
+    times = []
+    for _ in range(ROUNDS):
+        dist.barrier()  # every rank starts together, as the ranks of a step do after a collective
+        start = time.perf_counter()
+        for _ in range(per_round):
+            run()
+        _sync(device)
+        times.append((time.perf_counter() - start) / per_round)
+    return statistics.median(times)
 
 
 def _model_flops(model: Module, example_input: Any, step: Callable[[Module, Any], torch.Tensor] | None,
@@ -135,8 +142,7 @@ def _model_flops(model: Module, example_input: Any, step: Callable[[Module, Any]
         for param in work.parameters():
             param.grad = None
 
-    count, elapsed = _timed_count(run, device, seconds)
-    return (trace.forward_flops + trace.backward_flops) * count / elapsed
+    return (trace.forward_flops + trace.backward_flops) / _timed_run(run, device, seconds)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
