@@ -112,6 +112,32 @@ def test_counter_attributes_collectives_to_mesh_axes() -> None:
         assert out == [2.0] * 3
 
 
+def _count_dtensor_collectives(rank: int, world_size: int) -> tuple:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = build_device_mesh(resolve_layout(world_size, 2), "cpu")
+    full = torch.arange(8, dtype=torch.float32)
+    sharded = distribute_tensor(full, mesh, [Replicate(), Shard(0)])  # rows 4 apiece inside each shard group
+    with CommCounter(mesh) as counter:
+        gathered = sharded.full_tensor()                           # shard: one functional all-gather, 32 bytes
+        summed = sharded.redistribute(mesh, [Replicate(), Shard(0)])  # already so: no collective
+        total = torch.distributed.tensor.DTensor.from_local(
+            torch.ones(3), mesh, [Replicate(), Shard(0)]).sum().full_tensor()  # a partial sum, all-reduced
+    return counter.counts(), gathered.tolist(), summed.to_local().tolist(), float(total)
+
+
+@pytest.mark.timeout(60)
+def test_counter_counts_functional_collectives_by_group_name() -> None:
+    """DTensor's collectives (``full_tensor()``, the state dict API under FSDP2) are functional collectives: they name
+    their group by its name and are counted on that axis, as the c10d ones are."""
+    for rank, (counts, gathered, summed, total) in enumerate(run_distributed(_count_dtensor_collectives, 4)):
+        got = {(a, op): (e["count"], e["bytes"]) for a, ops in counts.items() for op, e in ops.items() if e["count"]}
+        assert got == {(SHARD_AXIS, "all_gather"): (1, 32), (SHARD_AXIS, "all_reduce"): (1, 4)}, (rank, got)
+        assert gathered == [float(i) for i in range(8)]
+        assert summed == [float(i) for i in range(4 * (rank % 2), 4 * (rank % 2) + 4)]
+        assert total == 6.0  # 3 ones on each of the 2 ranks of the shard group
+
+
 @pytest.mark.timeout(120)
 def test_counting_does_not_change_training(tmp_path) -> None:
     from lightning_smp import HybridShardFSDPStrategy
