@@ -2,9 +2,10 @@
 
 Fits each configuration in turn in the same processes, with the Trainer: a stack of ``Block`` layers (each one FSDP
 unit), AdamW, random data in whole micro-batches. At every optimizer-step boundary all ranks meet in a barrier, then
-each records the time and its node's link counter (bytes this node has sent to the other so far). One warm-up step is counted with a
-:class:`~lightning_smp.accounting.CommCounter`, which gives the collectives one rank issues per optimizer step and so
-the bytes that must cross between nodes as gloo runs them (:func:`~lightning_smp.testing.crossing.cross_node_bytes`).
+each records the time and its node's link counter (bytes this node has sent to the other so far). One warm-up step
+is counted with a :class:`~lightning_smp.accounting.CommCounter`, which gives the collectives one rank issues per
+optimizer step and so the bytes that must cross between nodes as gloo runs them
+(:func:`~lightning_smp.testing.crossing.cross_node_bytes`).
 Global rank 0 writes ``<out>/<config>.json``.
 
 With ``--calibrate``, each configuration's job first calibrates the cluster as ``hybrid_shard_degree="auto"`` with

@@ -82,8 +82,8 @@ def fit_alpha_beta(sizes: Sequence[int], seconds: Sequence[float], ranks: int) -
 
 def _matmul_flops(device: torch.device, size: int, seconds: float) -> float:
     """What this rank computes per second while every rank computes: the same number of matrix multiplications on
-    every rank at once, for about ``seconds`` (ranks that share cores or a memory bus slow each other
-    down, as they do in a training step; one multiplication alone would measure an idle machine)."""
+    every rank at once, for about ``seconds`` (ranks that share cores or a memory bus slow each other down, as they
+    do in a training step; one multiplication alone would measure an idle machine)."""
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
@@ -105,7 +105,7 @@ def _timed_run(run: Callable[[], None], device: torch.device, seconds: float) ->
     run()
     _sync(device)
     once = max(time.perf_counter() - start, 1e-9)
-    # one count for every rank, the slowest rank's
+    # the same runs on every rank (the slowest rank's count), so that no rank runs its last ones alone on idle cores
     per_round = int(max(-_slowest([-min(seconds / once / ROUNDS, 10_000.0)], device)[0], 1.0))
     times = []
     for _ in range(ROUNDS):
