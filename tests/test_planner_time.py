@@ -14,6 +14,7 @@ from lightning_smp.planner import Links, plan
 from lightning_smp.planner.choose import TIE
 from lightning_smp.planner.links import collective_seconds
 from lightning_smp.planner.timing import step_time, transformer_flops
+from lightning_smp.testing import run_distributed
 
 INTRA, INTER = (100e9, 5e-6), (1e9, 20e-6)
 UNITS = [FSDPUnitSpec(1_000_000) for _ in range(3)] + [FSDPUnitSpec(1_000_000, is_root=True)]
@@ -173,6 +174,32 @@ def test_links_round_trip_through_json_and_the_cli_reads_them(tmp_path, capsys):
         links_for(str(tmp_path / "bad.json"))
     with pytest.raises(HybridShardConfigError, match="not a link preset or a JSON file"):
         links_for("h200-nvlink")
+
+
+def _runs_of_a_slow_compute(rank: int, world_size: int) -> tuple[int, float]:
+    import time
+
+    from lightning_smp.planner.calibrate import _timed_run
+
+    calls = []
+
+    def run() -> None:  # 50 ms, longer than the whole timing asked for
+        calls.append(time.perf_counter())
+        time.sleep(0.05)
+
+    seconds = _timed_run(run, torch.device("cpu"), seconds=0.01)
+    return len(calls), seconds
+
+
+@pytest.mark.timeout(60)
+def test_a_compute_longer_than_the_timing_is_timed_in_rounds():
+    """A run longer than ``compute_seconds`` is still timed ROUNDS times, every rank alike, and the median kept (it
+    had been timed once)."""
+    from lightning_smp.planner.calibrate import ROUNDS
+
+    for calls, seconds in run_distributed(_runs_of_a_slow_compute, 2):
+        assert calls == 2 + ROUNDS  # a warm-up, one to size the rounds, then one per round
+        assert 0.05 <= seconds < 0.5
 
 
 def test_calibrate_outside_a_job_says_how_to_run_it(monkeypatch):
