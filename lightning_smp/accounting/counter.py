@@ -164,11 +164,7 @@ class CommCounter:
         op = _C10D_OPS.get(opname, "other")
         group = next((a for a in args if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type())), None)
         axis = self.axis_of(group) if group is not None else OTHER_AXIS
-        size = _logical_bytes(args)
-        with self._lock:
-            entry = self._tally[axis][op]
-            entry["count"] += 1
-            entry["bytes"] += size
+        self._add(axis, op, _logical_bytes(args))
 
     def _record_functional(self, opname: str, args: Sequence[Any]) -> None:
         op = _FUNCTIONAL_OPS[opname]
@@ -180,6 +176,9 @@ class CommCounter:
         size = _tensor_bytes(args[0])
         if op == "all_gather":  # the logical size is the gathered output: the shard times the group's size
             size *= int(args[1])
+        self._add(axis, op, size)
+
+    def _add(self, axis: str, op: str, size: int) -> None:
         with self._lock:
             entry = self._tally[axis][op]
             entry["count"] += 1
