@@ -18,7 +18,7 @@ tokens (:class:`lightning_smp.demo.MarkovTokens`) and the same optimizer (AdamW)
 
 Per configuration and rank: model-state bytes against the floor (unsharded / degree, padding shown separately),
 logical bytes per optimizer step inside the shard group and across replicas against the textbook formula,
-collective counts by group size, median step time over interleaved runs (A B A B ...), peak RSS. Results go to
+collective counts by group size, median step time over interleaved runs (A B C, C B A, ...), peak RSS. Results go to
 ``benchmarks/results/`` as ``quick.json``, ``quick.md`` and ``memory_by_degree.png`` (``large.*`` for ``--large``).
 
 Quick mode (CPU, 4 forked ranks, gloo, fp32, ~1 M parameters; a few minutes on 2 cores)::

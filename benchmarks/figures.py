@@ -15,7 +15,9 @@ Definitions:
   across replicas and inside the shard group, and the most gradient memory a rank holds during the step (measured
   after every backward), for FSDP1 ``no_sync``, FSDP1 reducing every micro-batch and FSDP2's deferred all-reduce;
 - **step time** of a configuration: for every timed step the slowest rank's time, then the median over all timed
-  steps of all rounds; ratios are ratios of those medians (targets apply to them). The same ratio of per-step
+  steps of all rounds; ratios are ratios of those medians (targets apply to them), shown with the 95% interval
+  of the same ratio over resamples of the rounds (:func:`round_interval`: how much of it is the rounds that
+  happened to run). The same ratio of per-step
   CPU time (mean over ranks) is shown for information: it measures work rather than waiting, so it moves much less
   when other programs share the cores.
 """
@@ -118,15 +120,45 @@ def slowest_rank_steps(records: Sequence[dict[str, Any]], key: str = "step_times
     ``key="step_cpu_times"``: the same for CPU time, averaged over the ranks instead (CPU time is per process work,
     not a wait for the slowest rank).
     """
+    return [t for steps in steps_by_round(records, key).values() for t in steps]
+
+
+def steps_by_round(records: Sequence[dict[str, Any]], key: str = "step_times") -> dict[int, list[float]]:
+    """:func:`slowest_rank_steps`, by round."""
     by_round: dict[int, list[list[float]]] = {}
     for record in records:
         by_round.setdefault(record.get("round", 0), []).append(record.get(key) or [])
-    steps: list[float] = []
-    for round_index in sorted(by_round):
-        ranks = by_round[round_index]
-        pick = max if key == "step_times" else (lambda values: sum(values) / len(values))
-        steps += [pick(times) for times in zip(*ranks)]
-    return steps
+    pick = max if key == "step_times" else (lambda values: sum(values) / len(values))
+    return {r: [pick(times) for times in zip(*by_round[r])] for r in sorted(by_round)}
+
+
+#: resamples of :func:`round_interval` (its seed is fixed: the same records give the same interval)
+RESAMPLES = 2000
+
+
+def round_interval(numerator: dict[int, list[float]], denominator: dict[int, list[float]],
+                   coverage: float = 0.95) -> tuple[float, float] | None:
+    """How far the ratio of median step times moves with the rounds that happened to run: the central ``coverage``
+    of the ratio over bootstrap resamples of the rounds (``None`` with fewer than 3 rounds).
+
+    Rounds are the unit resampled, not steps: the steps of one run share its processes and the machine's state, so
+    they are not independent; the two sides of a ratio ran in the same rounds and are resampled together (paired).
+    """
+    import random
+
+    rounds = sorted(set(numerator) & set(denominator))
+    if len(rounds) < 3:
+        return None
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(RESAMPLES):
+        picked = [rng.choice(rounds) for _ in rounds]
+        a = statistics.median(t for r in picked for t in numerator[r])
+        b = statistics.median(t for r in picked for t in denominator[r])
+        ratios.append(a / b)
+    ratios.sort()
+    tail = (1 - coverage) / 2
+    return ratios[int(tail * (RESAMPLES - 1))], ratios[int((1 - tail) * (RESAMPLES - 1))]
 
 
 def _quartiles(values: Sequence[float]) -> tuple[float, float]:
@@ -169,6 +201,7 @@ def summarise_config(spec: ConfigSpec, records: Sequence[dict[str, Any]]) -> dic
         "timed_steps": len(steps),
         "step_ms": None if median is None else 1000 * median,
         "step_iqr_ms": [1000 * q1, 1000 * q3],
+        "steps_by_round": steps_by_round(records),
         "step_cpu_ms": 1000 * statistics.median(cpu_steps) if cpu_steps else None,
         "max_measured_over_floor": max(f["measured_over_floor"] for f in ranks),
         "traffic_ratios": sorted({f["traffic_ratio"] for f in ranks}, key=lambda v: (v is None, v or 0)),

@@ -64,7 +64,7 @@ class Settings:
         warmup: steps run before timing (at least 3); the last one is the step whose memory and traffic are
             measured (the first steps are not representative: DDP rebuilds its gradient buckets in the second).
         steps: timed steps per run.
-        rounds: runs of every configuration, interleaved (A B C A B C ...); the median is over all of them.
+        rounds: runs of every configuration, interleaved (A B C, C B A, ...); the median is over all of them.
         precision: the Trainer's ``precision`` (``"32-true"`` or ``"bf16-mixed"``); the plain-torch loop uses the
             same FSDP ``MixedPrecision``.
         backend: ``"gloo"`` or ``"nccl"``.
@@ -82,7 +82,9 @@ class Settings:
     batch_size: int = 8
     warmup: int = 3
     steps: int = 10
-    rounds: int = 8
+    # two like programs' ratio moves by about 5% from round to round on 2 shared cores; 12 rounds (an even number:
+    # interleaved() reverses every other one) put its 95% interval at about +-3%, inside the 1.03-1.05 targets
+    rounds: int = 12
     precision: str = "32-true"
     backend: str = "gloo"
     accelerator: str = "cpu"
@@ -192,25 +194,36 @@ def hybrid_degree(world_size: int, degrees: Sequence[int]) -> int | None:
 def build_configs(settings: Settings) -> list[ConfigSpec]:
     """The configurations of a run, in the order one round runs them.
 
-    The two runs that are compared for the wrapper's overhead (plain-torch HSDP and ``smp_hybrid`` at the same
-    degree) are neighbours, and so are ``smp_hybrid`` with and without the memory callback, so that slow drifts of
-    the machine's load hit both sides of a ratio alike.
+    The runs a target compares are neighbours, so that slow drifts of the machine's load hit both sides of a ratio
+    alike: each Lightning DDP run sits between the degree-1 runs of both engines with the same
+    ``find_unused_parameters``, plain-torch HSDP next to ``smp_hybrid`` at the same degree, and ``smp_hybrid`` with
+    and without the memory callback. (:func:`interleaved` reverses every other round, so each side of a pair runs
+    first as often as second.)
     """
     degrees = list(settings.degrees or benchmark_degrees(settings.world_size))
     for degree in degrees:
         resolve_layout(settings.world_size, degree)  # HybridShardConfigError for a bad --degrees
     main = hybrid_degree(settings.world_size, degrees)
-    configs = [ConfigSpec("ddp"), ConfigSpec("ddp", find_unused_parameters=True), ConfigSpec("lightning_fsdp")]
+    if 1 in degrees:
+        # degree 1 runs the DDP engine: each Lightning DDP run between the degree-1 runs of both engines told the same
+        # find_unused_parameters (False, then the DDP engine's default, True)
+        ddp = [ConfigSpec("smp_hybrid", 1, find_unused_parameters=False), ConfigSpec("ddp"),
+               ConfigSpec("smp_hybrid_fsdp2", 1, find_unused_parameters=False),
+               ConfigSpec("smp_hybrid", 1), ConfigSpec("ddp", find_unused_parameters=True),
+               ConfigSpec("smp_hybrid_fsdp2", 1)]
+    else:
+        ddp = [ConfigSpec("ddp"), ConfigSpec("ddp", find_unused_parameters=True)]
+    configs = [*ddp, ConfigSpec("lightning_fsdp")]
     for degree in degrees:
-        configs += [ConfigSpec("torch_hsdp", degree), ConfigSpec("smp_hybrid", degree)]
-        if degree == 1:  # the DDP engine, told that every parameter takes part (DDP's own default)
-            configs.append(ConfigSpec("smp_hybrid", degree, find_unused_parameters=False))
+        configs.append(ConfigSpec("torch_hsdp", degree))
+        if degree != 1:  # degree 1's smp_hybrid runs are next to DDP's
+            configs.append(ConfigSpec("smp_hybrid", degree))
         if degree == main:
             configs.append(ConfigSpec("smp_hybrid", degree, memory_callback=True))
         configs.append(ConfigSpec("smp_hybrid_zero2", degree))
-        configs += [ConfigSpec("torch_fsdp2", degree), ConfigSpec("smp_hybrid_fsdp2", degree)]
-        if degree == 1:
-            configs.append(ConfigSpec("smp_hybrid_fsdp2", degree, find_unused_parameters=False))
+        configs.append(ConfigSpec("torch_fsdp2", degree))
+        if degree != 1:
+            configs.append(ConfigSpec("smp_hybrid_fsdp2", degree))
     if settings.only:
         wanted = set(settings.only)
         unknown = wanted - {c.name for c in configs} - {c.name for c in _accumulation_specs(settings)}
@@ -243,8 +256,12 @@ def build_accumulation_configs(settings: Settings) -> list[ConfigSpec]:
 
 
 def interleaved(configs: Sequence[ConfigSpec], rounds: int) -> list[tuple[int, ConfigSpec]]:
-    """``[(round, config)]``: every configuration once per round, rounds one after the other (A B A B ...)."""
-    return [(r, c) for r in range(rounds) for c in configs]
+    """``[(round, config)]``: every configuration once per round, every other round in reverse (A B C, C B A, ...).
+
+    A run pays for what ran just before it (memory the previous processes gave back, caches): reversing every
+    other round puts each configuration before and after each neighbour equally often in an even number of rounds.
+    """
+    return [(r, c) for r in range(rounds) for c in (configs if r % 2 == 0 else list(reversed(configs)))]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

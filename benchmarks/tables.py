@@ -105,11 +105,15 @@ def ratio_rows(summary: dict[str, Any]) -> list[list[str]]:
     for r in summary["ratios"]:
         verdict = "-" if r["ok"] is None else ("met" if r["ok"] else "MISSED")
         target = "-" if r["target"] is None else f"<= {r['target']:.2f}"
-        rows.append([r["name"], _x(r["value"]), target, verdict, _x(r.get("cpu_value")), str(r["timed_steps"])])
+        interval = r.get("interval")
+        spread = "-" if not interval else f"{interval[0]:.3f}-{interval[1]:.3f}"
+        rows.append([r["name"], _x(r["value"]), spread, target, verdict, _x(r.get("cpu_value")),
+                     str(r["timed_steps"])])
     return rows
 
 
-RATIO_HEADER = ["step-time ratio", "wall time", "target", "verdict", "CPU time (info)", "timed steps (each side)"]
+RATIO_HEADER = ["step-time ratio", "wall time", "95% over rounds", "target", "verdict", "CPU time (info)",
+                "timed steps (each side)"]
 
 
 def check_rows(summary: dict[str, Any]) -> list[list[str]]:
@@ -154,7 +158,7 @@ def describe_settings(settings: Settings, parameters: int) -> str:
         f"TinyGPT ({parameters / 1e6:.2f} M parameters: {m.layers} blocks of width {m.dim}, {m.heads} heads, vocabulary"
         f" {m.vocab_size}, sequences of {m.block_size}), AdamW, batch {settings.batch_size} per rank, precision"
         f" {settings.precision}, {settings.world_size} ranks ({settings.backend}); every configuration run"
-        f" {settings.rounds} times interleaved (A B C ... A B C ...), each run {settings.warmup} warm-up step(s) and"
+        f" {settings.rounds} times interleaved (A B C, C B A, ...), each run {settings.warmup} warm-up step(s) and"
         f" {settings.steps} timed steps; memory and traffic measured on the last warm-up step."
     )
 
@@ -192,7 +196,9 @@ def to_markdown(summary: dict[str, Any], settings: Settings, machine: dict[str, 
         _markdown_table(["figure", "value", "target", "verdict"], check_rows(summary)),
         "## Step-time ratios",
         _markdown_table(RATIO_HEADER, ratio_rows(summary)),
-        ("*wall time*: ratio of the median step times (the targets apply to it). *CPU time*: the same ratio of the"
+        ("*wall time*: ratio of the median step times (the targets apply to it). *95% over rounds*: the central 95%"
+         " of that ratio when the rounds are resampled (bootstrap, both sides together): how much of it is the"
+         " rounds that happened to run. *CPU time*: the same ratio of the"
         " ranks' CPU time per step, for information; it counts work rather than waiting, so it moves less when other"
         " programs share the machine."),
         f"> {GLOO_NOTE}",

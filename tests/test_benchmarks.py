@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks.cli import report_only, run
-from benchmarks.figures import slowest_rank_steps, summarise, traffic
+from benchmarks.figures import round_interval, slowest_rank_steps, steps_by_round, summarise, traffic
 from benchmarks.settings import (
     LARGE_MODEL,
     QUICK_MODEL,
@@ -43,9 +43,9 @@ from lightning_smp.names import (
 )
 
 WORLD4_NAMES = [
-    "ddp", "ddp find_unused_parameters=True", "lightning_fsdp",
-    "torch_hsdp d=1", "smp_hybrid d=1", "smp_hybrid d=1 find_unused_parameters=False", "smp_hybrid_zero2 d=1",
-    "torch_fsdp2 d=1", "smp_hybrid_fsdp2 d=1", "smp_hybrid_fsdp2 d=1 find_unused_parameters=False",
+    "smp_hybrid d=1 find_unused_parameters=False", "ddp", "smp_hybrid_fsdp2 d=1 find_unused_parameters=False",
+    "smp_hybrid d=1", "ddp find_unused_parameters=True", "smp_hybrid_fsdp2 d=1", "lightning_fsdp",
+    "torch_hsdp d=1", "smp_hybrid_zero2 d=1", "torch_fsdp2 d=1",
     "torch_hsdp d=2", "smp_hybrid d=2", "smp_hybrid d=2 +memory callback", "smp_hybrid_zero2 d=2",
     "torch_fsdp2 d=2", "smp_hybrid_fsdp2 d=2",
     "torch_hsdp d=4", "smp_hybrid d=4", "smp_hybrid_zero2 d=4", "torch_fsdp2 d=4", "smp_hybrid_fsdp2 d=4",
@@ -86,9 +86,20 @@ def test_degrees_follow_the_world_size(world, degrees, callback_degree):
     assert [c.degree for c in configs if c.memory_callback] == [callback_degree]
 
 
-def test_interleaving_alternates_configurations():
-    a, b = ConfigSpec("ddp"), ConfigSpec("smp_hybrid", 2)
-    assert interleaved([a, b], 3) == [(0, a), (0, b), (1, a), (1, b), (2, a), (2, b)]
+def test_interleaving_alternates_configurations_and_reverses_every_other_round():
+    a, b, c = ConfigSpec("ddp"), ConfigSpec("smp_hybrid", 2), ConfigSpec("smp_hybrid", 4)
+    assert interleaved([a, b, c], 3) == [(0, a), (0, b), (0, c), (1, c), (1, b), (1, a), (2, a), (2, b), (2, c)]
+
+
+def test_every_compared_pair_of_runs_are_neighbours():
+    names = [c.name for c in build_configs(quick_settings())]
+    for ratio in (("smp_hybrid d=1", "ddp find_unused_parameters=True"),
+                  ("smp_hybrid_fsdp2 d=1", "ddp find_unused_parameters=True"),
+                  ("smp_hybrid d=1 find_unused_parameters=False", "ddp"),
+                  ("smp_hybrid_fsdp2 d=1 find_unused_parameters=False", "ddp"),
+                  ("torch_hsdp d=2", "smp_hybrid d=2"), ("smp_hybrid d=2", "smp_hybrid d=2 +memory callback"),
+                  ("torch_fsdp2 d=2", "smp_hybrid_fsdp2 d=2")):
+        assert abs(names.index(ratio[0]) - names.index(ratio[1])) == 1, ratio
 
 
 @pytest.mark.parametrize(
@@ -169,6 +180,20 @@ def test_step_time_is_the_median_of_the_slowest_rank_over_rounds():
     assert slowest_rank_steps(records, "step_cpu_times") == [0.75, 2.0, 1.25, 0.5]  # CPU time: mean over ranks
 
 
+def test_the_interval_of_a_ratio_resamples_whole_rounds_of_both_sides_together():
+    rounds = {r: [0.1 * (1 + r), 0.1 * (1 + r)] for r in range(6)}  # the machine drifts from round to round
+    # both sides drift alike (they ran in the same rounds): resampling rounds together keeps their ratio exact
+    assert round_interval(rounds, {r: [t / 2 for t in steps] for r, steps in rounds.items()}) == (2.0, 2.0)
+    slow_once = {r: [t * (1.5 if r == 3 else 1.0) for t in steps] for r, steps in rounds.items()}
+    low, high = round_interval(slow_once, rounds)
+    # one slow round of six moves the median only in resamples that draw it often: the low end stays at 1
+    assert low == 1.0 and 1.0 < high <= 1.5 * (1 + 1e-12)
+    assert round_interval(slow_once, rounds) == (low, high)  # a fixed seed: the same records, the same interval
+    assert round_interval({0: [1.0], 1: [1.0]}, {0: [1.0], 1: [1.0]}) is None  # two rounds say nothing of spread
+    records = [_record("a", rank, r, [0.1 * (r + 1), 0.2]) for rank in range(2) for r in range(3)]
+    assert steps_by_round(records) == {0: [0.1, 0.2], 1: [0.2, 0.2], 2: [0.30000000000000004, 0.2]}
+
+
 def test_summary_ratios_and_targets():
     settings = quick_settings(world_size=4, degrees=(2,), only=("torch_hsdp d=2", "smp_hybrid d=2",
                                                                 "smp_hybrid d=2 +memory callback"))
@@ -182,6 +207,7 @@ def test_summary_ratios_and_targets():
     wrapper = ratios["wrapper overhead d=2: smp_hybrid / plain-torch HSDP"]
     assert wrapper["value"] == pytest.approx(1.02) and wrapper["ok"] and wrapper["timed_steps"] == 4
     assert wrapper["cpu_value"] == pytest.approx(1.02)
+    assert wrapper["interval"] is None  # two rounds
     callback = ratios["memory callback overhead d=2: on / off"]
     assert callback["value"] == pytest.approx(0.105 / 0.102) and callback["ok"] is False
     checks = {c["name"]: c for c in summary["checks"]}
