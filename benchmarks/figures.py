@@ -218,9 +218,11 @@ def _ratio(name: str, configs: dict[str, dict], numerator: str, denominator: str
     value = a["step_ms"] / b["step_ms"] if a["step_ms"] and b["step_ms"] else None
     cpu = a["step_cpu_ms"] / b["step_cpu_ms"] if a.get("step_cpu_ms") and b.get("step_cpu_ms") else None
     timed = min(a["timed_steps"], b["timed_steps"])
+    # JSON keys are strings: a summary read back from quick.json has string rounds
+    interval = round_interval(*({int(r): v for r, v in c.get("steps_by_round", {}).items()} for c in (a, b)))
     return {
         "name": name, "numerator": numerator, "denominator": denominator, "value": value, "cpu_value": cpu,
-        "target": target,
+        "interval": None if interval is None else list(interval), "target": target,
         "timed_steps": timed, "ok": None if target is None or value is None else value <= target,
     }
 
