@@ -229,6 +229,7 @@ def _units(model: torch.nn.Module) -> list[list[int]]:
     return [root] + [[p.numel() for p in b.parameters()] for b in blocks]
 
 
+@pytest.mark.slow  # every configuration of the benchmark: a scenario matrix
 @pytest.mark.timeout(240)
 def test_tiny_run_measures_every_configuration_on_every_rank(tmp_path: Path):
     names = ("ddp", "lightning_fsdp", "torch_hsdp d=2", "smp_hybrid d=2", "smp_hybrid d=2 +memory callback",
