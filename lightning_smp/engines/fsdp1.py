@@ -271,16 +271,17 @@ class FSDP1Engine:
         unused.forget(fsdp1_unused.presences(_handles(model)))
 
     def settle_gradients(self, model: Module) -> None:
-        off = [unit for unit in _fsdp().fsdp_modules(model) if not unit._sync_gradients]
+        units = _fsdp().fsdp_modules(model)  # one walk of the model per step: the root first
+        off = [unit for unit in units if not unit._sync_gradients]
         if off:
             raise GradientSyncError(
                 f"{len(off)} FSDP unit(s) still have gradient synchronisation turned off (FullyShardedDataParallel"
                 ".no_sync() is still active) as the optimizer is about to step: their gradients were never reduced"
                 " and the replicas would drift apart. Fix: leave no_sync() before the last backward of a step."
             )
-        handles = _handles(model)
+        handles = [unit._handle for unit in units if unit._handle is not None]
         if handles:
-            root = _fsdp().fsdp_modules(model)[0]  # its groups hold every rank that trains this model
+            root = units[0]  # its groups hold every rank that trains this model
             groups = [root.process_group, getattr(root, "_inter_node_pg", None)]
             unused.restore_unused(fsdp1_unused.presences(handles), handles[0].device, [g for g in groups if g])
 
