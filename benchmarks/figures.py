@@ -24,6 +24,7 @@ Definitions:
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -144,8 +145,6 @@ def round_interval(numerator: dict[int, list[float]], denominator: dict[int, lis
     Rounds are the unit resampled, not steps: the steps of one run share its processes and the machine's state, so
     they are not independent; the two sides of a ratio ran in the same rounds and are resampled together (paired).
     """
-    import random
-
     rounds = sorted(set(numerator) & set(denominator))
     if len(rounds) < 3:
         return None

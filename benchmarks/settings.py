@@ -258,8 +258,9 @@ def build_accumulation_configs(settings: Settings) -> list[ConfigSpec]:
 def interleaved(configs: Sequence[ConfigSpec], rounds: int) -> list[tuple[int, ConfigSpec]]:
     """``[(round, config)]``: every configuration once per round, every other round in reverse (A B C, C B A, ...).
 
-    A run pays for what ran just before it (memory the previous processes gave back, caches): reversing every
-    other round puts each configuration before and after each neighbour equally often in an even number of rounds.
+    A run may pay for what ran just before it (the state the previous run's processes left the machine in): reversing
+    every other round puts each configuration before and after each neighbour equally often in an even number of
+    rounds.
     """
     return [(r, c) for r in range(rounds) for c in (configs if r % 2 == 0 else list(reversed(configs)))]
 

@@ -46,8 +46,10 @@ def _fsdp() -> Any:
     return FullyShardedDataParallel
 
 
-def _handles(model: Module) -> list[Any]:
-    return [unit._handle for unit in _fsdp().fsdp_modules(model) if unit._handle is not None]
+def _handles(model: Module, units: Sequence[Any] | None = None) -> list[Any]:
+    """The flat-parameter handles of ``model``'s FSDP units (``units``: those units, already found)."""
+    return [unit._handle for unit in (_fsdp().fsdp_modules(model) if units is None else units)
+            if unit._handle is not None]
 
 
 def _owner(model: Module, handle: Any) -> Any:
@@ -279,7 +281,7 @@ class FSDP1Engine:
                 ".no_sync() is still active) as the optimizer is about to step: their gradients were never reduced"
                 " and the replicas would drift apart. Fix: leave no_sync() before the last backward of a step."
             )
-        handles = [unit._handle for unit in units if unit._handle is not None]
+        handles = _handles(model, units)
         if handles:
             root = units[0]  # its groups hold every rank that trains this model
             groups = [root.process_group, getattr(root, "_inter_node_pg", None)]
