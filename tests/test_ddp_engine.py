@@ -1,8 +1,11 @@
-"""The DDP engine: which layouts and arguments run on it, and what it is told (no processes; the distributed behaviour
+"""The DDP engine: which layouts and arguments run on it, what it is told, and a fourth engine registered like it
+(the distributed behaviour
 of degree 1 is tested wherever the other degrees are: parity, clipping, accumulation, replicas, the report,
 checkpoints between engines, manual optimization)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -11,9 +14,17 @@ from torch.distributed.fsdp import CPUOffload, MixedPrecision
 from lightning_smp import HybridShardFSDPStrategy
 from lightning_smp.degree import resolve_layout
 from lightning_smp.engines import DDP_ENGINE, engine_for, engine_for_layout, options_for
-from lightning_smp.engines.ddp import DDPPrediction
+from lightning_smp.engines.ddp import DDPEngine, DDPPrediction
 from lightning_smp.planner.state import model_state
-from tests.helpers import FSDP_VERSIONS, cpu_trainer
+from tests.helpers import (
+    FSDP_VERSIONS,
+    PARITY_BOUND,
+    assert_matches_ddp,
+    cpu_trainer,
+    ddp_fit,
+    fit_and_record,
+    weights_of,
+)
 
 WORLD = 4
 
@@ -86,3 +97,51 @@ def test_the_planner_predicts_degree_1_whole_and_never_gathered():
     every = prediction.step_textbook([list(model.parameters())], layout, micro_batches=4,
                                      accumulation="every_micro_batch", precision="32-true")
     assert every["replicate"]["all_reduce"]["bytes"] == 4 * figure["replicate"]["all_reduce"]["bytes"]
+
+
+class _ReplicaPrediction(DDPPrediction):
+    asked = False
+
+    def step_textbook(self, *args, **kwargs):
+        type(self).asked = True
+        return super().step_textbook(*args, **kwargs)
+
+
+class _ReplicaEngine(DDPEngine):
+    """A fourth engine as docs/architecture.md describes adding one: a class implementing ``Engine`` (DDP's, under
+    another name, with its own ``Prediction``), its entry in ``engines.ENGINES`` and its rule in
+    ``engines.engine_for_layout`` (here: the layouts that shard nothing). Nothing outside ``engines/`` is edited."""
+
+    name = "replica"
+    prediction = _ReplicaPrediction()
+
+
+def test_a_fourth_engine_needs_only_its_class_and_its_registration(tmp_path, monkeypatch):
+    import lightning_smp.engines as engines
+    from lightning_smp.callbacks import MemorySavingsCallback
+    from lightning_smp.planner import plan
+
+    fourth = _ReplicaEngine()
+    # the registration: engine_for_layout's rule returns engines.DDP_ENGINE for a layout that shards nothing
+    monkeypatch.setattr(engines, "DDP_ENGINE", fourth)
+    monkeypatch.setattr(engines, "ENGINES", (*engines.FSDP_ENGINES, fourth))
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=1, start_method="fork")
+    report = MemorySavingsCallback(print_table=False, filename=tmp_path / "report.json")
+    _, model, records = fit_and_record(strategy, tmp_path, WORLD, callbacks=[report])
+    assert strategy.engine is fourth and strategy.engine.name == "replica"
+    # the front end, the core, the precision plugin and the report reached it through the registry alone: every
+    # rank trained as Lightning's DDP does, and the report read its accounting
+    ddp_losses, ddp_weights = ddp_fit()
+    assert max(abs(a - b) for a, b in zip(records[0]["losses"], ddp_losses)) <= PARITY_BOUND
+    assert_matches_ddp(weights_of(model), ddp_weights)
+    ranks = json.loads((tmp_path / "report.json").read_text())["reports"]["first_step"]
+    assert len(ranks) == WORLD
+    for rank in ranks:  # the whole model on every rank, its gradients read through the engine's accounting
+        assert rank["total_bytes"] == rank["unsharded_total_bytes"] and rank["measured_over_floor"] == 1.0
+        assert rank["grads_bytes"] == rank["params_bytes"] > 0
+    # and the planner asked the fourth engine's own prediction for degree 1
+    with torch.device("meta"):
+        planned = torch.nn.Sequential(torch.nn.Linear(10, 7), torch.nn.Linear(7, 3))
+    _ReplicaPrediction.asked = False
+    plan(planned, world_size=WORLD, budget_bytes="1GB", degrees=[1])
+    assert _ReplicaPrediction.asked
