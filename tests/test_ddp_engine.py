@@ -1,7 +1,6 @@
 """The DDP engine: which layouts and arguments run on it, what it is told, and a fourth engine registered like it
-(the distributed behaviour
-of degree 1 is tested wherever the other degrees are: parity, clipping, accumulation, replicas, the report,
-checkpoints between engines, manual optimization)."""
+(the distributed behaviour of degree 1 is tested wherever the other degrees are: parity, clipping, accumulation,
+replicas, the report, checkpoints between engines, manual optimization)."""
 
 from __future__ import annotations
 
