@@ -207,13 +207,13 @@ def build_configs(settings: Settings) -> list[ConfigSpec]:
     if 1 in degrees:
         # degree 1 runs the DDP engine: each Lightning DDP run between the degree-1 runs of both engines told the same
         # find_unused_parameters (False, then the DDP engine's default, True)
-        ddp = [ConfigSpec("smp_hybrid", 1, find_unused_parameters=False), ConfigSpec("ddp"),
+        beside_ddp = [ConfigSpec("smp_hybrid", 1, find_unused_parameters=False), ConfigSpec("ddp"),
                ConfigSpec("smp_hybrid_fsdp2", 1, find_unused_parameters=False),
                ConfigSpec("smp_hybrid", 1), ConfigSpec("ddp", find_unused_parameters=True),
                ConfigSpec("smp_hybrid_fsdp2", 1)]
     else:
-        ddp = [ConfigSpec("ddp"), ConfigSpec("ddp", find_unused_parameters=True)]
-    configs = [*ddp, ConfigSpec("lightning_fsdp")]
+        beside_ddp = [ConfigSpec("ddp"), ConfigSpec("ddp", find_unused_parameters=True)]
+    configs = [*beside_ddp, ConfigSpec("lightning_fsdp")]
     for degree in degrees:
         configs.append(ConfigSpec("torch_hsdp", degree))
         if degree != 1:  # degree 1's smp_hybrid runs are next to DDP's
