@@ -77,6 +77,9 @@ def median_links(calibrations: list[dict[str, Any]]) -> dict[str, Any]:
     for key, value in merged.items():
         if isinstance(value, float):
             merged[key] = statistics.median(c[key] for c in calibrations)
+    # each engine's (seconds, seconds per byte) per unit: the median of each part
+    merged["engine_costs"] = {name: [statistics.median(c["engine_costs"][name][part] for c in calibrations)
+                                     for part in range(2)] for name in merged.get("engine_costs", {})}
     merged["description"] = f"median of {len(calibrations)} calibrations"
     return merged
 
@@ -132,7 +135,9 @@ def markdown(summary: dict[str, Any]) -> str:
         lines.append(f"- {rate}: inside a node {links['intra_bandwidth']:.3g} B/s, {links['intra_latency']:.2g} s;"
                      f" across {links['inter_bandwidth']:.3g} B/s, {links['inter_latency']:.2g} s;"
                      f" compute {links['device_flops']:.3g} FLOP/s ({min(flops):.3g} to {max(flops):.3g});"
-                     f" overlap {links['overlap']}")
+                     f" overlap {links['overlap']}; the engines' own work per unit and micro-batch "
+                     + ", ".join(f"{name} {fixed * 1e3:.2f} ms + {per_byte * 1e9:.2f} ns/byte"
+                                 for name, (fixed, per_byte) in links.get("engine_costs", {}).items()))
     return "\n".join(lines) + "\n"
 
 

@@ -132,6 +132,7 @@ def test_trainer_plans_on_links_it_calibrates_on_its_own_ranks(tmp_path):
     chosen = trainer.strategy.degree_plan
     assert chosen.links.description.startswith(f"calibrated: 1 node(s) x {WORLD} rank(s), cpu (gloo)")
     assert chosen.links.overlap is False and chosen.links.device_flops > 0 and chosen.links.intra_bandwidth > 0
+    assert set(chosen.links.engine_costs) == {"fsdp1", "fsdp2"}  # the engines' own work, timed on these cores
     fastest = min(r.step_seconds for r in chosen.rows)
     assert chosen.row(chosen.degree).step_seconds <= fastest * 1.05 and chosen.row(1).compute_seconds > 0
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]

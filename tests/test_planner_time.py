@@ -142,7 +142,67 @@ def test_a_degree_equal_to_the_world_has_no_replica_traffic_in_its_time():
     assert FULL_SHARD == row.sharding_strategy
 
 
+def test_the_engines_own_work_adds_to_each_micro_batch_per_unit_and_per_byte():
+    """``Links.engine_costs`` (calibrated on CPU): every micro-batch pays, for each unit of the engine that runs the
+    degree, its fixed cost and its cost per byte of the unit; degree 1 runs DDP's engine, and another engine's
+    figures cost this one nothing."""
+    fixed, per_byte, k, flops = 2e-3, 3e-9, 4, (1e9, 2e9)
+    unit = 1024 * 1024 * 4 + 1024 * 4  # each of the 8 Linear units: fp32 weight and bias
+    base = _plan(Links(*INTRA, *INTER, device_flops=1e12), micro_batches=k, flops=flops)
+    costed = _plan(Links(*INTRA, *INTER, device_flops=1e12, engine_costs={"fsdp2": (fixed, per_byte)}),
+                   micro_batches=k, flops=flops)
+    other = _plan(Links(*INTRA, *INTER, device_flops=1e12, engine_costs={"fsdp1": (fixed, per_byte)}),
+                  micro_batches=k, flops=flops)
+    for degree in (2, 8, 16):
+        row = costed.row(degree)
+        assert row.engine_seconds == pytest.approx(k * 8 * (fixed + per_byte * unit))
+        assert row.step_seconds == pytest.approx(base.row(degree).step_seconds + row.engine_seconds)
+        assert other.row(degree).step_seconds == base.row(degree).step_seconds
+    assert costed.row(1).engine_seconds == 0 and costed.row(1).step_seconds == base.row(1).step_seconds
+    eight = _plan(Links(*INTRA, *INTER, device_flops=1e12, engine_costs={"fsdp2": (fixed, per_byte)}),
+                  micro_batches=k, flops=flops, degrees=[8])
+    assert f"the engine's own work {costed.row(8).engine_seconds * 1e3:.1f} ms" in eight.reason
+
+
 # ---------------------------------------------------------------------------------------------- calibration
+
+
+def test_an_engines_cost_per_unit_is_the_line_through_its_two_probe_sizes():
+    from lightning_smp.planner.calibrate import PROBE_WIDTHS, fit_unit_cost
+
+    sizes = [w * w * 4 + w * 4 for w in PROBE_WIDTHS]
+    assert fit_unit_cost(sizes, [1e-3 + 2e-9 * size for size in sizes]) == pytest.approx((1e-3, 2e-9), rel=1e-9)
+    assert fit_unit_cost(sizes, [2e-3, 1e-3]) == (2e-3, 0.0)  # noise: no part below zero
+    assert fit_unit_cost(sizes, [0.0, 1e-3])[0] == 0.0
+
+
+def _difference_of_two_sleeps(rank: int, world_size: int) -> tuple[dict[str, int], float]:
+    import time
+
+    from lightning_smp.planner.calibrate import _timed_difference
+
+    calls = {"base": 0, "other": 0}
+
+    def base() -> None:
+        calls["base"] += 1
+        time.sleep(0.02)
+
+    def other() -> None:
+        calls["other"] += 1
+        time.sleep(0.12)
+
+    return calls, _timed_difference(base, other, torch.device("cpu"), seconds=0.2)
+
+
+@pytest.mark.timeout(60)
+def test_the_engines_probe_times_the_difference_in_interleaved_rounds():
+    """Each round runs the plain pass and then the wrapped one on every rank; the median difference is kept: the
+    wrapped pass's time less the plain one's, not its own."""
+    from lightning_smp.planner.calibrate import PROBE_ROUNDS
+
+    for calls, difference in run_distributed(_difference_of_two_sleeps, 2):
+        assert calls == {"base": 1 + PROBE_ROUNDS, "other": 2 + PROBE_ROUNDS}  # warm-ups, one to size the rounds
+        assert 0.09 <= difference < 0.12
 
 
 def test_the_alpha_beta_fit_recovers_a_link():
@@ -161,7 +221,8 @@ def test_links_round_trip_through_json_and_the_cli_reads_them(tmp_path, capsys):
     from lightning_smp.planner import load_links, save_links
     from lightning_smp.planner.links import links_for
 
-    links = Links(*INTRA, 0.1e9, 20e-6, description="measured", device_flops=3e12, overlap=False)
+    links = Links(*INTRA, 0.1e9, 20e-6, description="measured", device_flops=3e12, overlap=False,
+                  engine_costs={"fsdp1": (1e-3, 1e-9), "fsdp2": (2e-3, 3e-9)})
     path = save_links(links, tmp_path / "links.json")
     assert load_links(path) == links == links_for(str(path))
     main(["plan", "--params", "1B", "--layers", "16", "--hidden", "2048", "--heads", "16", "--nodes", "2",
@@ -241,6 +302,12 @@ def test_the_cli_calibrates_on_every_rank_of_a_torchrun_job(tmp_path):
     assert links["description"].startswith("calibrated: 1 node(s) x 2 rank(s), cpu (gloo), compute of Stack")
     assert links["intra_bandwidth"] == links["inter_bandwidth"] > 1e6 and links["device_flops"] > 1e8
     assert links["overlap"] is False  # gloo on CPU: collectives and compute share the cores
+    # and there each FSDP engine's own work adds to the step: measured for every engine fsdp_version selects
+    from lightning_smp.engines import FSDP_ENGINES
+
+    assert set(links["engine_costs"]) == {engine.name for engine in FSDP_ENGINES}
+    assert all(fixed >= 0 and per_byte >= 0 and fixed + per_byte * 4_198_400 > 0
+               for fixed, per_byte in links["engine_costs"].values())
     result = json.loads(plan_file.read_text())
     assert result["links"] == links and result["rows"][0]["compute_seconds"] > 0
     assert run.stdout.count("least predicted step time") == 1  # rank 0 alone prints

@@ -38,7 +38,7 @@ from lightning_smp.planner.links import (
 from lightning_smp.planner.result import GIVEN, MEASURED, NOT_INCLUDED, DegreePlan, Plan, _no_fit_message
 from lightning_smp.planner.state import fsdp_units, model_state, optimizer_name
 from lightning_smp.planner.step import textbook, transient_bytes
-from lightning_smp.planner.timing import step_time
+from lightning_smp.planner.timing import engine_seconds, step_time
 
 #: Predicted step times within this fraction of the fastest count as tied (the smaller degree wins).
 TIE = 0.05
@@ -106,6 +106,7 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
     units = fsdp_units(model, auto_wrap_policy)
     wrapped = {id(p) for target in wrap_targets(model, auto_wrap_policy) for p in target.parameters()}
     root_is_last = bool(units) and any(id(p) not in wrapped for p in units[-1])
+    unit_bytes = [sum(p.numel() * p.element_size() for p in unit) for unit in units]
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     if activation_bytes is not None:
         activations, source = int(activation_bytes), GIVEN
@@ -146,7 +147,8 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
                           units=len(units), micro_batches=micro_batches, reduce_scatter_passes=scattered,
                           synced_passes=synced, forward_flops=flops[0] if flops else 0.0,
                           backward_flops=flops[1] if flops else 0.0, device_flops=link.device_flops,
-                          overlap=link.overlap, reduce_scatter_as_all_reduce=link.reduce_scatter_as_all_reduce)
+                          overlap=link.overlap, reduce_scatter_as_all_reduce=link.reduce_scatter_as_all_reduce,
+                          engine_seconds=engine_seconds(link.engine_costs, runs.name, unit_bytes))
         return DegreePlan(
             degree=degree, sharding_strategy=layout.sharding_strategy, shard=layout.shard, replicas=replicas,
             model_state_bytes=state, transient_bytes=transient, buffer_bytes=buffers, activation_bytes=activations,
@@ -156,7 +158,8 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
             shard_seconds=shard_s, replicate_seconds=replica_s,
             shard_link="-" if layout.shard <= 1 else ("inter-node" if shard_inter else "intra-node"),
             replicate_link="-" if replicas <= 1 else ("inter-node" if replica_inter else "intra-node"),
-            compute_seconds=timed.compute, exposed_seconds=timed.exposed, step_seconds=timed.seconds)
+            compute_seconds=timed.compute, exposed_seconds=timed.exposed, engine_seconds=timed.engine,
+            step_seconds=timed.seconds)
 
     rows = rows_for(activations, flops)
     fitting = [r for r in rows if r.fits]
@@ -180,8 +183,9 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
     reason = "nothing fits without activation checkpointing: turned on for " + ", ".join(checkpointed) + "; " if (
         checkpointed) else ""
     reason += (f"degree {chosen.degree} has the least predicted step time of the degrees that fit:"
-              f" {_ms(chosen.step_seconds)} (compute {_ms(chosen.compute_seconds)}, communication not hidden"
-              f" {_ms(chosen.exposed_seconds)})")
+              f" {_ms(chosen.step_seconds)} (compute {_ms(chosen.compute_seconds)}, "
+              + (f"the engine's own work {_ms(chosen.engine_seconds)}, " if chosen.engine_seconds else "")
+              + f"communication not hidden {_ms(chosen.exposed_seconds)})")
     if runner_up is not None:
         tied = runner_up.step_seconds <= chosen.step_seconds * (1 + TIE)
         reason += (f"; runner-up degree {runner_up.degree}: {_ms(runner_up.step_seconds)}"

@@ -15,7 +15,7 @@ order of magnitude of one NCCL ring step. :mod:`.timing` turns these times and t
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from lightning_smp.errors import HybridShardConfigError
@@ -34,8 +34,11 @@ ACHIEVED_FRACTION = 0.4
 class Links:
     """The cluster as the planner sees it: bandwidths (bytes/s, one direction, per rank) and latencies (s, per ring
     step) inside a node and across, the FLOP/s one rank achieves (``0``: unknown, compute not counted), and whether
-    communication overlaps compute (CUDA streams: yes; gloo on CPU, where both share the cores: no), and whether the
-    backend runs a reduce-scatter as a whole all-reduce (gloo does: twice the bytes and ring steps)."""
+    communication overlaps compute (CUDA streams: yes; gloo on CPU, where both share the cores: no), whether the
+    backend runs a reduce-scatter as a whole all-reduce (gloo does: twice the bytes and ring steps), and what each
+    FSDP engine's own work costs (``engine_costs``: by engine name, ``(seconds, seconds per byte)`` per unit and
+    micro-batch, its fixed cost and the cost of its copies of the unit; measured by :func:`~.calibrate.calibrate` on
+    CPU, where that work shares the cores with the compute; none elsewhere, where it runs ahead of the device)."""
 
     intra_bandwidth: float
     intra_latency: float
@@ -45,6 +48,12 @@ class Links:
     device_flops: float = 0.0
     overlap: bool = True
     reduce_scatter_as_all_reduce: bool = False
+    engine_costs: dict[str, tuple[float, float]] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        # one form whatever the source (JSON gives lists): {name: (seconds, seconds per byte)}
+        costs = {str(name): (float(fixed), float(per_byte)) for name, (fixed, per_byte) in self.engine_costs.items()}
+        object.__setattr__(self, "engine_costs", costs)
 
 
 #: Named presets (see ``docs/planner.md`` for the sources).

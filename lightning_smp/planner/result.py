@@ -31,8 +31,9 @@ class DegreePlan:
         shard_bytes, replicate_bytes: logical bytes of one optimizer step inside the shard group and across replicas.
         shard_seconds, replicate_seconds: their time on the links (alpha-beta ring model, no overlap).
         shard_link, replicate_link: ``"intra-node"``, ``"inter-node"`` or ``"-"`` (a group of one rank).
-        compute_seconds, exposed_seconds, step_seconds: one optimizer step's predicted compute, the communication
-            not hidden behind it, and their sum (:mod:`.timing`).
+        compute_seconds, exposed_seconds, engine_seconds, step_seconds: one optimizer step's predicted compute,
+            the communication not hidden behind it, the engine's own work where it adds to the compute (CPU), and
+            their sum (:mod:`.timing`).
     """
 
     degree: int
@@ -54,6 +55,7 @@ class DegreePlan:
     compute_seconds: float = 0.0
     exposed_seconds: float = 0.0
     step_seconds: float = 0.0
+    engine_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

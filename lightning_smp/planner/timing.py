@@ -16,6 +16,10 @@ compute of the neighbouring units:
 - without overlap (``Links.overlap=False``: gloo on CPU, where collectives and compute share the cores) every
   collective adds to the compute.
 
+The engine's own work adds to each micro-batch where it shares the cores with the compute (CPU): per unit, a fixed
+cost (its hooks) and a cost per byte of the unit (its copies into and out of the collectives' buffers), as
+:func:`~.calibrate.calibrate` measures them (``Links.engine_costs``, :func:`engine_seconds`).
+
 Left out, the same at every degree or small next to a step: the optimizer's own update (it runs on the local shard,
 so a larger degree makes it faster), kernel launch gaps, the data loader. The figure is a prediction to choose a
 configuration by, and :mod:`benchmarks` checks it against measured step times.
@@ -23,6 +27,7 @@ configuration by, and :mod:`benchmarks` checks it against measured step times.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_smp.names import HYBRID_SHARD_ZERO2, NO_SHARD, SHARD_GRAD_OP
@@ -31,15 +36,24 @@ from lightning_smp.planner.links import as_run, collective_seconds
 
 @dataclass(frozen=True)
 class StepTime:
-    """One optimizer step's predicted time, in seconds: ``seconds = compute + exposed``."""
+    """One optimizer step's predicted time, in seconds: ``seconds = compute + engine + exposed`` (``engine``: the FSDP
+    engine's own work, where it adds to the compute)."""
 
     compute: float
     communication: float
     exposed: float
+    engine: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return self.compute + self.exposed
+        return self.compute + self.engine + self.exposed
+
+
+def engine_seconds(engine_costs: dict[str, tuple[float, float]], engine: str, unit_bytes: Sequence[int]) -> float:
+    """The work of ``engine`` itself in one micro-batch (forward and backward) over units of ``unit_bytes``: per unit
+    its fixed cost and its cost per byte (``Links.engine_costs``; an engine not measured costs nothing)."""
+    fixed, per_byte = engine_costs.get(engine, (0.0, 0.0))
+    return sum(fixed + per_byte * size for size in unit_bytes)
 
 
 def _op_seconds(axis: dict[str, dict[str, float]], op: str, group: int, link: tuple[float, float]) -> float:
@@ -52,7 +66,8 @@ def _op_seconds(axis: dict[str, dict[str, float]], op: str, group: int, link: tu
 def step_time(figure: dict[str, dict[str, dict[str, float]]], *, sharding_strategy: str, shard: int, replicas: int,
               shard_link: tuple[float, float], replicate_link: tuple[float, float], units: int, micro_batches: int,
               reduce_scatter_passes: int, synced_passes: int, forward_flops: float, backward_flops: float,
-              device_flops: float, overlap: bool = True, reduce_scatter_as_all_reduce: bool = False) -> StepTime:
+              device_flops: float, overlap: bool = True, reduce_scatter_as_all_reduce: bool = False,
+              engine_seconds: float = 0.0) -> StepTime:
     """The step time of one configuration.
 
     Args:
@@ -64,6 +79,7 @@ def step_time(figure: dict[str, dict[str, dict[str, float]]], *, sharding_strate
         forward_flops, backward_flops: one micro-batch's (recomputation under activation checkpointing in backward).
         device_flops: achieved FLOP/s of one rank; ``0``: unknown (compute counts nothing).
         reduce_scatter_as_all_reduce: the backend runs reduce-scatters as all-reduces (gloo, :func:`.links.as_run`).
+        engine_seconds: the engine's own work in one micro-batch (:func:`engine_seconds`).
     """
     shard_axis, replicate_axis = figure.get("shard", {}), figure.get("replicate", {})
     k = max(micro_batches, 1)
@@ -93,7 +109,8 @@ def step_time(figure: dict[str, dict[str, dict[str, float]]], *, sharding_strate
         exposed += max(0.0, gather_b + reduce - last - compute_b) + last
     total += bitmap
     exposed += bitmap
-    return StepTime(compute=k * (compute_f + compute_b), communication=total, exposed=exposed)
+    return StepTime(compute=k * (compute_f + compute_b), communication=total, exposed=exposed,
+                    engine=k * engine_seconds)
 
 
 def transformer_flops(params: int, tokens: int, layers: int, hidden: int, seq_len: int,
@@ -107,4 +124,4 @@ def transformer_flops(params: int, tokens: int, layers: int, hidden: int, seq_le
     return forward, backward
 
 
-__all__ = ["StepTime", "step_time", "transformer_flops"]
+__all__ = ["StepTime", "engine_seconds", "step_time", "transformer_flops"]
