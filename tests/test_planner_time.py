@@ -235,6 +235,9 @@ def test_links_round_trip_through_json_and_the_cli_reads_them(tmp_path, capsys):
         links_for(str(tmp_path / "bad.json"))
     with pytest.raises(HybridShardConfigError, match="not a link preset or a JSON file"):
         links_for("h200-nvlink")
+    (tmp_path / "costs.json").write_text(json.dumps({**json.loads(path.read_text()), "engine_costs": {"fsdp2": 1}}))
+    with pytest.raises(HybridShardConfigError, match=r"engine_costs=\{'fsdp2': 1\}\) is not a map of engine name"):
+        links_for(str(tmp_path / "costs.json"))
 
 
 def _runs_of_a_slow_compute(rank: int, world_size: int) -> tuple[int, float]:

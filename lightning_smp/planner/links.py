@@ -52,7 +52,15 @@ class Links:
 
     def __post_init__(self) -> None:
         # one form whatever the source (JSON gives lists): {name: (seconds, seconds per byte)}
-        costs = {str(name): (float(fixed), float(per_byte)) for name, (fixed, per_byte) in self.engine_costs.items()}
+        try:
+            costs = {str(name): (float(fixed), float(per_byte))
+                     for name, (fixed, per_byte) in dict(self.engine_costs).items()}
+        except (TypeError, ValueError):
+            raise HybridShardConfigError(
+                f"Links(engine_costs={self.engine_costs!r}) is not a map of engine name to (seconds, seconds per"
+                " byte). Fix: pass e.g. engine_costs={'fsdp2': (1.5e-3, 3.5e-9)}, or leave it out (calibrate()"
+                " measures it on CPU)."
+            ) from None
         object.__setattr__(self, "engine_costs", costs)
 
 
