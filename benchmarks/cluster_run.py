@@ -9,7 +9,7 @@ optimizer step and so the bytes that must cross between nodes as gloo runs them
 Global rank 0 writes ``<out>/<config>.json``.
 
 With ``--calibrate``, each configuration's job first calibrates the cluster as ``hybrid_shard_degree="auto"`` with
-``calibrate=True`` does at a job's start (:func:`lightning_smp.planner.calibrate`: the links, and the forward and
+``links="calibrate"`` does at a job's start (:func:`lightning_smp.planner.calibrate`: the links, and the forward and
 backward passes of the job's model and micro-batch on every rank at once), and the record holds the ``links``.
 
 A configuration is ``kind[:degree[:fsdp_version[:k[:accumulation]]]]``: ``ddp``, ``fsdp`` (Lightning's

@@ -5,7 +5,7 @@ For each inter-node rate (100 Mbit/s and 1 Gbit/s by default, and the unthrottle
 (:mod:`benchmarks.cluster_run`: degrees 1, 2 and 4, both engines, k = 1 and 4 micro-batches) in interleaved
 rounds, each fit after calibrating the cluster in the same job (:func:`lightning_smp.planner.calibrate`: the links
 and each rank's compute of the model's own passes, measured, as ``hybrid_shard_degree="auto"`` with
-``calibrate=True`` does at a job's start). The machine's speed drifts over minutes (a virtual machine's cores), so
+``links="calibrate"`` does at a job's start). The machine's speed drifts over minutes (a virtual machine's cores), so
 the rounds interleave the configurations and the planner predicts every one from one description of the cluster,
 the median of the rate's calibrations; the table puts the prediction next to the measured median. Targets (issue
 21): per rate, the predicted ranking of the configurations equals the measured one, and every prediction is within
