@@ -372,7 +372,13 @@ def _fabric_fails(fabric: L.Fabric, folder: str) -> dict[str, Any]:
     model = fabric.setup_module(make_net())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
     outcome: dict[str, Any] = {}
-    for step, (x, y) in enumerate(_batches(fabric)[:6]):
+    batches = _batches(fabric)[:6]
+    # steps go on while the save is in flight (each step polls it, every rank together), however long a loaded
+    # machine takes to write: the failure must come out of a step, not out of the end of the program
+    for step in range(10_000):
+        if step >= len(batches) and not fabric.strategy.checkpoint_in_flight:
+            break
+        x, y = batches[step % len(batches)]
         fabric.backward(torch.nn.functional.mse_loss(model(x), y))
         try:
             optimizer.step()
