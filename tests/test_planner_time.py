@@ -168,7 +168,7 @@ def test_the_engines_own_work_adds_to_each_micro_batch_per_unit_and_per_byte():
 
 
 def test_an_engines_cost_per_unit_is_the_line_through_its_two_probe_sizes():
-    from lightning_smp.planner.calibrate import PROBE_WIDTHS, fit_unit_cost
+    from lightning_smp.planner.engine_costs import PROBE_WIDTHS, fit_unit_cost
 
     sizes = [w * w * 4 + w * 4 for w in PROBE_WIDTHS]
     assert fit_unit_cost(sizes, [1e-3 + 2e-9 * size for size in sizes]) == pytest.approx((1e-3, 2e-9), rel=1e-9)
@@ -179,7 +179,7 @@ def test_an_engines_cost_per_unit_is_the_line_through_its_two_probe_sizes():
 def _difference_of_two_sleeps(rank: int, world_size: int) -> tuple[dict[str, int], float]:
     import time
 
-    from lightning_smp.planner.calibrate import _timed_difference
+    from lightning_smp.planner.engine_costs import _timed_difference
 
     calls = {"base": 0, "other": 0}
 
@@ -198,7 +198,7 @@ def _difference_of_two_sleeps(rank: int, world_size: int) -> tuple[dict[str, int
 def test_the_engines_probe_times_the_difference_in_interleaved_rounds():
     """Each round runs the plain pass and then the wrapped one on every rank; the median difference is kept: the
     wrapped pass's time less the plain one's, not its own."""
-    from lightning_smp.planner.calibrate import PROBE_ROUNDS
+    from lightning_smp.planner.engine_costs import PROBE_ROUNDS
 
     for calls, difference in run_distributed(_difference_of_two_sleeps, 2):
         assert calls == {"base": 1 + PROBE_ROUNDS, "other": 2 + PROBE_ROUNDS}  # warm-ups, one to size the rounds

@@ -4,10 +4,9 @@
 node and across nodes, all groups of a kind at once (as a training step's collectives run: every rank of a node sends
 through the node's network together, so the figure is each rank's share), and fits the alpha-beta model of
 :mod:`.links` to them; it times matrix multiplications on every rank at once, sustained (what one rank computes
-while the others compute too); and on CPU it times each FSDP engine's own work per unit (:func:`_engine_costs`). The
-result is a
-:class:`~.links.Links` the planner takes as it takes a preset, and which :func:`~.links.save_links` writes as JSON for
-``lightning-smp plan --preset FILE``. Every rank returns the same figures (each is the slowest rank's).
+while the others compute too); and on CPU it times each FSDP engine's own work per unit
+(:func:`.engine_costs.engine_costs`). The result is a :class:`~.links.Links` the planner takes as it takes a preset,
+and which :func:`~.links.save_links` writes as JSON for ``lightning-smp plan --preset FILE``. Every rank returns the same figures (each is the slowest rank's).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import copy
 import os
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -27,6 +25,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.nn import Module
 
 from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.planner.engine_costs import engine_costs
 from lightning_smp.planner.links import Links
 from lightning_smp.precision import autocast_context
 
@@ -34,14 +33,10 @@ from lightning_smp.precision import autocast_context
 SIZES = (1 << 12, 1 << 20, 1 << 22)
 #: Rounds of timed compute (the median is kept): at least one run each, however long a run takes.
 ROUNDS = 3
-#: The engines' probe: units of two sizes (a unit's fixed cost and its cost per byte are told apart by them), and a
-#: micro-batch of a few rows (the engine's work does not grow with the batch; the compute's noise would).
-PROBE_UNITS, PROBE_WIDTHS, PROBE_ROWS = 4, (64, 1024), 8
-#: Rounds of the engines' probe, each timing the plain probe and then the wrapped one (the median difference kept).
-PROBE_ROUNDS = 5
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (nothing to wait for on the CPU), so that a timing ends with the work."""
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
 
@@ -53,7 +48,7 @@ def _default_device() -> torch.device:
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
-def _slowest(values: Sequence[float], device: torch.device) -> list[float]:
+def slowest(values: Sequence[float], device: torch.device) -> list[float]:
     """The largest of each value over every rank (every rank gets the same list)."""
     tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
@@ -66,10 +61,10 @@ def _time_all_reduce(group: dist.ProcessGroup, size: int, repeats: int, device: 
     times = []
     for _ in range(repeats):
         dist.barrier()  # every group of the kind starts together, as in a step
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         dist.all_reduce(data, group=group)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -101,127 +96,33 @@ def _matmul_flops(device: torch.device, size: int, seconds: float) -> float:
     return 2.0 * size**3 / _timed_run(run, device, seconds)
 
 
+def agreed_runs(run: Callable[[], None], device: torch.device, seconds: float) -> int:
+    """How many times every rank runs ``run`` to fill about ``seconds`` (at least once), from one timed run: the same
+    count on every rank (the slowest rank's), so that no rank runs its last ones alone on idle cores."""
+    sync(device)
+    start = time.perf_counter()
+    run()
+    sync(device)
+    once = max(time.perf_counter() - start, 1e-9)
+    return int(max(-slowest([-min(seconds / once, 10_000.0)], device)[0], 1.0))
+
+
 def _timed_run(run: Callable[[], None], device: torch.device, seconds: float) -> float:
     """The seconds one ``run()`` takes while every rank runs it: every rank runs it the same number of times, about
     ``seconds`` in all, in :data:`ROUNDS` rounds that all ranks start together; the median round's time per run.
     Timed as one stretch, a run longer than ``seconds`` would be timed once, and partly on cores that the ranks
     which finished first had left idle."""
     run()  # warm-up
-    _sync(device)
-    start = time.perf_counter()
-    run()
-    _sync(device)
-    once = max(time.perf_counter() - start, 1e-9)
-    # the same runs on every rank (the slowest rank's count), so that no rank runs its last ones alone on idle cores
-    per_round = int(max(-_slowest([-min(seconds / once / ROUNDS, 10_000.0)], device)[0], 1.0))
+    per_round = agreed_runs(run, device, seconds / ROUNDS)
     times = []
     for _ in range(ROUNDS):
         dist.barrier()  # every rank starts together, as the ranks of a step do after a collective
         start = time.perf_counter()
         for _ in range(per_round):
             run()
-        _sync(device)
+        sync(device)
         times.append((time.perf_counter() - start) / per_round)
     return statistics.median(times)
-
-
-def _timed_difference(base: Callable[[], None], other: Callable[[], None], device: torch.device,
-                      seconds: float) -> float:
-    """How much longer one ``other()`` takes than one ``base()`` while every rank runs them: in each of
-    :data:`PROBE_ROUNDS` rounds every rank runs ``base`` and then ``other`` the same number of times, each stretch
-    between barriers (the slowest rank's time); the median of the rounds' differences. Interleaved, so that the
-    machine's drift over the rounds reaches both alike."""
-    base()  # warm-up
-    other()
-    _sync(device)
-    start = time.perf_counter()
-    other()
-    _sync(device)
-    once = max(time.perf_counter() - start, 1e-9)
-    runs = int(max(-_slowest([-min(seconds / once / PROBE_ROUNDS / 2, 10_000.0)], device)[0], 1.0))
-    differences = []
-    for _ in range(PROBE_ROUNDS):
-        stretches = []
-        for run in (base, other):
-            dist.barrier()
-            begin = time.perf_counter()
-            for _ in range(runs):
-                run()
-            _sync(device)
-            dist.barrier()
-            stretches.append((time.perf_counter() - begin) / runs)
-        differences.append(stretches[1] - stretches[0])
-    return statistics.median(differences)
-
-
-class _ProbeUnit(Module):
-    """One unit of the engines' probe: a square layer."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x)
-
-
-def fit_unit_cost(unit_bytes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
-    """``(seconds, seconds per byte)`` of an engine's work per unit from its time per unit at two unit sizes: the
-    line through both points (neither part below zero)."""
-    (small, large), (at_small, at_large) = unit_bytes, seconds
-    per_byte = max((at_large - at_small) / (large - small), 0.0)
-    return max(at_small - per_byte * small, 0.0), per_byte
-
-
-def _engine_costs(device: torch.device, seconds: float) -> dict[str, tuple[float, float]]:
-    """Each FSDP engine's own work per unit and micro-batch (``Links.engine_costs``): a probe of
-    :data:`PROBE_UNITS` units runs forward and backward plain and wrapped by the engine over a group of this rank
-    alone (the engine's hooks and copies, with no collective to wait for), on every rank at once, at two unit sizes.
-    Every engine that ``fsdp_version`` selects is measured (:data:`~lightning_smp.engines.FSDP_ENGINES`); every rank
-    returns the slowest rank's figures."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    from lightning_smp.degree import Layout
-    from lightning_smp.engines import FSDP_ENGINES
-    from lightning_smp.engines.base import ShardingPlan
-    from lightning_smp.names import FULL_SHARD
-
-    alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    layout = Layout(world_size=1, degree=0, replicate=1, shard=1, requested_strategy=FULL_SHARD,
-                    sharding_strategy=FULL_SHARD)
-    plan = ShardingPlan(layout=layout, device=device, mesh=DeviceMesh.from_group(alone, device.type),
-                        options={"auto_wrap_policy": ModuleWrapPolicy({_ProbeUnit})})
-    sizes = [width * width * 4 + width * 4 for width in PROBE_WIDTHS]  # fp32 weight and bias
-    per_unit: list[float] = []
-    try:
-        for engine in FSDP_ENGINES:
-            for width in PROBE_WIDTHS:
-                torch.manual_seed(0)
-                plain = torch.nn.Sequential(*(_ProbeUnit(width) for _ in range(PROBE_UNITS))).to(device)
-                with warnings.catch_warnings():  # FSDP1 runs NO_SHARD over one rank, and says so
-                    warnings.simplefilter("ignore")
-                    wrapped = engine.complete(engine.wrap(copy.deepcopy(plain), plan), plan)
-                batch = torch.randn(PROBE_ROWS, width, device=device)
-                per_unit.append(_timed_difference(_probe_pass(plain, batch), _probe_pass(wrapped, batch), device,
-                                                  seconds) / PROBE_UNITS)
-    finally:
-        dist.destroy_process_group(alone)
-    slowest = _slowest(per_unit, device)
-    count = len(PROBE_WIDTHS)
-    return {engine.name: fit_unit_cost(sizes, slowest[i * count:(i + 1) * count])
-            for i, engine in enumerate(FSDP_ENGINES)}
-
-
-def _probe_pass(model: Module, batch: torch.Tensor) -> Callable[[], None]:
-    def run() -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model(batch).sum().backward()
-        for param in model.parameters():
-            param.grad = None
-
-    return run
 
 
 def _model_flops(model: Module, example_input: Any, step: Callable[[Module, Any], torch.Tensor] | None,
@@ -306,7 +207,7 @@ def calibrate(devices_per_node: int | None = None, *, sizes: Sequence[int] = SIZ
     for axis, ranks in (("intra", per_node), ("inter", nodes)):
         if ranks > 1:
             times = [_time_all_reduce(mesh.get_group(axis), size, repeats, device) for size in sizes]
-            measured[axis] = fit_alpha_beta(sizes, _slowest(times, device), ranks)
+            measured[axis] = fit_alpha_beta(sizes, slowest(times, device), ranks)
     intra = measured.get("intra", measured.get("inter", (float("inf"), 0.0)))
     inter = measured.get("inter", intra)
     if model is not None and example_input is None:
@@ -320,8 +221,8 @@ def calibrate(devices_per_node: int | None = None, *, sizes: Sequence[int] = SIZ
     else:
         side = matmul_size or (1024 if device.type == "cpu" else 8192)
         rate, timed = _matmul_flops(device, side, compute_seconds), f"{side}x{side} matmul"
-    flops = -_slowest([-rate], device)[0]  # the slowest rank's
-    costs = _engine_costs(device, compute_seconds) if engines and device.type == "cpu" else {}
+    flops = -slowest([-rate], device)[0]  # the slowest rank's
+    costs = engine_costs(device, compute_seconds) if engines and device.type == "cpu" else {}
     return Links(intra_bandwidth=intra[0], intra_latency=intra[1], inter_bandwidth=inter[0], inter_latency=inter[1],
                  description=f"calibrated: {nodes} node(s) x {per_node} rank(s), {device.type}"
                              f" ({dist.get_backend()}), compute of {timed}, {time.strftime('%Y-%m-%d %H:%M')}",
@@ -329,4 +230,4 @@ def calibrate(devices_per_node: int | None = None, *, sizes: Sequence[int] = SIZ
                  reduce_scatter_as_all_reduce=dist.get_backend() == "gloo", engine_costs=costs)
 
 
-__all__ = ["SIZES", "calibrate", "fit_alpha_beta", "fit_unit_cost"]
+__all__ = ["SIZES", "agreed_runs", "calibrate", "fit_alpha_beta", "slowest", "sync"]
