@@ -19,6 +19,7 @@ from lightning_smp.errors import (
     GradientSyncError,
     HybridShardConfigError,
     LightningSMPError,
+    ShardedParameterError,
     UnitOrderError,
     UnsupportedOptionError,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointPathError",
     "GradientSyncError",
+    "ShardedParameterError",
     "HybridShardConfigError",
     "HybridShardFSDPStrategy",
     "HybridShardPrecision",

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import Module
 
-from lightning_smp import unit_order
+from lightning_smp import buffers, unit_order
 from lightning_smp.checkpoint import CheckpointRun, ShardedModel
 from lightning_smp.collectives import Collectives
 from lightning_smp.config import (
@@ -57,6 +57,7 @@ from lightning_smp.engines import (
     offloads_parameters,
     options_for,
     own_offload_config,
+    scalars,
 )
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.mesh import build_device_mesh, check_device_mesh, process_group_degree
@@ -194,6 +195,12 @@ class HybridShardCore:
         background = None if async_save is None else check_async_save(async_save)
         if background and state_dict_type != SHARDED:
             raise HybridShardConfigError(_ASYNC_FULL.format(state_dict_type=state_dict_type))
+        if not isinstance(kwargs.get("broadcast_buffers", True), bool):
+            raise HybridShardConfigError(
+                f"broadcast_buffers={kwargs['broadcast_buffers']!r} is not a bool. Fix: True (DDP's default: every"
+                " rank gets global rank 0's buffers before each forward that follows a synced training forward) or"
+                " False (each rank keeps its own)."
+            )
         user_mesh, mesh_degree = check_device_mesh(device_mesh)
         if device_mesh is not None and kwargs.get("process_group") is not None:
             raise HybridShardConfigError(
@@ -410,7 +417,8 @@ class HybridShardCore:
             cpu_offload = self.cpu_offload_arg  # FSDP2's own config, kept as the user gave it
         return ShardingPlan(layout=self.layout, device=device, mesh=mesh, mixed_precision=mixed_precision,
                             cpu_offload=cpu_offload, options=options_for(self.engine, options), precision=precision,
-                            steps_inside_a_step=steps_inside_a_step)
+                            steps_inside_a_step=steps_inside_a_step,
+                            broadcast_buffers=bool(options.get("broadcast_buffers", True)))
 
     # ------------------------------------------------------------------ 4. sharding the module
 
@@ -454,6 +462,8 @@ class HybridShardCore:
             broadcast_across_replicas(module, self.device_mesh, device)
         if not first:
             checkpoint_activations(module)
+        if plan.broadcast_buffers:  # DDP's broadcast_buffers, on every engine
+            buffers.install(module, device, forward_rule=not engine.syncs_buffers_itself)
         unit_order.install(module, engine.units(module), device)  # LIGHTNING_SMP_CHECK_UNIT_ORDER=1 only
         return module
 
@@ -461,6 +471,12 @@ class HybridShardCore:
         """Before every backward of the sharded ``module`` (both front ends): the unit-order check's turn (a no-op
         unless ``LIGHTNING_SMP_CHECK_UNIT_ORDER=1``)."""
         unit_order.before_backward(module)
+
+    def after_backward(self, module: Module, reduced: bool) -> None:
+        """After every backward of the sharded ``module`` (both front ends); ``reduced``: it ran outside an
+        accumulation window, so its gradients were reduced: the scalar parameters FSDP leaves out are too."""
+        if reduced:
+            scalars.reduce(module)
 
     def sharded_model(self, module: Module | None, device: torch.device, owner: str) -> ShardedModel:
         """``module`` with what the state-dict code needs to know about it (``owner`` names the front end in errors)."""

@@ -47,6 +47,13 @@ class GradientSyncError(LightningSMPError, RuntimeError):
     a parameter DDP would not, or let the replicas drift apart."""
 
 
+class ShardedParameterError(LightningSMPError, RuntimeError):
+    """A sharded parameter used where it holds only this rank's shard: read outside the forward of its FSDP unit (a
+    penalty over ``self.parameters()`` in ``training_step``), or a scalar parameter FSDP cannot shard. The result
+    would not be DDP's (a term over a fraction of the weights, a gradient never reduced), or torch fails deep inside
+    without saying what the model did."""
+
+
 class UnitOrderError(LightningSMPError, RuntimeError):
     """Ranks about to run different FSDP units (a module that only some ranks run is a unit of its own): their
     collectives would not match, and the run would hang or exchange the wrong parameters. Raised on every rank by the
@@ -54,4 +61,4 @@ class UnitOrderError(LightningSMPError, RuntimeError):
 
 
 __all__ = ["CheckpointError", "CheckpointPathError", "GradientSyncError", "HybridShardConfigError", "LightningSMPError",
-           "UnitOrderError", "UnsupportedOptionError"]
+           "ShardedParameterError", "UnitOrderError", "UnsupportedOptionError"]

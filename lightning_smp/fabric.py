@@ -48,6 +48,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_smp import buffers
 from lightning_smp import checkpoint as checkpoint_lib
 from lightning_smp.checkpoint import FABRIC_KEYS
 from lightning_smp.checkpoint.local import background_module_state, background_optimizer_state
@@ -116,7 +117,8 @@ class _HybridBackwardSyncControl(_BackwardSyncControl):
     def _blocked(self, module: Module) -> Generator[None, None, None]:
         self.active = True
         try:
-            with self.strategy.engine.accumulation_context(module, self.strategy.gradient_accumulation):
+            with self.strategy.engine.accumulation_context(module, self.strategy.gradient_accumulation), \
+                    buffers.accumulation_window(module):
                 yield
         finally:
             self.active = False
@@ -322,11 +324,19 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
         # fabric.backward(loss) passes no module unless given model=...: the sharded root set up last is the one
+        self._refuse_shard_values(tensor)
         sharded = module if module is not None else self._module
         if sharded is not None and self._engine_of(sharded) is not None:
             self.core.before_backward(sharded)
         super().backward(tensor, module, *args, **kwargs)
         self._unreduced = self._backward_sync_control.active
+        if sharded is not None and self._engine_of(sharded) is not None:
+            self.core.after_backward(sharded, reduced=not self._unreduced)
+
+    @override
+    def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        self._refuse_shard_values(tensor)  # fabric.all_reduce of a value computed from shards
+        return super().all_reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -385,7 +395,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     def full_state_dict(self, module: Module) -> dict[str, Any]:
         """The unsharded weights of ``module`` (what ``fabric.setup_module`` returned) on global rank 0, an empty
         dict elsewhere. Call it on every rank; only replica group 0 gathers."""
-        return checkpoint_lib.full_model_state(self._sharded(module))
+        sharded = self._sharded(module)
+        buffers.sync_for_save(sharded.module)  # rank 0's running statistics, as DDP saves them
+        return checkpoint_lib.full_model_state(sharded)
 
     def full_optimizer_state(self, module: Module, optimizer: Optimizer) -> dict[str, Any]:
         """The unsharded state of ``optimizer`` on global rank 0 (torch's standard layout), empty elsewhere."""
@@ -406,6 +418,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         check_storage_options(storage_options)  # first, as Lightning's FSDPStrategy
         module_key, module, optimizer_keys, rest = _split_state(state)
         sharded = self._sharded(module)  # refuses a module that was not set up here, on every rank alike
+        buffers.sync_for_save(sharded.module)  # rank 0's running statistics, as DDP saves them
         kind = self.core.state_dict_type
         checkpoint: dict[str, Any] = {k: _state_of(v) for k, v in rest.items()}
         background = self._background

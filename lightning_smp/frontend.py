@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -23,7 +24,8 @@ from lightning_smp.collectives import Collectives, checkpoint_group, release_pro
 from lightning_smp.core import HybridShardCore
 from lightning_smp.degree import Layout
 from lightning_smp.engines import Engine, ShardingPlan
-from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.engines.unused import read_outside_forward_message
+from lightning_smp.errors import HybridShardConfigError, ShardedParameterError
 from lightning_smp.mesh import group_ranks
 from lightning_smp.names import MESH_AXES, GradientAccumulation
 from lightning_smp.peers import RankAddress, gather_addresses, lost_peer_note
@@ -31,7 +33,6 @@ from lightning_smp.peers import RankAddress, gather_addresses, lost_peer_note
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    import torch
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import ShardingStrategy
 
@@ -131,6 +132,13 @@ class HybridShardFrontEnd:
         # Lightning's FSDPStrategy.__init__ writes FULL_SHARD here (the hybrid strategy was passed to it as FULL_SHARD:
         # its check for HYBRID_* needs a mesh that cannot exist yet); what is in effect follows the layout
         pass
+
+    def _refuse_shard_values(self, tensor: Any) -> None:
+        """Before a backward of ``tensor`` or a reduction of it across ranks (``sync_dist``, ``fabric.all_reduce``):
+        a value computed from parameters outside their unit's forward is itself a shard (FSDP2: a ``DTensor``),
+        on every rank alike; torch would fail deep inside the backward or the collective without naming the cause."""
+        if isinstance(tensor, torch.Tensor) and self.engine.is_shard(tensor):
+            raise ShardedParameterError(read_outside_forward_message())
 
     def _warn_override_once(self, layout: Layout | None) -> None:
         if layout is not None and layout.overridden and not self._warned_override:

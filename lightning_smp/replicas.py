@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
 
-def _broadcast_tensors(
+def broadcast_tensors(
     tensors: Iterable[torch.Tensor], src: int, group: dist.ProcessGroup | None, device: torch.device
 ) -> None:
     """Broadcast ``tensors`` in place from global rank ``src`` over ``group`` (the world when ``None``).
@@ -58,7 +58,7 @@ def _broadcast_tensors(
 def _local_tensors(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
     """Each tensor's local shard (a ``DTensor``'s local tensor, written in place), or the tensor itself.
 
-    Consumed under ``no_grad`` in :func:`_broadcast_tensors`, where ``to_local()`` returns the shard itself."""
+    Consumed under ``no_grad`` in :func:`broadcast_tensors`, where ``to_local()`` returns the shard itself."""
     from torch.distributed.tensor import DTensor
 
     for tensor in tensors:
@@ -71,7 +71,7 @@ def broadcast_module_state(module: Module, device: torch.device, src: int = 0) -
     This is what DDP does at construction: ranks that initialised the model differently (no seed,
     different seeds) all train from ``src``'s weights.
     """
-    _broadcast_tensors(itertools.chain(module.parameters(), module.buffers()), src, None, device)
+    broadcast_tensors(itertools.chain(module.parameters(), module.buffers()), src, None, device)
 
 
 def broadcast_before_wrapping(module: Module, device: torch.device,
@@ -88,7 +88,7 @@ def broadcast_before_wrapping(module: Module, device: torch.device,
     if _has_meta_device_parameters_or_buffers(module):
         return False
     parameters = [p for p in module.parameters() if is_shard is None or not is_shard(p)]
-    _broadcast_tensors(itertools.chain(parameters, module.buffers()), 0, None, device)
+    broadcast_tensors(itertools.chain(parameters, module.buffers()), 0, None, device)
     return True
 
 
@@ -105,5 +105,5 @@ def broadcast_across_replicas(model: Module, mesh: "DeviceMesh", device: torch.d
     replicate_group = axis_group(mesh, REPLICATE_AXIS)
     if replicate_group.size() > 1:
         src = group_ranks(mesh, REPLICATE_AXIS)[0]
-        _broadcast_tensors(_local_tensors(model.parameters()), src, replicate_group, device)
-    _broadcast_tensors(itertools.chain(model.buffers()), 0, None, device)
+        broadcast_tensors(_local_tensors(model.parameters()), src, replicate_group, device)
+    broadcast_tensors(itertools.chain(model.buffers()), 0, None, device)

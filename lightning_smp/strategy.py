@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -33,11 +34,13 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_smp import buffers
 from lightning_smp import checkpoint as checkpoint_lib
 from lightning_smp.accounting.memory import no_sync_extra_bytes
 from lightning_smp.accounting.render import fmt_bytes
 from lightning_smp.checkpoint import ShardedModel
 from lightning_smp.checkpoint.after_commit import defer_until_commit
+from lightning_smp.checkpoint.atomic import remove_atomically
 from lightning_smp.checkpoint.local import background_module_state, background_optimizer_state
 from lightning_smp.collectives import Collectives
 from lightning_smp.core import HybridShardCore, choose_launcher
@@ -222,6 +225,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             self.cpu_offload = cpu_offload  # type: ignore[assignment]  # FSDPStrategy annotates FSDP1's type only
         self._state_dict_type: StateDictType = state_dict_type
         self._launch_results: MainProcessResults | None = None
+        self._accumulating = False  # inside block_backward_sync: the micro-batches before a window's last
         self._undo_deferral: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ configuration
@@ -356,17 +360,31 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         if self.model is None:
             yield
             return
-        with self.engine.accumulation_context(self.model, self.gradient_accumulation):
-            yield
+        self._accumulating = True
+        try:
+            with self.engine.accumulation_context(self.model, self.gradient_accumulation), \
+                    buffers.accumulation_window(self.model):
+                yield
+        finally:
+            self._accumulating = False
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        self._refuse_shard_values(closure_loss)
         if self.model is not None:
             self.core.before_backward(self.model)
             module = self.lightning_module
             if module is not None and not module.automatic_optimization:
                 self.engine.prepare_backward(self.model, closure_loss)
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self.model is not None:
+            self.core.after_backward(self.model, reduced=not self._accumulating)
+        return loss
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        self._refuse_shard_values(tensor)  # a metric logged with sync_dist=True
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
     def _setup_model(self, model: Module) -> Module:
@@ -445,6 +463,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         module = self.lightning_module
         if self._in_launching_process() and module is not None:
             return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        buffers.sync_for_save(self.model)  # rank 0's running statistics, as DDP saves them
         return checkpoint_lib.full_model_state(self._sharded_model())
 
     def full_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -470,11 +489,17 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        # ModelCheckpoint removes the checkpoint a new one replaces: only once that one is committed
+        # ModelCheckpoint removes the checkpoint a new one replaces: only once that one is committed, and renamed out
+        # of the way first (Lightning's CheckpointIO deletes a sharded folder file by file under its name; saves do
+        # not go through the CheckpointIO either)
+        def remove() -> None:
+            if self.is_global_zero:  # one rank removes, as in Lightning
+                remove_atomically(Path(filepath))
+
         if self._background is not None:
-            self._background.after_commit(lambda: super(HybridShardFSDPStrategy, self).remove_checkpoint(filepath))
+            self._background.after_commit(remove)
         else:
-            super().remove_checkpoint(filepath)
+            remove()
 
     # ------------------------------------------------------------------ background saves (async_save)
 
@@ -519,6 +544,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         if self._in_launching_process():
             module = self.lightning_module
             return module.state_dict() if module is not None else {}
+        buffers.sync_for_save(self.model)  # rank 0's running statistics, as DDP saves them
         if self._background is not None and self._state_dict_type == SHARDED:
             # a background save: built without gathering where the engine can (lightning_smp.checkpoint.local)
             return background_module_state(self._sharded_model(), self._background.local_state)

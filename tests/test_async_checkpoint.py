@@ -16,14 +16,13 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from lightning_smp import CheckpointError, HybridShardConfigError, HybridShardFSDPStrategy, MemorySavingsCallback
 from lightning_smp import checkpoint as ckpt
-from lightning_smp.checkpoint import META_FILENAME
+from lightning_smp.checkpoint import META_FILENAME, atomic
 from lightning_smp.checkpoint.atomic import is_temporary
 from lightning_smp.engines.chunks import TensorChunks
 from lightning_smp.fabric import HybridShardFSDPStrategy as FabricStrategy
@@ -281,18 +280,18 @@ def test_links_removals_and_loggers_wait_for_the_commit(tmp_path: Path, version:
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     slow_writes(monkeypatch, 0.3)
     ckpts, events = tmp_path / "ckpts", tmp_path / "events.jsonl"
-    real_remove, real_symlink = TorchCheckpointIO.remove_checkpoint, os.symlink
+    real_remove, real_symlink = atomic.remove_atomically, os.symlink
 
-    def remove_checkpoint(self: Any, path: Any) -> None:
+    def remove_checkpoint(path: Path) -> None:
         names = [p.name for p in ckpts.iterdir() if not p.name.startswith(".") and p.name.startswith("epoch")]
-        _record(events, "remove", Path(path).name, Path(path).name in names, top_k_present=len(names))
-        real_remove(self, path)
+        _record(events, "remove", path.name, path.name in names, top_k_present=len(names))
+        real_remove(path)
 
     def symlink(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
         _record(events, "link", Path(src).name, committed(Path(dst).parent / src))
         real_symlink(src, dst, *args, **kwargs)
 
-    monkeypatch.setattr(TorchCheckpointIO, "remove_checkpoint", remove_checkpoint)
+    monkeypatch.setattr("lightning_smp.strategy.remove_atomically", remove_checkpoint)  # what the strategy calls
     monkeypatch.setattr(os, "symlink", symlink)
     stop, seen, bad = threading.Event(), [], []
     watcher = threading.Thread(target=_watch, args=(ckpts, stop, seen, bad), daemon=True)
@@ -321,6 +320,101 @@ def test_links_removals_and_loggers_wait_for_the_commit(tmp_path: Path, version:
     assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=0-step=4.ckpt", "epoch=1-step=5.ckpt", "last.ckpt"]
     last = ckpt.read_full(ckpts / "last.ckpt")
     assert last["global_step"] == 5
+
+
+def test_a_removed_checkpoint_is_never_seen_half_deleted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checkpoint's name is gone before the first of its files is deleted; what is left under a hidden name is
+    gone afterwards; a path that does not exist is no error."""
+    folder, link = tmp_path / "epoch=0-step=2.ckpt", tmp_path / "last.ckpt"
+    folder.mkdir()
+    for name in (".metadata", META_FILENAME, "__0_0.distcp", "__1_0.distcp"):
+        (folder / name).write_bytes(b"shard")
+    full = tmp_path / "epoch=0-step=3.ckpt"
+    full.write_bytes(b"full")
+    link.symlink_to(full.name)
+    real_remove = atomic.remove
+    seen: list[tuple[str, list[str]]] = []
+
+    def remove(path: Path) -> None:  # the deletion, as a reader polling the folder would see it at that moment
+        seen.append((path.name, sorted(os.listdir(tmp_path))))
+        real_remove(path)
+
+    monkeypatch.setattr(atomic, "remove", remove)
+    for path in (folder, link, full):  # a sharded folder, a link, a full file
+        seen.clear()
+        before = sorted(os.listdir(tmp_path))
+        atomic.remove_atomically(path)
+        [(deleted, listing)] = seen
+        assert deleted.startswith(f".{path.name}.removing-") and is_temporary(tmp_path / deleted)
+        assert listing == sorted([*(n for n in before if n != path.name), deleted])  # only the name changed
+        assert sorted(os.listdir(tmp_path)) == [n for n in before if n != path.name]  # then it went, whole
+    assert not os.listdir(tmp_path)  # (the link went, not what it pointed to: that went by its own name)
+    seen.clear()
+    atomic.remove_atomically(folder)  # already gone, as Lightning's removal allows
+    atomic.remove_atomically(tmp_path / "never-there" / "x.ckpt")
+    assert not seen
+
+
+def _checkpoint_name(entry: str) -> str:
+    """The checkpoint a top-level entry of the folder is, or was before a removal renamed it."""
+    return entry[1:].split(".removing-")[0] if entry.startswith(".") else entry
+
+
+def record_deletions(monkeypatch: pytest.MonkeyPatch, folder: Path, events: Path) -> None:
+    """Each file or folder deleted inside ``folder`` (in the forked ranks too) is recorded at the moment it goes:
+    what it was, and what a reader listing ``folder`` then found: each ``*.ckpt`` name and whether it was whole (a
+    sharded folder with all its files, a full file that loads). Deletions under a hidden name go unchecked."""
+    root = os.path.realpath(folder)
+
+    def whole(path: Path) -> bool:
+        if path.is_dir():
+            return committed(path)
+        try:
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001 - a file that does not load is not a whole checkpoint
+            return False
+        return True
+
+    def watched(real: Any) -> Any:
+        def delete(path: Any, *, dir_fd: int | None = None) -> None:
+            name = os.fsdecode(path)
+            # shutil.rmtree deletes a folder's entries relative to its open descriptor
+            parent = os.readlink(f"/proc/self/fd/{dir_fd}") if dir_fd is not None else os.path.dirname(
+                os.path.abspath(name))
+            where = os.path.join(os.path.realpath(parent), os.path.basename(name))
+            if where.startswith(root + os.sep):
+                names = sorted(n for n in os.listdir(root) if n.endswith(".ckpt") and not n.startswith("."))
+                top = os.path.relpath(where, root).split(os.sep)[0]
+                with open(events, "a") as f:
+                    f.write(json.dumps({"top": top, "listing": {n: whole(folder / n) for n in names}}) + "\n")
+            real(path, dir_fd=dir_fd)
+
+        return delete
+
+    for name in ("unlink", "remove", "rmdir"):
+        monkeypatch.setattr(os, name, watched(getattr(os, name)))
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize(("background", "kind"), [(True, "sharded"), (False, "sharded"), (False, "full")],
+                         ids=["background-sharded", "blocking-sharded", "blocking-full"])
+def test_a_replaced_checkpoint_disappears_whole(tmp_path: Path, background: bool, kind: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """ModelCheckpoint(save_top_k=1) removes the previous checkpoint at each step: at every moment a file of one
+    goes, the folder shows only whole checkpoints, and no longer the one being removed."""
+    ckpts, events = tmp_path / "ckpts", tmp_path / "deletions.jsonl"
+    record_deletions(monkeypatch, ckpts, events)
+    callback = ModelCheckpoint(dirpath=ckpts, save_top_k=1, every_n_train_steps=1)
+    run(tmp_path, WORLD, DEGREE, tag="replace", kind=kind, max_steps=3, callbacks=(callback,),
+        strategy_kwargs={"async_save": background})
+    recorded = [json.loads(line) for line in events.read_text().splitlines()]
+    removed = sorted({_checkpoint_name(e["top"]) for e in recorded})
+    assert removed == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"]  # each replaced, once the next was saved
+    for event in recorded:
+        assert not event["top"].startswith("epoch"), f"deleted under its own name: {event}"
+        assert _checkpoint_name(event["top"]) not in event["listing"], event
+        assert event["listing"] and all(event["listing"].values()), f"a reader saw a partial checkpoint: {event}"
+    assert os.listdir(ckpts) == ["epoch=0-step=3.ckpt"]  # nothing left under a hidden name
 
 
 # ------------------------------------------------------------------------------------------------------ failures

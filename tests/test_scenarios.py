@@ -17,12 +17,23 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.fabric.strategies import DDPStrategy as FabricDDP
 from lightning.pytorch.strategies import DDPStrategy as TrainerDDP
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_smp import HybridShardFSDPStrategy
+from lightning_smp import HybridShardFSDPStrategy, ShardedParameterError
 from lightning_smp.fabric import HybridShardFSDPStrategy as FabricHybridShardFSDPStrategy
-from tests.helpers import FRONT_ENDS, GLOO_TIMEOUT, TinyModel, assert_matches_ddp, fit_and_record, make_loader
+from tests.helpers import (
+    FRONT_ENDS,
+    GLOO_TIMEOUT,
+    TinyModel,
+    assert_matches_ddp,
+    cpu_trainer,
+    fit_and_record,
+    make_loader,
+    parity_bound,
+)
 from tests.test_fabric import _batches, _clipped_by_optimizer, _full, _window_dropped, make_net
 from tests.test_manual_optimization import GAN
 from tests.test_unused_parameters import BODY_ONLY, AuxiliaryHeads, DataDependentBranch, ZeroGradAfterTheFirstMicroBatch
@@ -48,6 +59,14 @@ class Scenario:
     engines: tuple[int, ...] = (1, 2)
     policy: Any = None
     fabric_args: tuple = field(default_factory=tuple)
+    #: refused on the sharded layouts (degree 2 and 4) with this error, on every rank before any optimizer step
+    refused: type[Exception] | None = None
+    #: the Trainer's and Fabric's ``precision``
+    precision: str = "32-true"
+    #: steps of the run, for the parity bound (``tests/helpers.parity_bound``)
+    steps: int = 6
+    #: (front end, fsdp_version) -> why that sharded case is not yet DDP's: a strict xfail, so that a fix shows
+    gaps: dict[tuple[str, int], str] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------- Trainer patterns
@@ -143,6 +162,245 @@ def _seeded(factory: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Mod
     return build
 
 
+# ------------------------------------------------------------------------- round two (issue 35): Trainer patterns
+
+
+class BatchNormModel(TinyModel):
+    """BatchNorm between the layers; ``val_loss`` logged with ``sync_dist=True``; predictions (item 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # after the activation: a BatchNorm right after a Linear makes that Linear's bias gradient exactly zero (the
+        # norm removes it), rounding residue that Adam amplifies in any two runs alike
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.Tanh(), torch.nn.BatchNorm1d(33),
+                                       torch.nn.Linear(33, 4))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+
+def _batchnorm() -> tuple[L.LightningModule, dict[str, Any]]:
+    torch.manual_seed(0)
+    # accumulation: DDP skips the broadcast before a forward that follows a no_sync micro-batch's
+    return BatchNormModel(), {"accumulate_grad_batches": K, "max_steps": 3}
+
+
+class ClipByHand(TinyModel):
+    """torch.nn.utils.clip_grad_norm_ over self.parameters() in on_before_optimizer_step (item 2)."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.clipped_from = float(torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05))
+
+
+def _clip_by_hand() -> tuple[L.LightningModule, dict[str, Any]]:
+    torch.manual_seed(0)
+    return ClipByHand(), {"max_steps": 3}
+
+
+PENALTY = 1e-2
+
+
+class PenaltyInTheStep(TinyModel):
+    """An L2 term over self.parameters() added in training_step and the loss logged with sync_dist (item 3)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y) + PENALTY * sum(p.pow(2).sum() for p in self.parameters())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
+class WeightDecayInstead(TinyModel):
+    """The fix item 3's error names: the same L2 term as Adam's weight_decay (its gradient, 2 * PENALTY * p)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=2 * PENALTY)
+
+
+def _penalty_in_step() -> tuple[L.LightningModule, dict[str, Any]]:
+    torch.manual_seed(0)
+    return PenaltyInTheStep(), {"max_steps": 3}
+
+
+def _weight_decay_instead() -> tuple[L.LightningModule, dict[str, Any]]:
+    torch.manual_seed(0)
+    return WeightDecayInstead(), {"max_steps": 3}
+
+
+class Temperature(TinyModel):
+    """A learned 0-dim temperature, as CLIP's logit_scale (item 4)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit_scale = torch.nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * self.logit_scale.exp()
+
+
+def _temperature() -> tuple[L.LightningModule, dict[str, Any]]:
+    torch.manual_seed(0)
+    return Temperature(), {"accumulate_grad_batches": K, "max_steps": 3, "gradient_clip_val": 0.5}
+
+
+class SGDModel(TinyModel):
+    def __init__(self) -> None:
+        super().__init__(lr=0.05, optimizer="sgd")
+
+
+def _bf16_mixed() -> tuple[L.LightningModule, dict[str, Any]]:
+    torch.manual_seed(0)
+    return SGDModel(), {"max_steps": 1, "precision": "bf16-mixed"}
+
+
+# -------------------------------------------------------------------------- round two (issue 35): Fabric patterns
+
+
+def _fabric_batchnorm(fabric: L.Fabric) -> dict[str, list]:
+    """Accumulation under no_backward_sync with BatchNorm, then an evaluation: every rank's buffers as each rank holds
+    them before and after the first evaluation forward, and the loss mean over ranks (item 1)."""
+    model = fabric.setup_module(_seeded(lambda: BatchNormModel().net)())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    x, y = make_loader(samples=WORLD * (K * 3 + 1) * 8).dataset.tensors
+    x, y = x[fabric.global_rank::fabric.world_size], y[fabric.global_rank::fabric.world_size]
+    batches = iter([(x[i:i + 8], y[i:i + 8]) for i in range(0, len(x), 8)])  # 8 a batch: see _fit_observed
+    for _ in range(3):
+        for micro in range(K):
+            x, y = next(batches)
+            with fabric.no_backward_sync(model, enabled=micro < K - 1):
+                fabric.backward(torch.nn.functional.mse_loss(model(x), y) / K)
+        optimizer.step()
+        optimizer.zero_grad()
+    extras = {f"extra/before_eval.{k}": v for k, v in _every_ranks_buffers(fabric, model).items()}
+    model.eval()
+    with torch.no_grad():
+        x, y = next(batches)
+        loss = fabric.all_reduce(torch.nn.functional.mse_loss(model(x), y), reduce_op="mean")
+    extras.update({f"extra/after_eval.{k}": v for k, v in _every_ranks_buffers(fabric, model).items()})
+    extras["extra/eval_loss"] = float(loss)
+    return {**_full(fabric, model), **{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in extras.items()}}
+
+
+def _buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A module's buffers by position (their names carry each wrapper's prefixes)."""
+    return {f"buffer{index}": b.detach().cpu().clone() for index, b in enumerate(module.buffers())}
+
+
+def _every_ranks_buffers(fabric: L.Fabric, model: Any) -> dict[str, torch.Tensor]:
+    mine = _buffers(model)
+    gathered: list[Any] = [None] * fabric.world_size
+    dist.all_gather_object(gathered, mine)
+    return {f"rank{rank}.{k}": v for rank, buffers in enumerate(gathered) for k, v in buffers.items()}
+
+
+def _fabric_clip_by_hand(fabric: L.Fabric) -> dict[str, list]:
+    """torch.nn.utils.clip_grad_norm_(model.parameters(), c) before each step, as plain PyTorch loops do (item 2)."""
+    model = fabric.setup_module(make_net())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    for x, y in _batches(fabric)[:3]:
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # below every norm here: always clips
+        optimizer.step()
+        optimizer.zero_grad()
+    return _full(fabric, model)
+
+
+def _fabric_penalty(fabric: L.Fabric, decay: bool) -> dict[str, list]:
+    """The L2 term over model.parameters() in the loop's loss (refused when sharded), or Adam's weight decay."""
+    model = fabric.setup_module(make_net())
+    optimizer = fabric.setup_optimizers(
+        torch.optim.Adam(model.parameters(), lr=0.05, weight_decay=2 * PENALTY if decay else 0.0))
+    for x, y in _batches(fabric)[:3]:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if not decay:
+            loss = loss + PENALTY * sum(p.pow(2).sum() for p in model.parameters())
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    return _full(fabric, model)
+
+
+def _fabric_temperature(fabric: L.Fabric) -> dict[str, list]:
+    """The 0-dim temperature (item 4), with accumulation and clipping by norm."""
+    model = fabric.setup_module(_seeded(Temperature)())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    batches = iter(_batches(fabric))
+    for _ in range(3):
+        for micro in range(K):
+            x, y = next(batches)
+            with fabric.no_backward_sync(model, enabled=micro < K - 1):
+                fabric.backward(torch.nn.functional.mse_loss(model(x), y) / K)
+        fabric.clip_gradients(model, optimizer, max_norm=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    return _full(fabric, model)
+
+
+class Block(torch.nn.Module):
+    """A layer, a nested pair and a layer: built depth first, while FSDP1 materializes a unit's modules breadth
+    first (item 5)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(width, width)
+        self.inner = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+        self.last = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.inner(torch.tanh(self.first(x))))
+
+
+def _nested() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(16, 8), Block(8), Block(8), torch.nn.Linear(8, 4))
+
+
+def _fabric_nested_meta_init(fabric: L.Fabric) -> dict[str, list]:
+    """Seeded meta-device init of a model nested two levels below its units (item 5), then training."""
+    fabric.seed_everything(7)
+    with fabric.init_module(empty_init=not isinstance(fabric.strategy, FabricDDP)):
+        net = _nested()
+    model = fabric.setup_module(net)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    for x, y in _batches(fabric)[:3]:
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    return _full(fabric, model)
+
+
+def _nested_seven() -> torch.nn.Module:
+    torch.manual_seed(7)
+    return _nested()
+
+
+def _fabric_compiled(fabric: L.Fabric) -> dict[str, list]:
+    """torch.compile of the set-up module (Fabric compiles it again around the sharded one). aot_eager: dynamo's
+    trace and AOTAutograd's graphs through FSDP2's hooks, with eager kernels (no C++ build on every rank)."""
+    model = fabric.setup_module(torch.compile(make_net(), backend="aot_eager"))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    for x, y in _batches(fabric)[:3]:
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    return _full(fabric, model)
+
+
+def _fabric_bf16(fabric: L.Fabric) -> dict[str, list]:
+    model = fabric.setup_module(make_net())
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05))
+    x, y = _batches(fabric)[0]
+    fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+    optimizer.step()
+    return _full(fabric, model)
+
+
+_BF16_REDUCE = ("Lightning's FSDP precision gives FSDP1 MixedPrecision(reduce_dtype=bfloat16) for bf16-mixed: the"
+                " gradients are summed in bf16 where DDP sums fp32 (2-3e-5 after one step, 4x the fp32 bound)")
+
 SCENARIOS = [
     Scenario("heads_in_some_micro_batches", trainer=_heads, fabric=_fabric_heads, fabric_start=lambda: _heads()[0],
              policy=EACH_LINEAR),
@@ -153,21 +411,90 @@ SCENARIOS = [
              fabric_args=(True,)),
     Scenario("manual_gan", trainer=_gan, engines=(2,), policy=EACH_LINEAR),
     Scenario("seeded_meta_init", fabric=_fabric_meta_init, fabric_start=_seven),
+    # round two (issue 35)
+    Scenario("batchnorm", trainer=_batchnorm, fabric=_fabric_batchnorm, fabric_start=lambda: _batchnorm()[0].net,
+             policy=EACH_LINEAR),
+    Scenario("clip_by_hand", trainer=_clip_by_hand, fabric=_fabric_clip_by_hand, fabric_start=make_net,
+             policy=EACH_LINEAR),
+    Scenario("penalty_in_the_step", trainer=_penalty_in_step, fabric=_fabric_penalty, fabric_start=make_net,
+             policy=EACH_LINEAR, fabric_args=(False,), refused=ShardedParameterError),
+    Scenario("weight_decay_instead", trainer=_weight_decay_instead, fabric=_fabric_penalty, fabric_start=make_net,
+             policy=EACH_LINEAR, fabric_args=(True,)),
+    Scenario("scalar_parameter", trainer=_temperature, fabric=_fabric_temperature,
+             fabric_start=_seeded(Temperature), policy=EACH_LINEAR),
+    Scenario("nested_seeded_meta_init", fabric=_fabric_nested_meta_init, fabric_start=_nested_seven, policy={Block}),
+    Scenario("compiled", fabric=_fabric_compiled, fabric_start=make_net, engines=(2,), policy=EACH_LINEAR),
+    # one SGD step: both runs cast the same fp32 weights to bf16 and differ only in the order of the gradient sum (the
+    # fp32 bound); after it, a weight one rounding apart can cast to another bf16 value, a difference no useful bound
+    # covers
+    Scenario("bf16_mixed", trainer=_bf16_mixed, fabric=_fabric_bf16, fabric_start=make_net, precision="bf16-mixed",
+             policy=EACH_LINEAR, steps=1, gaps={
+                 **dict.fromkeys([("trainer", 1), ("fabric", 1)], _BF16_REDUCE),
+                 ("trainer", 2): "2.5e-5 from DDP after one step (4x the bound): cause not found yet"}),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
 
 
+class Observe(L.Callback):
+    """Every rank's buffers before and after the first forward of validation (where DDP syncs them), to files."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def _dump(self, trainer: L.Trainer, module: L.LightningModule, when: str) -> None:
+        torch.save(_buffers(module), self.folder / f"{when}-rank{trainer.global_rank}.pt")
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._dump(trainer, pl_module, "before_eval")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._dump(trainer, pl_module, "after_eval")
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.predictions: list[torch.Tensor] = []
+
+    def on_predict_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                             batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.predictions.append(outputs.detach().cpu().float())
+
+    def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        torch.save(torch.cat(self.predictions), self.folder / f"predictions-rank{trainer.global_rank}.pt")
+
+
+def _fit_observed(strategy: Any, folder: Path, model: L.LightningModule, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Fit with a validation pass at the end, then predict: the weights, every rank's buffers around validation, the
+    logged ``val_loss`` and rank 0's predictions, as ``extra/...`` keys beside the weights."""
+    trainer = cpu_trainer(strategy, folder, WORLD, callbacks=[Observe(folder)], limit_train_batches=K * 3,
+                          limit_val_batches=2, max_epochs=1, **{k: v for k, v in kwargs.items() if k != "max_steps"})
+    # 8 samples a batch: a BatchNorm over 2 normalises them to +-1, whose gradient is rounding residue
+    trainer.fit(model, make_loader(samples=WORLD * K * 3 * 8, batch_size=8), make_loader(samples=64, batch_size=8,
+                                                                                       seed=1))
+    extras: dict[str, torch.Tensor] = {"extra/val_loss": trainer.callback_metrics["val_loss"].detach().cpu()}
+    trainer.predict(model, make_loader(samples=16, batch_size=4, seed=2))
+    for rank in range(WORLD):
+        extras[f"extra/predictions.rank{rank}"] = torch.load(folder / f"predictions-rank{rank}.pt")
+    for when in ("before_eval", "after_eval"):
+        for rank in range(WORLD):
+            for key, value in torch.load(folder / f"{when}-rank{rank}.pt").items():
+                extras[f"extra/{when}.rank{rank}.{key}"] = value
+    return {**{k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, **extras}
+
+
 def _run(scenario: Scenario, front_end: str, strategy: Any, folder: Path) -> tuple[Weights, Weights]:
-    """(weights before, weights after) of one run of ``scenario``."""
+    """(weights before, weights after) of one run of ``scenario``; ``extra/...`` keys beside the weights after hold
+    what else the run observed (buffers on every rank, logged metrics, predictions)."""
     if front_end == "trainer":
         assert scenario.trainer is not None
         model, kwargs = scenario.trainer()
         start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if is_overridden("validation_step", model):
+            return start, _fit_observed(strategy, folder, model, kwargs)
         _, model, _ = fit_and_record(strategy, folder, WORLD, model=model,
                                      train_loader=make_loader(samples=64, batch_size=2), **kwargs)
         return start, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     assert scenario.fabric is not None and scenario.fabric_start is not None
-    end = L.Fabric(strategy=strategy, accelerator="cpu", devices=WORLD).launch(scenario.fabric, *scenario.fabric_args)
+    fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=WORLD, precision=scenario.precision)
+    end = fabric.launch(scenario.fabric, *scenario.fabric_args)
     start = {k: v.detach().clone() for k, v in scenario.fabric_start().state_dict().items()}
     return start, {k: torch.tensor(v) for k, v in end.items()}
 
@@ -182,7 +509,9 @@ def _ddp(name: str, front_end: str) -> tuple[Weights, Weights]:
 
 CASES = [
     pytest.param(scenario.name, front_end, version, degree,
-                 id=f"{scenario.name}-{front_end}-" + (f"fsdp{version}-d{degree}" if degree > 1 else "d1"))
+                 id=f"{scenario.name}-{front_end}-" + (f"fsdp{version}-d{degree}" if degree > 1 else "d1"),
+                 marks=[pytest.mark.xfail(strict=True, reason=scenario.gaps[(front_end, version)])]
+                 if degree > 1 and (front_end, version) in scenario.gaps else [])
     for scenario in SCENARIOS
     for front_end in FRONT_ENDS
     if (scenario.trainer if front_end == "trainer" else scenario.fabric) is not None
@@ -190,15 +519,35 @@ CASES = [
 ]
 
 
+def _split(state: Weights) -> tuple[Weights, Weights]:
+    weights = {k: v for k, v in state.items() if not k.startswith("extra/")}
+    return weights, {k: v for k, v in state.items() if k.startswith("extra/")}
+
+
 @pytest.mark.timeout(GLOO_TIMEOUT)
 @pytest.mark.parametrize(("name", "front_end", "version", "degree"), CASES)
 def test_pattern_equals_ddp(tmp_path, name, front_end, version, degree):
     scenario = BY_NAME[name]
-    ddp_start, ddp_end = _ddp(name, front_end)
     cls = HybridShardFSDPStrategy if front_end == "trainer" else FabricHybridShardFSDPStrategy
     strategy = cls(hybrid_shard_degree=degree, fsdp_version=version, auto_wrap_policy=scenario.policy,
                    start_method="fork")
+    if scenario.refused is not None and degree > 1:
+        # every rank raises before any optimizer step; the fork launcher hands the rank's error back as itself
+        with pytest.raises(scenario.refused, match="outside the forward of their FSDP unit"):
+            _run(scenario, front_end, strategy, tmp_path)
+        return
+    ddp_start, ddp_end = _ddp(name, front_end)
     start, end = _run(scenario, front_end, strategy, tmp_path)
+    (ddp_end, ddp_extras), (end, extras) = _split(ddp_end), _split(end)
     assert any(not torch.equal(ddp_end[k], ddp_start[k]) for k in ddp_end), "DDP moved nothing: it tests nothing"
     assert all(torch.equal(start[k], ddp_start[k]) for k in ddp_start), "the runs did not start alike"
-    assert_matches_ddp(end, ddp_end, start=ddp_start)
+    lr = 0.05
+    assert_matches_ddp(end, ddp_end, start=ddp_start, steps=scenario.steps, lr=lr)
+    if ddp_extras:
+        # a buffer, a loss or a prediction moves by the inputs' 1-norm (< 64 here) times the largest weight
+        # difference: held to the weights' bound that many times over
+        bound = 64 * parity_bound(sum(v.numel() for v in ddp_end.values()), scenario.steps, lr)
+        assert list(extras) == list(ddp_extras)
+        for key, value in ddp_extras.items():
+            worst = (extras[key].double() - value.double()).abs().max().item()
+            assert worst <= bound, f"{key}: {worst:.2e} from DDP (bound {bound:.1e})"

@@ -1,4 +1,5 @@
-"""Atomic file operations: write under a temporary name in the same folder, then rename into place.
+"""Atomic file operations: write under a temporary name in the same folder, then rename into place; remove by
+renaming out of the way first (:func:`remove_atomically`).
 
 A save killed part way leaves the previous checkpoint intact (and a ``.NAME.tmp-*`` leftover, which the run that
 left it removes at its next save: :func:`remove_leftovers`).
@@ -17,8 +18,9 @@ from typing import Any
 
 import torch
 
-#: a temporary of :func:`temporary_name`: never a checkpoint, whatever it holds (it may be half written)
-_TEMPORARY = re.compile(r"^\..+\.(tmp|old|link)(-[0-9a-f]{8})?-[0-9a-f]{12}$")
+#: a temporary of :func:`temporary_name`: never a checkpoint, whatever it holds (it may be half written or half
+#: deleted)
+_TEMPORARY = re.compile(r"^\..+\.(tmp|old|link|removing)(-[0-9a-f]{8})?-[0-9a-f]{12}$")
 
 
 def temporary_name(dest: Path, tag: str = "tmp", owner: str | None = None) -> Path:
@@ -95,6 +97,27 @@ def remove(path: Path) -> None:
         os.unlink(path)
 
 
+def remove_atomically(path: Path) -> None:
+    """Remove the checkpoint at ``path`` (a sharded folder, a full file or a link) in one visible step: rename it to
+    ``.NAME.removing-<12 hex digits>`` in the same folder, then delete that; nothing if it does not exist.
+
+    Deleting in place takes a folder apart file by file under its own name, where a reader (an evaluator picking the
+    newest checkpoint, an uploader) would find it half gone. Until the rename the name holds the whole checkpoint,
+    after it nothing. A removal killed part way leaves the hidden name (never loaded: :func:`is_temporary`).
+    """
+    if not os.path.lexists(path):
+        return
+    aside = temporary_name(path, "removing")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return  # removed meanwhile (Lightning's removal tolerates a missing path too)
+    # the rename reaches the disk before any deletion does: after a crash the name holds the whole checkpoint or
+    # nothing
+    _fsync_dir(path.parent)
+    remove(aside)
+
+
 def _fsync_dir(folder: Path) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)
@@ -108,4 +131,5 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["commit", "is_temporary", "remove", "remove_leftovers", "temporary_name", "write_file"]
+__all__ = ["commit", "is_temporary", "remove", "remove_atomically", "remove_leftovers", "temporary_name",
+           "write_file"]

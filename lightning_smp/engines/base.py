@@ -46,6 +46,8 @@ class ShardingPlan:
             ``process_group``, ``use_orig_params``, ...), passed through unchanged.
         steps_inside_a_step: whether backward passes and optimizer steps run inside a step that runs as the root's
             forward (Lightning's manual optimization).
+        broadcast_buffers: whether every rank gets global rank 0's buffers by DDP's rule (the DDP engine passes it
+            to ``DistributedDataParallel``; the core installs :mod:`lightning_smp.buffers` for the others).
     """
 
     layout: Layout
@@ -56,6 +58,12 @@ class ShardingPlan:
     options: Mapping[str, Any] = field(default_factory=dict)
     precision: str = "32-true"
     steps_inside_a_step: bool = False
+    broadcast_buffers: bool = True
+
+
+#: Keyword arguments of the strategies that the library takes for every engine and passes to none: DDP's
+#: ``broadcast_buffers`` (global rank 0's buffers to every rank, by DDP's rule: :mod:`lightning_smp.buffers`)
+ENGINE_INDEPENDENT_OPTIONS = frozenset({"broadcast_buffers"})
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,8 @@ class Engine(Protocol):
     steps_inside_a_step: bool
     #: whether wrapping replaces the module's parameter objects (an optimizer built before would update nothing)
     replaces_parameters: bool
+    #: whether its wrapper runs DDP's buffer rule before forwards itself (else :mod:`lightning_smp.buffers` does)
+    syncs_buffers_itself: bool
     #: its layout rules over parameter shapes, for the planner (:mod:`~lightning_smp.engines.prediction`)
     prediction: Prediction
 

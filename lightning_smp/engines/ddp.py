@@ -15,8 +15,9 @@ than DDP on GPUs; 1.56x Lightning's DDP in ``make bench`` on CPU). This engine r
   step, or, left out on some ranks only, a collective that waits until the process group's timeout);
 - gradients are views into DDP's buckets (``gradient_as_bucket_view=True``): one copy of the gradients, no copy
   after each all-reduce;
-- buffers are not broadcast at every forward (``forward_sync_buffers=False``), as under the FSDP engines: each rank
-  keeps its own running statistics, rank 0's at the start.
+- buffers follow the strategy's ``broadcast_buffers`` (DDP's own switch, default ``True``): DDP copies rank 0's
+  buffers before a forward that follows a synced training forward, the rule :mod:`lightning_smp.buffers` runs for
+  the FSDP engines.
 
 It is chosen by :func:`lightning_smp.engines.engine_for_layout`, never by ``fsdp_version``; a run that asks for what
 only FSDP does (CPU offload, a mixed-precision config of its own, FSDP arguments with a meaning beyond sharding: see
@@ -36,7 +37,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_smp.degree import Layout
-from lightning_smp.engines.base import PlainCalls, ShardingFacts, ShardingPlan, StorageUnit
+from lightning_smp.engines.base import (
+    ENGINE_INDEPENDENT_OPTIONS,
+    PlainCalls,
+    ShardingFacts,
+    ShardingPlan,
+    StorageUnit,
+)
 from lightning_smp.engines.prediction import Held, Prediction, UnitLayout
 from lightning_smp.errors import GradientSyncError
 from lightning_smp.names import (
@@ -67,11 +74,11 @@ SHARDING_ONLY_OPTIONS = frozenset({
 #: every step on every rank, and saves the engine a traversal of the autograd graph and one all-reduce per step
 DDP_ONLY_OPTIONS = frozenset({"find_unused_parameters"})
 
-#: buffers stay each rank's own after the start: torch 2.13 names the switch ``forward_sync_buffers`` (its
+#: DDP's switch for syncing buffers before a forward: torch 2.13 names it ``forward_sync_buffers`` (its
 #: ``broadcast_buffers`` warns), older versions ``broadcast_buffers``
-_NO_BUFFER_SYNC: dict[str, Any] = (
-    {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-    else {"broadcast_buffers": False}
+_BUFFER_SYNC = (
+    "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else "broadcast_buffers"
 )
 
 #: bytes per parameter of DDP's used-parameter bitmap (``find_unused_parameters``: an ``int32`` per parameter)
@@ -84,7 +91,8 @@ def takes(options: Mapping[str, Any], mixed_precision: Any, cpu_offload: Any) ->
         return False
     if options.get("use_orig_params") is False:  # optimizers built over flat parameters
         return False
-    return all(key in SHARDING_ONLY_OPTIONS or key in DDP_ONLY_OPTIONS for key in options)
+    return all(key in SHARDING_ONLY_OPTIONS or key in DDP_ONLY_OPTIONS or key in ENGINE_INDEPENDENT_OPTIONS
+               for key in options)
 
 
 def _inner(model: Module) -> Module:
@@ -140,6 +148,7 @@ class DDPEngine:
     checkpoint_activations_first = False
     steps_inside_a_step = True  # Lightning's manual optimization: see prepare_backward
     replaces_parameters = False
+    syncs_buffers_itself = True  # DistributedDataParallel with broadcast_buffers
     prediction: Prediction = DDPPrediction()
 
     def check_options(self, options: Mapping[str, Any], mixed_precision: Any, cpu_offload: Any) -> None:
@@ -162,7 +171,8 @@ class DDPEngine:
         device_ids = [plan.device.index] if plan.device.type != "cpu" and plan.device.index is not None else None
         return DistributedDataParallel(module, device_ids=device_ids, process_group=group, init_sync=False,
                                        find_unused_parameters=bool(plan.options.get("find_unused_parameters", True)),
-                                       gradient_as_bucket_view=True, **_NO_BUFFER_SYNC)
+                                       gradient_as_bucket_view=True,
+                                       **cast(dict[str, Any], {_BUFFER_SYNC: plan.broadcast_buffers}))
 
     def complete(self, module: Module, plan: ShardingPlan) -> Module:
         return module  # a DistributedDataParallel the user built is used as it is

@@ -21,15 +21,16 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.distributed as dist
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_smp.degree import Layout
-from lightning_smp.engines import fsdp1_left_out, fsdp1_unused, unused
+from lightning_smp.engines import fsdp1_clip, fsdp1_left_out, fsdp1_unused, unused
 from lightning_smp.engines.base import PlainCalls, ShardingFacts, ShardingPlan, StorageUnit, replace_attribute
 from lightning_smp.engines.fsdp1_prediction import FSDP1Prediction
 from lightning_smp.engines.prediction import Prediction
+from lightning_smp.engines.scalars import scalar_parameters
+from lightning_smp.engines.scalars import track as track_scalars
 from lightning_smp.errors import GradientSyncError, UnsupportedOptionError
 from lightning_smp.names import EVERY_MICRO_BATCH, NO_SHARD, NO_SYNC, REPLICATE_AXIS, SHARD_AXIS, GradientAccumulation
 
@@ -75,6 +76,50 @@ def full_state_dict_context(model: Module, device: torch.device, rank0_only: boo
         yield
 
 
+def _track(root: Module) -> None:
+    """What the engine follows on every root it shards or completes."""
+    fsdp1_left_out.track(root)  # accumulation: units the last micro-batch did not reach are reduced too
+    fsdp1_unused.track(root)  # a parameter no rank used keeps .grad None (engines/unused.py)
+    fsdp1_clip.install(_live_shard_groups)  # torch's clip_grad_norm_ over shards: DDP's norm
+
+
+def _materialize_in_module_order(module: Module, plan: ShardingPlan) -> None:
+    """A meta-device model in full, before wrapping: FSDP1 materializes each unit when it wraps it, innermost units
+    first and a unit's own modules after its children's, so the random numbers each layer draws follow wrapping
+    order, not the order the model was built in: a seeded model nested deeper than one level of units started from
+    other weights than the same model built unsharded (DDP's). In full, each module's ``reset_parameters`` draws in
+    ``module.modules()`` order, what building the model draws; rank 0's weights then go to every rank, and FSDP1
+    shards real tensors. Costs the full model on each rank for a moment, as the FSDP2 engine's materialization on
+    devices without DTensor random numbers; a ``param_init_fn`` of the user's is left to FSDP1."""
+    from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers, _materialize_meta_tensors
+
+    from lightning_smp.replicas import broadcast_module_state
+
+    if "param_init_fn" in plan.options or not _has_meta_device_parameters_or_buffers(module):
+        return
+    _materialize_meta_tensors(module, plan.device)
+    broadcast_module_state(module, plan.device, src=0)
+
+
+def _ignoring(kwargs: dict[str, Any], scalars: list[torch.nn.Parameter], device: torch.device) -> dict[str, Any]:
+    """``kwargs`` with ``scalars`` added to what FSDP ignores (the user's ``ignored_modules`` joined in
+    ``ignored_states``, which takes modules and parameters alike; FSDP1 refuses both arguments together)."""
+    kwargs = dict(kwargs)
+    ignored = [*(kwargs.pop("ignored_modules", None) or ()), *(kwargs.pop("ignored_states", None) or ())]
+    with torch.no_grad():
+        for param in scalars:
+            param.data = param.data.to(device)  # FSDP moves only what it manages
+    kwargs["ignored_states"] = [*ignored, *scalars]
+    return kwargs
+
+
+def _live_shard_groups() -> dict[int, ProcessGroup]:
+    groups: dict[int, ProcessGroup] = {}
+    for root in fsdp1_unused.roots():
+        groups.update(fsdp1_clip.shard_ids(_handles(root)))
+    return groups
+
+
 #: ``fully_shard`` (FSDP2) arguments and configs, refused under FSDP1 with the way to get them
 _FSDP2_ONLY = {
     "mp_policy": "mixed_precision=MixedPrecision(...) (or fsdp_version=2)",
@@ -98,6 +143,7 @@ class FSDP1Engine:
     # FullyShardedDataParallel's flat parameters are new objects, but Lightning's setup_module_and_optimizers
     # rebuilds the optimizer's references to them (use_orig_params=True keeps the original ones)
     replaces_parameters = False
+    syncs_buffers_itself = False  # FSDP never syncs buffers
     prediction: Prediction = FSDP1Prediction()
 
     def check_options(self, options: Mapping[str, Any], mixed_precision: Any, cpu_offload: Any) -> None:
@@ -137,9 +183,14 @@ class FSDP1Engine:
         return kwargs
 
     def wrap(self, module: Module, plan: ShardingPlan) -> Module:
-        root = _fsdp()(module=module, **self.wrapper_kwargs(plan))
-        fsdp1_left_out.track(root)  # accumulation: units the last micro-batch did not reach are reduced too
-        fsdp1_unused.track(root)  # a parameter no rank used keeps .grad None (engines/unused.py)
+        _materialize_in_module_order(module, plan)
+        kwargs = self.wrapper_kwargs(plan)
+        scalars = scalar_parameters(module)
+        if scalars:  # FSDP1 cannot flatten a 0-dim parameter: each rank keeps it whole (engines/scalars.py)
+            kwargs = _ignoring(kwargs, scalars, plan.device)
+        root = _fsdp()(module=module, **kwargs)
+        _track(root)
+        track_scalars(root, scalars, plan.device)
         return root
 
     def call_through_root(self, root: Module, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -147,8 +198,7 @@ class FSDP1Engine:
 
     def complete(self, module: Module, plan: ShardingPlan) -> Module:
         if isinstance(module, _fsdp()):
-            fsdp1_left_out.track(module)
-            fsdp1_unused.track(module)
+            _track(module)
         return module  # Lightning's FSDPStrategy: a model wrapped by the user is used as it is
 
     def wrap_context(self, plan: ShardingPlan) -> Any:
@@ -247,16 +297,10 @@ class FSDP1Engine:
         chosen = {id(p) for p in parameters} if parameters is not None else None
         if chosen is None or all(id(p) in chosen for p in model.parameters() if p.requires_grad):
             return model.clip_grad_norm_(max_norm)
-        params = [p for p in model.parameters() if id(p) in chosen and p.grad is not None]
-        device = model.compute_device  # every rank reduces, with or without gradients of its own
-        shards, whole = torch.zeros((), device=device), torch.zeros((), device=device)
-        for param in params:
-            grad = cast(torch.Tensor, param.grad)
-            (shards if self.is_shard(param) else whole).add_(grad.detach().float().pow(2).sum())
-        if model.sharding_strategy.name != NO_SHARD:
-            dist.all_reduce(shards, group=model.process_group)
-        total = (shards + whole).sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        params = [p for p in model.parameters() if id(p) in chosen]
+        # every rank reduces, with or without gradients of its own
+        total = fsdp1_clip.total_norm(params, 2.0, fsdp1_clip.shard_ids(_handles(model)))
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total)
         return total
 
     # ------------------------------------------------------------------ gradient accumulation

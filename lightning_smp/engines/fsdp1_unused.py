@@ -79,11 +79,27 @@ def _track_handle(handle: Any) -> None:
                 view.register_hook(functools.partial(_mark, presence, index))
 
     handle._use_unsharded_views = use_unsharded_views  # FSDP calls it through the instance
+    if handle._use_orig_params and handle.uses_sharded_strategy:
+        # Outside its unit's forward an original parameter is this rank's shard of it (a view of the local flat
+        # shard), and FSDP assigns its .grad without autograd: a gradient autograd accumulates into it means a loss
+        # read the shard (a penalty over self.parameters() in training_step), which the step check refuses
+        for index, param in enumerate(flat._params or []):
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(functools.partial(_read_as_shard, presence, index))
     setattr(handle, _ATTRIBUTE, presence)
 
 
 def _mark(presence: Presence, index: int, grad: Any) -> None:
     presence.mark_used(index)
+
+
+def _read_as_shard(presence: Presence, index: int, param: Any) -> None:
+    presence.mark_read_as_shard(index)
+
+
+def roots() -> list[Module]:
+    """The live roots :func:`track` follows."""
+    return list(_ROOTS)
 
 
 def presences(handles: Iterable[Any]) -> list[Presence]:

@@ -30,6 +30,8 @@ from lightning_smp.engines.fsdp2_groups import fsdp_module_cls, fsdp_modules
 from lightning_smp.engines.fsdp2_prediction import FSDP2Prediction
 from lightning_smp.engines.fsdp2_wrap import materialize_where_shards_cannot_draw, shard_root, wrap_targets
 from lightning_smp.engines.prediction import Prediction
+from lightning_smp.engines.scalars import scalar_parameters
+from lightning_smp.engines.scalars import track as track_scalars
 from lightning_smp.names import (
     DEFER_ALL_REDUCE,
     EVERY_MICRO_BATCH,
@@ -62,6 +64,7 @@ class FSDP2Engine:
     checkpoint_activations_first = True
     steps_inside_a_step = True  # with every parameter in a unit below the root (see fsdp2_wrap.shard_root)
     replaces_parameters = True  # fully_shard swaps each parameter for a DTensor shard
+    syncs_buffers_itself = False  # FSDP never syncs buffers
     prediction: Prediction = FSDP2Prediction()
 
     # ------------------------------------------------------------------ options
@@ -87,10 +90,18 @@ class FSDP2Engine:
 
         materialize_where_shards_cannot_draw(module, plan)
         kwargs = self.shard_kwargs(plan)
+        scalars = scalar_parameters(module)
+        if scalars:  # fully_shard cannot shard a 0-dim parameter: each rank keeps it whole (engines/scalars.py)
+            with torch.no_grad():
+                for param in scalars:
+                    param.data = param.data.to(plan.device)  # fully_shard moves only what it manages
+            kwargs["ignored_params"] = {*(kwargs.get("ignored_params") or ()), *scalars}
         for target in wrap_targets(module, plan.options.get("auto_wrap_policy")):
             fully_shard(target, **kwargs)
         _SHARDED_AS[module] = plan.layout.sharding_strategy
-        return shard_root(module, kwargs, plan)
+        root = shard_root(module, kwargs, plan)
+        track_scalars(root, scalars, plan.device)
+        return root
 
     def complete(self, module: Module, plan: ShardingPlan) -> Module:
         """Shard the root too when the user sharded only submodules: its remaining parameters join it (else they

@@ -26,10 +26,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from lightning_smp.errors import GradientSyncError
+from lightning_smp.errors import GradientSyncError, ShardedParameterError
 
-#: the byte per parameter, reduced by MAX: no rank used it; some rank used it; some rank used it and has no ``.grad``
-UNUSED, USED, USED_WITHOUT_GRAD = 0, 1, 2
+#: the byte per parameter, reduced by MAX: no rank used it; some rank used it; some rank used it and has no ``.grad``;
+#: some rank's autograd wrote a gradient into its shard directly (the parameter was read outside the forward of its
+#: FSDP unit, where it holds this rank's shard only)
+UNUSED, USED, USED_WITHOUT_GRAD, READ_AS_SHARD = 0, 1, 2, 3
 
 
 class Presence:
@@ -59,6 +61,7 @@ class Presence:
         """A new window: after an optimizer step, or ``zero_grad`` in the middle of one (what it saw was dropped)."""
         self.used = [False] * self.size
         self.was_none: list[bool | None] = [None] * self.size
+        self.read_as_shard = [False] * self.size
 
     def note_start(self) -> None:
         """Before this window first reaches the group: which ``.grad`` was ``None`` (kept from the first call on)."""
@@ -68,6 +71,9 @@ class Presence:
 
     def mark_used(self, index: int) -> None:
         self.used[index] = True
+
+    def mark_read_as_shard(self, index: int) -> None:
+        self.read_as_shard[index] = True
 
 
 def restore_unused(presences: Iterable[Presence], device: torch.device, groups: Sequence[ProcessGroup]) -> int:
@@ -89,11 +95,13 @@ def restore_unused(presences: Iterable[Presence], device: torch.device, groups: 
         if dist.get_world_size(group) > 1:
             dist.all_reduce(levels, op=dist.ReduceOp.MAX, group=group)
     anywhere = iter(levels.tolist())
-    reset, missing, stepped_whole = 0, [], []
+    reset, missing, stepped_whole, read_as_shard = 0, [], [], []
     for presence in presences:
         for name, param, was_none in zip(presence.names, presence.params(), presence.was_none):
             level = next(anywhere)
-            if level == USED_WITHOUT_GRAD:
+            if level == READ_AS_SHARD:
+                read_as_shard.append(name)
+            elif level == USED_WITHOUT_GRAD:
                 missing.append(name)
             elif level == UNUSED and was_none and param is not None and param.grad is not None:
                 if presence.whole:
@@ -102,6 +110,8 @@ def restore_unused(presences: Iterable[Presence], device: torch.device, groups: 
                     param.grad = None
                     reset += 1
         presence.reset()
+    if read_as_shard:
+        raise ShardedParameterError(read_outside_forward_message(read_as_shard))
     if missing:
         raise GradientSyncError(
             f"{len(missing)} parameter(s) took part in this optimizer step's backward on some rank but have no"
@@ -132,6 +142,9 @@ def _levels(presences: Sequence[Presence], device: torch.device) -> torch.Tensor
     unnoted: list[tuple[int, torch.Tensor]] = []  # (position, gradient) of parameters to read
     for presence in presences:
         for index, param in enumerate(presence.params()):
+            if presence.read_as_shard[index]:
+                levels.append(READ_AS_SHARD)
+                continue
             noted = presence.used[index]
             # a frozen parameter's view in a trainable flat parameter (FSDP1) gets a gradient FSDP drops: not stepped
             if noted and param is not None and param.requires_grad and param.grad is None and _local(param).numel():
@@ -147,6 +160,22 @@ def _levels(presences: Sequence[Presence], device: torch.device) -> torch.Tensor
         read = torch.stack([grad.ne(0).any().to(device) for _, grad in unnoted]).to(torch.uint8)
         result[positions] = read  # UNUSED (0) or USED (1)
     return result
+
+
+def read_outside_forward_message(names: Sequence[str] = ()) -> str:
+    """The error for parameters a loss read outside their FSDP unit's forward (both engines say the same);
+    ``names``: those parameters, where the engine can tell."""
+    which = f" {len(names)} sharded parameter(s)" if names else " sharded parameters"
+    return (
+        f"The loss reads{which} outside the forward of their FSDP unit{f' ({_some(names)})' if names else ''},"
+        " e.g. an L2 penalty `loss + c * sum(p.pow(2).sum() for p in self.parameters())` in training_step: there a"
+        " parameter holds only this rank's shard, so the term would be computed from a fraction of the weights and"
+        " its gradient never reduced across ranks (DDP would give a different result). Fix: for an L2 penalty, use"
+        " the optimizer's weight decay (torch.optim.SGD/Adam(weight_decay=2 * c) adds exactly the gradient of"
+        " c * sum(p ** 2)); for another term over the weights (a distance to a reference model), compute it inside"
+        " the forward of the module that owns them and return it with that module's output; or use"
+        " hybrid_shard_degree=1 (nothing sharded)."
+    )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
