@@ -4,18 +4,19 @@ FSDP never syncs buffers: each rank updates its own running statistics from its 
 validates, tests and predicts with a model that was never saved, and a metric logged with ``sync_dist=True`` averages
 ranks that disagree. DDP (``broadcast_buffers=True``, its default) copies global rank 0's buffers to every rank
 before a forward that follows a training forward with gradient sync on, and before nothing else. :class:`BufferSync`
-runs that rule around the sharded root's forward, on every rank alike:
+runs that rule around the sharded root's forward, on every rank alike (costing what it costs DDP: one broadcast of
+the buffers, nothing for a model without any):
 
 - after each forward: the next one syncs if this one ran with gradients enabled outside an accumulation window (the
   window's micro-batches are DDP's ``no_sync``); a forward called inside another (an FSDP2 step that calls
   ``self(x)``) counts once;
 - before a forward that is due: one coalesced broadcast of every buffer from global rank 0 (c10d's
-  ``_broadcast_coalesced``, as DDP's ``_sync_buffers``);
-- before a save (:func:`sync_for_save`): the same broadcast, so a sharded checkpoint, whose writer of a replicated
-  buffer DCP picks by load, holds rank 0's statistics as DDP's checkpoint does.
+  ``_broadcast_coalesced``, as DDP's ``_sync_buffers``).
 
-Under the DDP engine, ``DistributedDataParallel`` runs the forward rule itself and only the save's is installed.
-``broadcast_buffers=False`` keeps each rank's own buffers (DDP's same switch).
+A checkpoint holds rank 0's buffers, as DDP's does, with or without this rule: a full state is gathered on rank 0,
+and a sharded one gives each replicated tensor to the lowest rank holding it (``checkpoint/saving.py``). Under the
+DDP engine, ``DistributedDataParallel`` runs the rule itself. ``broadcast_buffers=False`` keeps each rank's own
+buffers (DDP's same switch).
 """
 
 from __future__ import annotations
@@ -48,11 +49,6 @@ class BufferSync:
         if buffers:
             broadcast_tensors(buffers, 0, None, self.device)
 
-    def install_forward_rule(self) -> None:
-        self.root.register_forward_pre_hook(self._before_forward)
-        # always_call: a forward that raised still ends, or the next one would never count as outermost
-        self.root.register_forward_hook(self._after_forward, always_call=True)
-
     def _before_forward(self, module: Module, args: tuple) -> None:
         self._depth += 1
         if self._depth == 1 and self.due:
@@ -72,29 +68,21 @@ class BufferSync:
             self._windows -= 1
 
 
-def install(root: Module, device: torch.device, *, forward_rule: bool) -> BufferSync:
-    """Keep ``root``'s buffers as DDP does; ``forward_rule=False`` when the engine's wrapper already runs DDP's forward
-    rule (the DDP engine), which leaves only the sync before a save. Installing twice returns the first."""
+def install(root: Module, device: torch.device) -> BufferSync:
+    """Keep ``root``'s buffers as DDP does (its forward hooks run the rule); installing twice returns the first."""
     existing = find(root)
     if existing is not None:
         return existing
     sync = BufferSync(root, device)
-    if forward_rule:
-        sync.install_forward_rule()
+    root.register_forward_pre_hook(sync._before_forward)
+    # always_call: a forward that raised still ends, or the next one would never count as outermost
+    root.register_forward_hook(sync._after_forward, always_call=True)
     setattr(root, _ATTRIBUTE, sync)
     return sync
 
 
 def find(root: Module | None) -> BufferSync | None:
     return getattr(root, _ATTRIBUTE, None) if root is not None else None
-
-
-def sync_for_save(root: Module | None) -> None:
-    """Collective, before the model's state is read for a checkpoint: rank 0's buffers everywhere (nothing when
-    ``broadcast_buffers=False`` installed no sync)."""
-    sync = find(root)
-    if sync is not None:
-        sync.sync()
 
 
 @contextmanager
@@ -109,4 +97,4 @@ def accumulation_window(root: Module | None) -> Generator[None, None, None]:
         yield
 
 
-__all__ = ["BufferSync", "accumulation_window", "find", "install", "sync_for_save"]
+__all__ = ["BufferSync", "accumulation_window", "find", "install"]

@@ -130,6 +130,7 @@ class HybridShardCore:
             ``hybrid_shard_degree="auto"`` has been resolved by :meth:`choose_degree`.
         async_save_arg: the ``async_save`` argument, else ``None`` (the configuration sources decide).
         links_arg: the ``links`` argument (a preset, a JSON file or ``"calibrate"``), else ``None``.
+        broadcast_buffers: DDP's switch: global rank 0's buffers to every rank by DDP's rule (:mod:`.buffers`).
         settled: what :meth:`configure` settled (:class:`Settled`: the configuration, layout and engine), replaced
             whole when "auto" chooses or a module sharded by another engine arrives; built: what
             :meth:`build_mesh` built (:class:`Built`); checkpoint_run: who writes this run's checkpoints.
@@ -148,6 +149,7 @@ class HybridShardCore:
     memory_budget_arg: int | None = None
     async_save_arg: bool | None = None
     links_arg: str | None = None
+    broadcast_buffers: bool = True
     chosen: Plan | None = None
     settled: Settled | None = None
     built: Built | None = None
@@ -175,6 +177,7 @@ class HybridShardCore:
         memory_budget: Any = None,
         async_save: Any = None,
         links: Any = None,
+        broadcast_buffers: Any = True,
     ) -> HybridShardCore:
         """Check the arguments that need no world size and no process; raise :class:`HybridShardConfigError`."""
         requested = check_sharding_strategy(sharding_strategy)
@@ -195,9 +198,9 @@ class HybridShardCore:
         background = None if async_save is None else check_async_save(async_save)
         if background and state_dict_type != SHARDED:
             raise HybridShardConfigError(_ASYNC_FULL.format(state_dict_type=state_dict_type))
-        if not isinstance(kwargs.get("broadcast_buffers", True), bool):
+        if not isinstance(broadcast_buffers, bool):
             raise HybridShardConfigError(
-                f"broadcast_buffers={kwargs['broadcast_buffers']!r} is not a bool. Fix: True (DDP's default: every"
+                f"broadcast_buffers={broadcast_buffers!r} is not a bool. Fix: True (DDP's default: every"
                 " rank gets global rank 0's buffers before each forward that follows a synced training forward) or"
                 " False (each rank keeps its own)."
             )
@@ -222,6 +225,7 @@ class HybridShardCore:
             mixed_precision_arg=mixed_precision, cpu_offload_arg=cpu_offload, user_mesh=user_mesh,
             mesh_shape_arg=tuple(device_mesh) if isinstance(device_mesh, (tuple, list)) else None,
             memory_budget_arg=budget, async_save_arg=background, links_arg=links,
+            broadcast_buffers=broadcast_buffers,
         )
         if version is not None:
             core.check_engine()  # the engine is known already: refuse its wrong arguments now
@@ -418,7 +422,7 @@ class HybridShardCore:
         return ShardingPlan(layout=self.layout, device=device, mesh=mesh, mixed_precision=mixed_precision,
                             cpu_offload=cpu_offload, options=options_for(self.engine, options), precision=precision,
                             steps_inside_a_step=steps_inside_a_step,
-                            broadcast_buffers=bool(options.get("broadcast_buffers", True)))
+                            broadcast_buffers=self.broadcast_buffers)
 
     # ------------------------------------------------------------------ 4. sharding the module
 
@@ -462,8 +466,8 @@ class HybridShardCore:
             broadcast_across_replicas(module, self.device_mesh, device)
         if not first:
             checkpoint_activations(module)
-        if plan.broadcast_buffers:  # DDP's broadcast_buffers, on every engine
-            buffers.install(module, device, forward_rule=not engine.syncs_buffers_itself)
+        if plan.broadcast_buffers and not engine.syncs_buffers_itself:  # DDP's broadcast_buffers, on every engine
+            buffers.install(module, device)
         unit_order.install(module, engine.units(module), device)  # LIGHTNING_SMP_CHECK_UNIT_ORDER=1 only
         return module
 

@@ -164,8 +164,8 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     ``hybrid_shard_degree``, ``fsdp_version``, ``gradient_accumulation``, ``sharding_strategy``, ``state_dict_type``
     (``"sharded"`` by default), ``device_mesh``, ``start_method`` (``None``: ``"fork"`` in a notebook, else
     ``"popen"``, Fabric's script launcher), ``auto_wrap_policy``, ``activation_checkpointing_policy``,
-    ``cpu_offload``, ``mixed_precision``, ``process_group_backend``, ``timeout``, ``async_save`` and the engine's
-    ``**kwargs``.
+    ``cpu_offload``, ``mixed_precision``, ``process_group_backend``, ``timeout``, ``async_save``,
+    ``broadcast_buffers`` and the engine's ``**kwargs``.
 
     With ``async_save=True``, ``fabric.save`` returns once the state is copied off the training tensors; a failed
     background write raises on every rank at the next ``optimizer.step()``, the next save or load, or at
@@ -199,6 +199,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         memory_budget: int | str | None = None,
         async_save: bool | None = None,
         links: str | None = None,
+        broadcast_buffers: bool = True,
         **kwargs: Any,
     ) -> None:
         # static checks, before anything is built: the same on every rank (and the Trainer strategy's)
@@ -207,6 +208,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             fsdp_version=fsdp_version, gradient_accumulation=gradient_accumulation, state_dict_type=state_dict_type,
             mixed_precision=mixed_precision, cpu_offload=cpu_offload, auto_wrap_policy=auto_wrap_policy,
             kwargs=kwargs, memory_budget=memory_budget, async_save=async_save, links=links,
+            broadcast_buffers=broadcast_buffers,
         )
         self._start_method: StartMethod = check_start_method_name(start_method) or (
             "fork" if _IS_INTERACTIVE else "popen")
@@ -395,9 +397,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     def full_state_dict(self, module: Module) -> dict[str, Any]:
         """The unsharded weights of ``module`` (what ``fabric.setup_module`` returned) on global rank 0, an empty
         dict elsewhere. Call it on every rank; only replica group 0 gathers."""
-        sharded = self._sharded(module)
-        buffers.sync_for_save(sharded.module)  # rank 0's running statistics, as DDP saves them
-        return checkpoint_lib.full_model_state(sharded)
+        return checkpoint_lib.full_model_state(self._sharded(module))
 
     def full_optimizer_state(self, module: Module, optimizer: Optimizer) -> dict[str, Any]:
         """The unsharded state of ``optimizer`` on global rank 0 (torch's standard layout), empty elsewhere."""
@@ -418,7 +418,6 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         check_storage_options(storage_options)  # first, as Lightning's FSDPStrategy
         module_key, module, optimizer_keys, rest = _split_state(state)
         sharded = self._sharded(module)  # refuses a module that was not set up here, on every rank alike
-        buffers.sync_for_save(sharded.module)  # rank 0's running statistics, as DDP saves them
         kind = self.core.state_dict_type
         checkpoint: dict[str, Any] = {k: _state_of(v) for k, v in rest.items()}
         background = self._background

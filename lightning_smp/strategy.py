@@ -146,6 +146,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             has written; ``ModelCheckpoint``'s ``last`` link, its removals and the loggers wait for that commit, and
             a failed write raises on every rank at the next training step (see ``docs/checkpoints.md``). Needs
             ``state_dict_type="sharded"``.
+        broadcast_buffers: ``True`` (default, DDP's): every rank gets global rank 0's buffers (BatchNorm's running
+            statistics) before a forward that follows a training forward outside an accumulation window, and before
+            a save, as DDP's ranks do; ``False``: each rank keeps its own, as FSDP does. See ``docs/engines.md``.
         \**kwargs: passed to the engine: ``FullyShardedDataParallel`` for FSDP1 (e.g. ``process_group``,
             ``limit_all_gathers``, ``use_orig_params``, defaulting to ``True``), ``fully_shard`` for FSDP2
             (``shard_placement_fn``, ``ignored_params``; FSDP1-only arguments are refused naming their
@@ -188,6 +191,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         memory_budget: int | str | None = None,
         async_save: bool | None = None,
         links: str | None = None,
+        broadcast_buffers: bool = True,
         **kwargs: Any,
     ) -> None:
         # static checks, before anything is built: the same on every rank
@@ -197,6 +201,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             fsdp_version=fsdp_version, gradient_accumulation=gradient_accumulation, state_dict_type=state_dict_type,
             mixed_precision=mixed_precision, cpu_offload=cpu_offload, auto_wrap_policy=auto_wrap_policy,
             kwargs=kwargs, memory_budget=memory_budget, async_save=async_save, links=links,
+            broadcast_buffers=broadcast_buffers,
         )
         start_method = check_start_method_name(start_method)
         self._start_method: StartMethod = start_method or ("fork" if _IS_INTERACTIVE else "popen")
@@ -463,7 +468,6 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         module = self.lightning_module
         if self._in_launching_process() and module is not None:
             return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-        buffers.sync_for_save(self.model)  # rank 0's running statistics, as DDP saves them
         return checkpoint_lib.full_model_state(self._sharded_model())
 
     def full_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -544,7 +548,6 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         if self._in_launching_process():
             module = self.lightning_module
             return module.state_dict() if module is not None else {}
-        buffers.sync_for_save(self.model)  # rank 0's running statistics, as DDP saves them
         if self._background is not None and self._state_dict_type == SHARDED:
             # a background save: built without gathering where the engine can (lightning_smp.checkpoint.local)
             return background_module_state(self._sharded_model(), self._background.local_state)

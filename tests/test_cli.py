@@ -62,6 +62,13 @@ def test_example_config_parses_to_the_documented_layout(name, tmp_path):
     assert type(cli.model).__name__ == "TinyGPT" and type(cli.datamodule).__name__ == "MarkovDataModule"
 
 
+@pytest.mark.parametrize("value", [False, True])
+def test_broadcast_buffers_from_the_command_line(value, tmp_path):
+    override = f"--trainer.strategy.init_args.broadcast_buffers={str(value).lower()}"
+    cli = _cli("--config", str(CONFIGS / "hybrid_class_path.yaml"), override, tmp_path=tmp_path)
+    assert cli.trainer.strategy.core.broadcast_buffers is value
+
+
 @pytest.mark.parametrize(
     ("name", "override", "shape"),
     [

@@ -67,6 +67,8 @@ class Scenario:
     steps: int = 6
     #: (front end, fsdp_version) -> why that sharded case is not yet DDP's: a strict xfail, so that a fix shows
     gaps: dict[tuple[str, int], str] = field(default_factory=dict)
+    #: more arguments of the strategy under test (the fix a gap's reason names)
+    strategy_kwargs: Callable[[], dict[str, Any]] = dict
 
 
 # ------------------------------------------------------------------------------------------- Trainer patterns
@@ -398,8 +400,18 @@ def _fabric_bf16(fabric: L.Fabric) -> dict[str, list]:
     return _full(fabric, model)
 
 
-_BF16_REDUCE = ("Lightning's FSDP precision gives FSDP1 MixedPrecision(reduce_dtype=bfloat16) for bf16-mixed: the"
-                " gradients are summed in bf16 where DDP sums fp32 (2-3e-5 after one step, 4x the fp32 bound)")
+def _fp32_reduce() -> dict[str, Any]:
+    """FSDP1 under bf16-mixed as DDP computes: gathered in bf16, reduced in fp32, the batch left to autocast."""
+    from torch.distributed.fsdp import MixedPrecision
+
+    return {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                              cast_root_forward_inputs=False)}
+
+
+_BF16_REDUCE = ("Lightning's FSDP precision gives FSDP1 MixedPrecision(param_dtype=reduce_dtype=bfloat16) for"
+                " bf16-mixed: gradients summed in bf16 where DDP sums fp32, and the Trainer's batch (targets too) cast"
+                " to bf16 at the root (2-3e-5 after one step, 4x the fp32 bound); bf16_mixed_fp32_reduce passes the"
+                " fix")
 
 SCENARIOS = [
     Scenario("heads_in_some_micro_batches", trainer=_heads, fabric=_fabric_heads, fabric_start=lambda: _heads()[0],
@@ -428,9 +440,9 @@ SCENARIOS = [
     # fp32 bound); after it, a weight one rounding apart can cast to another bf16 value, a difference no useful bound
     # covers
     Scenario("bf16_mixed", trainer=_bf16_mixed, fabric=_fabric_bf16, fabric_start=make_net, precision="bf16-mixed",
-             policy=EACH_LINEAR, steps=1, gaps={
-                 **dict.fromkeys([("trainer", 1), ("fabric", 1)], _BF16_REDUCE),
-                 ("trainer", 2): "2.5e-5 from DDP after one step (4x the bound): cause not found yet"}),
+             policy=EACH_LINEAR, steps=1, gaps=dict.fromkeys([("trainer", 1), ("fabric", 1)], _BF16_REDUCE)),
+    Scenario("bf16_mixed_fp32_reduce", trainer=_bf16_mixed, fabric=_fabric_bf16, fabric_start=make_net,
+             precision="bf16-mixed", policy=EACH_LINEAR, steps=1, engines=(1,), strategy_kwargs=_fp32_reduce),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
 
@@ -530,7 +542,7 @@ def test_pattern_equals_ddp(tmp_path, name, front_end, version, degree):
     scenario = BY_NAME[name]
     cls = HybridShardFSDPStrategy if front_end == "trainer" else FabricHybridShardFSDPStrategy
     strategy = cls(hybrid_shard_degree=degree, fsdp_version=version, auto_wrap_policy=scenario.policy,
-                   start_method="fork")
+                   start_method="fork", **(scenario.strategy_kwargs() if degree > 1 else {}))
     if scenario.refused is not None and degree > 1:
         # every rank raises before any optimizer step; the fork launcher hands the rank's error back as itself
         with pytest.raises(scenario.refused, match="outside the forward of their FSDP unit"):
@@ -551,3 +563,54 @@ def test_pattern_equals_ddp(tmp_path, name, front_end, version, degree):
         for key, value in ddp_extras.items():
             worst = (extras[key].double() - value.double()).abs().max().item()
             assert worst <= bound, f"{key}: {worst:.2e} from DDP (bound {bound:.1e})"
+
+
+# ------------------------------------------------------------------ buffers: the switch, and what a checkpoint holds
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize(("version", "degree"), [(1, 1), (1, 2), (2, 2)], ids=["d1", "fsdp1-d2", "fsdp2-d2"])
+def test_broadcast_buffers_false_keeps_each_ranks_own(tmp_path, version, degree):
+    """DDP's switch, on every engine: the ranks then evaluate with statistics of their own batches."""
+    model, kwargs = _batchnorm()
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version, start_method="fork",
+                                       auto_wrap_policy=EACH_LINEAR, broadcast_buffers=False)
+    observed = _fit_observed(strategy, tmp_path, model, kwargs)
+    for rank in range(1, WORLD):
+        mean = f"extra/after_eval.rank{rank}.buffer0"  # the running mean
+        assert not torch.equal(observed[mean], observed["extra/after_eval.rank0.buffer0"]), rank
+
+
+class SaveAtTheEnd(L.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)  # every rank: a sharded save is a collective
+
+
+def _saved_buffers(strategy: Any, folder: Path) -> dict[str, torch.Tensor]:
+    from lightning_smp.checkpoint.convert import read_full
+
+    model, kwargs = _batchnorm()
+    path = folder / "end.ckpt"
+    trainer = cpu_trainer(strategy, folder, WORLD, callbacks=[SaveAtTheEnd(path)], **kwargs)
+    trainer.fit(model, make_loader(samples=WORLD * K * 3 * 8, batch_size=8))
+    state = read_full(path)["state_dict"]
+    return {k: v for k, v in state.items() if "running" in k}
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", [1, 2], ids=["fsdp1", "fsdp2"])
+def test_a_sharded_checkpoint_holds_rank0s_buffers(tmp_path, version):
+    """At the end of fit every rank holds statistics of its own last batches (DDP's rule syncs before the next
+    forward only); DCP's default planner writes a replicated buffer from the rank whose plan is smallest, and the
+    library's from the lowest rank: the checkpoint holds rank 0's statistics, as DDP's does."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    reference = _saved_buffers(DDPStrategy(start_method="fork"), tmp_path / "ddp")
+    ours = _saved_buffers(HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=version, start_method="fork",
+                                                  auto_wrap_policy=EACH_LINEAR), tmp_path / "ours")
+    assert list(ours) == list(reference) and reference
+    for key, value in reference.items():
+        assert (ours[key] - value).abs().max().item() <= 64 * parity_bound(697 + 66, 3), key

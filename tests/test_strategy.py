@@ -91,6 +91,8 @@ def test_fsdp_settings_pass_through_untouched():
         # written here, by the strategy itself: the whole message
         pytest.param({"state_dict_type": "both"},
                      [f"state_dict_type='both' is not supported. Valid values: {SHARDED!r}, {FULL!r}."], id="sdt"),
+        pytest.param({"broadcast_buffers": "yes"}, ["broadcast_buffers='yes' is not a bool. Fix: True"],
+                     id="broadcast_buffers"),
     ],
 )
 def test_static_errors_at_construction(kwargs, fragments):

@@ -12,7 +12,7 @@ from torch.nn import Module
 from lightning_smp.config import check_fsdp_version
 from lightning_smp.degree import Layout
 from lightning_smp.engines import ddp
-from lightning_smp.engines.base import ENGINE_INDEPENDENT_OPTIONS, Engine, ShardingFacts, ShardingPlan, StorageUnit
+from lightning_smp.engines.base import Engine, ShardingFacts, ShardingPlan, StorageUnit
 from lightning_smp.engines.ddp import DDPEngine
 from lightning_smp.engines.fsdp1 import FSDP1Engine
 from lightning_smp.engines.fsdp2 import FSDP2Engine
@@ -56,10 +56,8 @@ def engine_for(version: int) -> Engine:
 
 def options_for(engine: Engine, options: Mapping[str, Any]) -> dict[str, Any]:
     """The user's engine arguments as ``engine`` takes them: DDP's own (:data:`.ddp.DDP_ONLY_OPTIONS`) set aside for
-    the FSDP engines, which need none of them; the library's own (:data:`.base.ENGINE_INDEPENDENT_OPTIONS`) for
-    every engine (the plan carries them)."""
-    return {k: v for k, v in options.items()
-            if k not in ENGINE_INDEPENDENT_OPTIONS and (engine is DDP_ENGINE or k not in ddp.DDP_ONLY_OPTIONS)}
+    the FSDP engines, which need none of them."""
+    return {k: v for k, v in options.items() if engine is DDP_ENGINE or k not in ddp.DDP_ONLY_OPTIONS}
 
 
 def engine_for_layout(version: int, layout: Layout | None, *, options: Mapping[str, Any] | None = None,
@@ -76,7 +74,6 @@ def engine_for_layout(version: int, layout: Layout | None, *, options: Mapping[s
 
 __all__ = [
     "DDP_ENGINE",
-    "ENGINE_INDEPENDENT_OPTIONS",
     "ENGINES",
     "FSDP_ENGINES",
     "DDPEngine",

@@ -61,10 +61,6 @@ class ShardingPlan:
     broadcast_buffers: bool = True
 
 
-#: Keyword arguments of the strategies that the library takes for every engine and passes to none: DDP's
-#: ``broadcast_buffers`` (global rank 0's buffers to every rank, by DDP's rule: :mod:`lightning_smp.buffers`)
-ENGINE_INDEPENDENT_OPTIONS = frozenset({"broadcast_buffers"})
-
 
 @dataclass(frozen=True)
 class StorageUnit:

@@ -37,13 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_smp.degree import Layout
-from lightning_smp.engines.base import (
-    ENGINE_INDEPENDENT_OPTIONS,
-    PlainCalls,
-    ShardingFacts,
-    ShardingPlan,
-    StorageUnit,
-)
+from lightning_smp.engines.base import PlainCalls, ShardingFacts, ShardingPlan, StorageUnit
 from lightning_smp.engines.prediction import Held, Prediction, UnitLayout
 from lightning_smp.errors import GradientSyncError
 from lightning_smp.names import (
@@ -91,8 +85,7 @@ def takes(options: Mapping[str, Any], mixed_precision: Any, cpu_offload: Any) ->
         return False
     if options.get("use_orig_params") is False:  # optimizers built over flat parameters
         return False
-    return all(key in SHARDING_ONLY_OPTIONS or key in DDP_ONLY_OPTIONS or key in ENGINE_INDEPENDENT_OPTIONS
-               for key in options)
+    return all(key in SHARDING_ONLY_OPTIONS or key in DDP_ONLY_OPTIONS for key in options)
 
 
 def _inner(model: Module) -> Module:

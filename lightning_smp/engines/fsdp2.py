@@ -147,18 +147,24 @@ class FSDP2Engine:
         hooks = fsdp2_groups.root_forward_hooks(root)
         original_forward = root.forward
 
+        # Under autocast (the Trainer's "*-mixed" precision) the step's arguments, the batch, do not pass through the
+        # root's hooks: FSDP2 casts a forward's floating-point inputs to param_dtype, and the targets, which DDP keeps
+        # in fp32, would be rounded to bf16 with them (autocast casts what each operation computes with). Without
+        # autocast (a MixedPrecisionPolicy of the user's), the root's own parameters need inputs in their dtype.
+        autocast = torch.is_autocast_enabled(next(iter(root.parameters()), torch.empty(0)).device.type)
+
         def step_as_forward(*step_args: Any, **step_kwargs: Any) -> Any:
             root.forward = original_forward  # restored before the step calls it
             paused = [(table, key, table.pop(key)) for table, key in hooks if key in table]
             try:
-                return method(*step_args, **step_kwargs)
+                return method(*args, **kwargs) if autocast else method(*step_args, **step_kwargs)
             finally:
                 for table, key, hook in paused:
                     table[key] = hook
 
         root.forward = step_as_forward
         try:
-            return root(*args, **kwargs)
+            return root() if autocast else root(*args, **kwargs)
         finally:
             root.forward = original_forward
 
