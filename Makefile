@@ -16,7 +16,7 @@ HUGGING_FACE := $(VENV)/hugging-face
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install install-litgpt demo test lint bench bench-cluster bench-async clean
+.PHONY: install install-litgpt demo test lint bench bench-cluster bench-async bench-buffers clean
 
 install: $(STAMP)
 
@@ -53,6 +53,10 @@ bench-cluster: $(STAMP)
 # how long a sharded save blocks training, blocking against async_save=True (4 CPU ranks); see docs/checkpoints.md
 bench-async: $(STAMP)
 	$(BIN)/python -m benchmarks.async_checkpoint $(ARGS)
+
+# what broadcast_buffers=True (DDP's rule for BatchNorm statistics) costs a step (4 CPU ranks); see docs/engines.md
+bench-buffers: $(STAMP)
+	$(BIN)/python -m benchmarks.buffer_sync $(ARGS)
 
 clean:
 	rm -rf $(VENV) lightning_logs .pytest_cache

@@ -357,3 +357,20 @@ def test_async_checkpoint_benchmark_runs_and_reports(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "async.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(rows))
     assert "background blocked / blocking blocked" in (tmp_path / "async.md").read_text()
+
+
+# -------------------------------------------------------------------------------------------- make bench-buffers
+
+
+def test_buffer_sync_benchmark_runs_and_reports(tmp_path: Path) -> None:
+    """A tiny real run of ``make bench-buffers``: both engines, both settings per round, the bytes broadcast."""
+    from benchmarks.buffer_sync import main
+
+    result = main(["--width", "16", "--layers", "2", "--batch", "4", "--steps", "3", "--rounds", "1", "--output",
+                   str(tmp_path / "buffers")])
+    # two BatchNorm1d(16): running mean and variance (16 fp32 each) and the int64 step count
+    assert result["buffer_bytes_per_step"] == 2 * (2 * 16 * 4 + 8)
+    assert [e["fsdp_version"] for e in result["engines"]] == [1, 2]
+    assert all(e["rounds"] == 1 and e["on_s"] > 0 and e["off_s"] > 0 for e in result["engines"])
+    assert json.loads((tmp_path / "buffers.json").read_text())["engines"] == json.loads(json.dumps(result["engines"]))
+    assert "on / off" in (tmp_path / "buffers.md").read_text()
