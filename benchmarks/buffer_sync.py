@@ -55,7 +55,6 @@ def _loop(fabric: Any, settings: dict[str, Any]) -> dict[str, Any]:
 def measure(version: int, broadcast: bool, settings: dict[str, Any]) -> dict[str, Any]:
     """One 4-rank Fabric run: the slowest rank's median step after the warm-up."""
     import lightning as L
-
     import torch
 
     from lightning_smp.fabric import HybridShardFSDPStrategy
