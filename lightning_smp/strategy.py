@@ -147,8 +147,8 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             a failed write raises on every rank at the next training step (see ``docs/checkpoints.md``). Needs
             ``state_dict_type="sharded"``.
         broadcast_buffers: ``True`` (default, DDP's): every rank gets global rank 0's buffers (BatchNorm's running
-            statistics) before a forward that follows a training forward outside an accumulation window, and before
-            a save, as DDP's ranks do; ``False``: each rank keeps its own, as FSDP does. See ``docs/engines.md``.
+            statistics) before a forward that follows a training forward outside an accumulation window, as DDP's
+            ranks do; ``False``: each rank keeps its own, as FSDP does. See ``docs/engines.md``.
         \**kwargs: passed to the engine: ``FullyShardedDataParallel`` for FSDP1 (e.g. ``process_group``,
             ``limit_all_gathers``, ``use_orig_params``, defaulting to ``True``), ``fully_shard`` for FSDP2
             (``shard_placement_fn``, ``ignored_params``; FSDP1-only arguments are refused naming their

@@ -223,6 +223,44 @@ class WeightDecayInstead(TinyModel):
         return torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=2 * PENALTY)
 
 
+class PenalizedLinear(torch.nn.Linear):
+    """A layer that returns its own L2 term with its output: computed where its parameters are whole."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return super().forward(x), PENALTY * (self.weight.pow(2).sum() + self.bias.pow(2).sum())
+
+
+class PenaltyNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = PenalizedLinear(16, 33), PenalizedLinear(33, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, first = self.first(x)
+        out, last = self.last(torch.tanh(hidden))
+        return out, first + last
+
+
+class PenaltyInTheForward(TinyModel):
+    """The fix item 3's error names for a term that is not weight decay: inside the forward of the owning module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = PenaltyNet()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out, penalty = self.net(x)
+        loss = torch.nn.functional.mse_loss(out, y) + penalty
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
+def _penalty_in_forward() -> tuple[L.LightningModule, dict[str, Any]]:
+    torch.manual_seed(0)
+    return PenaltyInTheForward(), {"max_steps": 3}
+
+
 def _penalty_in_step() -> tuple[L.LightningModule, dict[str, Any]]:
     torch.manual_seed(0)
     return PenaltyInTheStep(), {"max_steps": 3}
@@ -321,6 +359,18 @@ def _fabric_penalty(fabric: L.Fabric, decay: bool) -> dict[str, list]:
         if not decay:
             loss = loss + PENALTY * sum(p.pow(2).sum() for p in model.parameters())
         fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    return _full(fabric, model)
+
+
+def _fabric_penalty_in_forward(fabric: L.Fabric) -> dict[str, list]:
+    """The L2 term returned by the layers that own the weights (the fix for a term that is not weight decay)."""
+    model = fabric.setup_module(_seeded(PenaltyNet)())
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.05))
+    for x, y in _batches(fabric)[:3]:
+        out, penalty = model(x)
+        fabric.backward(torch.nn.functional.mse_loss(out, y) + penalty)
         optimizer.step()
         optimizer.zero_grad()
     return _full(fabric, model)
@@ -432,6 +482,8 @@ SCENARIOS = [
              policy=EACH_LINEAR, fabric_args=(False,), refused=ShardedParameterError),
     Scenario("weight_decay_instead", trainer=_weight_decay_instead, fabric=_fabric_penalty, fabric_start=make_net,
              policy=EACH_LINEAR, fabric_args=(True,)),
+    Scenario("penalty_in_the_forward", trainer=_penalty_in_forward, fabric=_fabric_penalty_in_forward,
+             fabric_start=_seeded(PenaltyNet), policy={PenalizedLinear}),
     Scenario("scalar_parameter", trainer=_temperature, fabric=_fabric_temperature,
              fabric_start=_seeded(Temperature), policy=EACH_LINEAR),
     Scenario("nested_seeded_meta_init", fabric=_fabric_nested_meta_init, fabric_start=_nested_seven, policy={Block}),
