@@ -68,15 +68,16 @@ from lightning_smp.names import (
     StateDictType,
 )
 from lightning_smp.optimizers import discard_on_zero_grad
-from lightning_smp.precision import autocast_context, scaler_for
+from lightning_smp.precision import autocast_context, mixed_precision_config, scaler_for
 
 if TYPE_CHECKING:
     pass
 
 
 class HybridShardFabricPrecision(FSDPPrecision):
-    """Fabric's ``FSDPPrecision`` that autocasts on the strategy's device type (Fabric's hard-codes ``"cuda"``) and,
-    for ``16-mixed``, scales the loss with a scaler for that device type."""
+    """Fabric's ``FSDPPrecision`` that autocasts on the strategy's device type (Fabric's hard-codes ``"cuda"``),
+    for ``16-mixed`` scales the loss with a scaler for that device type, and for ``*-mixed`` reduces FSDP1's gradients
+    in fp32 with the batch left to autocast (:func:`lightning_smp.precision.mixed_precision_config`)."""
 
     device_type: str = "cpu"
 
@@ -90,6 +91,11 @@ class HybridShardFabricPrecision(FSDPPrecision):
     @override
     def forward_context(self) -> AbstractContextManager:
         return autocast_context(self.precision, self.device_type) or super().forward_context()
+
+    @property
+    @override
+    def mixed_precision_config(self) -> Any:
+        return mixed_precision_config(self.precision, super().mixed_precision_config)
 
 
 class _HybridBackwardSyncControl(_BackwardSyncControl):

@@ -23,6 +23,21 @@ def autocast_context(precision: str, device_type: str) -> AbstractContextManager
     return torch.autocast(device_type, dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
 
 
+def mixed_precision_config(precision: str, lightning_config: Any) -> Any:
+    """FSDP1's ``MixedPrecision`` for a Lightning ``precision`` when the user passes none (shared by the Trainer's and
+    Fabric's plugins): for ``"*-mixed"``, parameters gathered in the 16-bit type, gradients reduced in fp32, buffers
+    and the root's inputs (the batch: targets too) left as they are, autocast casting what each operation computes
+    with. DDP's numbers, and FSDP2's setting (``engines/fsdp2_options.py``). Lightning's own config
+    (``lightning_config``, kept for ``"*-true"`` and ``"32-true"``) reduces in the 16-bit type and casts the root's
+    inputs and the buffers, which DDP under autocast does not: pass it as ``mixed_precision=`` to keep it."""
+    if "mixed" not in precision or lightning_config is None:
+        return lightning_config
+    from torch.distributed.fsdp import MixedPrecision
+
+    return MixedPrecision(param_dtype=lightning_config.param_dtype, reduce_dtype=torch.float32,
+                          cast_root_forward_inputs=False)
+
+
 def scaler_for(scaler: Any, device_type: str) -> Any:
     """``scaler``, or a new ``ShardedGradScaler`` for ``device_type`` when it was made for another device (Lightning's
     default is CUDA's, which disables itself without CUDA). Shared by the Trainer's and Fabric's plugins."""
@@ -46,6 +61,7 @@ class HybridShardPrecision(FSDPPrecision):
     - before every optimizer step, the engine checks that the last backward reduced the gradients
       (:class:`~lightning_smp.errors.GradientSyncError` otherwise, instead of a step that silently does nothing).
     - ``16-mixed`` gets a loss scaler for that device type (Lightning's is CUDA's, disabled without CUDA).
+    - ``*-mixed`` reduces FSDP1's gradients in fp32 and leaves the batch to autocast (:func:`mixed_precision_config`).
 
     The strategy calls :meth:`set_device_type` when the Trainer is created and sets :attr:`fsdp_module` in ``setup``.
     """
@@ -85,6 +101,11 @@ class HybridShardPrecision(FSDPPrecision):
     @override
     def forward_context(self) -> AbstractContextManager:
         return autocast_context(self.precision, self.device_type) or super().forward_context()
+
+    @property
+    @override
+    def mixed_precision_config(self) -> Any:
+        return mixed_precision_config(self.precision, super().mixed_precision_config)
 
     @override
     def _after_closure(self, model: Any, optimizer: Any) -> None:  # Lightning: a ``Steppable``

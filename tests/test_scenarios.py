@@ -65,10 +65,6 @@ class Scenario:
     precision: str = "32-true"
     #: steps of the run, for the parity bound (``tests/helpers.parity_bound``)
     steps: int = 6
-    #: (front end, fsdp_version) -> why that sharded case is not yet DDP's: a strict xfail, so that a fix shows
-    gaps: dict[tuple[str, int], str] = field(default_factory=dict)
-    #: more arguments of the strategy under test (the fix a gap's reason names)
-    strategy_kwargs: Callable[[], dict[str, Any]] = dict
 
 
 # ------------------------------------------------------------------------------------------- Trainer patterns
@@ -450,19 +446,6 @@ def _fabric_bf16(fabric: L.Fabric) -> dict[str, list]:
     return _full(fabric, model)
 
 
-def _fp32_reduce() -> dict[str, Any]:
-    """FSDP1 under bf16-mixed as DDP computes: gathered in bf16, reduced in fp32, the batch left to autocast."""
-    from torch.distributed.fsdp import MixedPrecision
-
-    return {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                              cast_root_forward_inputs=False)}
-
-
-_BF16_REDUCE = ("Lightning's FSDP precision gives FSDP1 MixedPrecision(param_dtype=reduce_dtype=bfloat16) for"
-                " bf16-mixed: gradients summed in bf16 where DDP sums fp32, and the Trainer's batch (targets too) cast"
-                " to bf16 at the root (2-3e-5 after one step, 4x the fp32 bound); bf16_mixed_fp32_reduce passes the"
-                " fix")
-
 SCENARIOS = [
     Scenario("heads_in_some_micro_batches", trainer=_heads, fabric=_fabric_heads, fabric_start=lambda: _heads()[0],
              policy=EACH_LINEAR),
@@ -492,9 +475,7 @@ SCENARIOS = [
     # fp32 bound); after it, a weight one rounding apart can cast to another bf16 value, a difference no useful bound
     # covers
     Scenario("bf16_mixed", trainer=_bf16_mixed, fabric=_fabric_bf16, fabric_start=make_net, precision="bf16-mixed",
-             policy=EACH_LINEAR, steps=1, gaps=dict.fromkeys([("trainer", 1), ("fabric", 1)], _BF16_REDUCE)),
-    Scenario("bf16_mixed_fp32_reduce", trainer=_bf16_mixed, fabric=_fabric_bf16, fabric_start=make_net,
-             precision="bf16-mixed", policy=EACH_LINEAR, steps=1, engines=(1,), strategy_kwargs=_fp32_reduce),
+             policy=EACH_LINEAR, steps=1),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
 
@@ -573,9 +554,7 @@ def _ddp(name: str, front_end: str) -> tuple[Weights, Weights]:
 
 CASES = [
     pytest.param(scenario.name, front_end, version, degree,
-                 id=f"{scenario.name}-{front_end}-" + (f"fsdp{version}-d{degree}" if degree > 1 else "d1"),
-                 marks=[pytest.mark.xfail(strict=True, reason=scenario.gaps[(front_end, version)])]
-                 if degree > 1 and (front_end, version) in scenario.gaps else [])
+                 id=f"{scenario.name}-{front_end}-" + (f"fsdp{version}-d{degree}" if degree > 1 else "d1"))
     for scenario in SCENARIOS
     for front_end in FRONT_ENDS
     if (scenario.trainer if front_end == "trainer" else scenario.fabric) is not None
@@ -594,7 +573,7 @@ def test_pattern_equals_ddp(tmp_path, name, front_end, version, degree):
     scenario = BY_NAME[name]
     cls = HybridShardFSDPStrategy if front_end == "trainer" else FabricHybridShardFSDPStrategy
     strategy = cls(hybrid_shard_degree=degree, fsdp_version=version, auto_wrap_policy=scenario.policy,
-                   start_method="fork", **(scenario.strategy_kwargs() if degree > 1 else {}))
+                   start_method="fork")
     if scenario.refused is not None and degree > 1:
         # every rank raises before any optimizer step; the fork launcher hands the rank's error back as itself
         with pytest.raises(scenario.refused, match="outside the forward of their FSDP unit"):

@@ -77,9 +77,13 @@ class Prediction(Protocol):
 
 def dtype_bytes(precision: str, element_size: int) -> tuple[int, int]:
     """Bytes per element of (gathered parameters, reduced gradients) under a Lightning precision for FSDP:
-    ``16-mixed``, ``bf16-mixed`` and the ``*-true`` 16-bit ones gather and reduce in 16 bits (Lightning's FSDP
-    mixed-precision config: ``param_dtype = reduce_dtype`` = the 16-bit type), ``32-true`` in the parameters' own
-    type."""
+    the 16-bit ones gather and reduce in 16 bits, ``32-true`` in the parameters' own type.
+
+    Known underestimate: under ``16-mixed`` and ``bf16-mixed`` both engines reduce in fp32
+    (:func:`lightning_smp.precision.mixed_precision_config`, ``engines/fsdp2_options.py``), twice the bytes counted
+    here for the reduce-scatter and the replica all-reduce. Counting them (``2, 4``) changes two rows of the published
+    table in ``docs/planner.md`` (the torchft and ZeRO++ rows: 2 -> 50 and 16 -> 32), whose reasons must be derived
+    again first. The memory report and the communication counts read the dtype FSDP really uses."""
     if "16" in precision:
         return 2, 2
     return element_size, element_size
