@@ -87,6 +87,26 @@ def test_predicted_model_state_equals_the_measured_one(tmp_path, model_key, vers
             assert row.replicate_bytes == sum(e["bytes"] for e in record["comm"][REPLICATE_AXIS].values())
 
 
+@pytest.mark.timeout(GLOO_TIMEOUT)
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
+def test_predicted_traffic_under_mixed_precision_equals_the_counted_one(tmp_path, version):
+    """bf16-mixed gathers in bf16 and reduces in fp32 on both engines (DDP's numbers): the planner's bytes on each
+    axis are what a real step counts (it had counted a 16-bit reduction, half the reduce-scatter and replica bytes)."""
+    from lightning_smp.names import REPLICATE_AXIS, SHARD_AXIS
+
+    callback = MemorySavingsCallback(print_table=False, filename=None)
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=version, start_method="fork")
+    torch.manual_seed(0)
+    cpu_trainer(strategy, tmp_path, WORLD, max_steps=1, callbacks=[callback], precision="bf16-mixed").fit(
+        TinyModel(), make_loader())
+    with torch.device("meta"):
+        row = plan(TinyModel(), world_size=WORLD, budget_bytes=10**12, fsdp_version=version,
+                   precision="bf16-mixed").row(2)
+    for record in callback.reports["first_step"]:
+        assert row.shard_bytes == sum(e["bytes"] for e in record["comm"][SHARD_AXIS].values())
+        assert row.replicate_bytes == sum(e["bytes"] for e in record["comm"][REPLICATE_AXIS].values())
+
+
 def test_optimizer_state_layouts():
     net = torch.nn.Linear(2, 2)
     assert optimizer_state_layout(torch.optim.AdamW(net.parameters())) == (2, 4)

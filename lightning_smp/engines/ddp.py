@@ -109,7 +109,7 @@ class DDPPrediction:
         grads = sum(p.numel() * p.element_size() for p in trainable)
         return Held(params, grads, sum(p.numel() * p.element_size() * state_tensors + state_fixed for p in trainable))
 
-    def unit_layout(self, unit: Sequence[Parameter], shard: int, group: int) -> UnitLayout:
+    def unit_layout(self, unit: Sequence[Parameter], shard: int, group: int, gather_bytes: int) -> UnitLayout:
         return UnitLayout(sum(p.numel() for p in unit), sum(p.numel() for p in unit if p.requires_grad))
 
     def gathered_bytes(self, unit_bytes: Sequence[int], root_bytes: int, zero2: bool, unsharded: bool) -> int:

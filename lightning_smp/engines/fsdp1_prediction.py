@@ -33,8 +33,9 @@ class FSDP1Prediction:
         optimizer = sum(n * state_tensors * size + state_fixed for p, n in zip(unit, local) if n and p.requires_grad)
         return Held(chunk, grads, optimizer)
 
-    def unit_layout(self, unit: Sequence[Parameter], shard: int, group: int) -> UnitLayout:
-        return UnitLayout(flat_param_numel([p.numel() for p in unit], group, unit[0].element_size()))
+    def unit_layout(self, unit: Sequence[Parameter], shard: int, group: int, gather_bytes: int) -> UnitLayout:
+        # FSDP1 aligns each parameter in the flat parameter for the forward's dtype (16-bit under mixed precision)
+        return UnitLayout(flat_param_numel([p.numel() for p in unit], group, gather_bytes))
 
     def gathered_bytes(self, unit_bytes: Sequence[int], root_bytes: int, zero2: bool, unsharded: bool) -> int:
         # the root (kept gathered from forward to backward) and the unit computing; under ZeRO-2 every unit (none

@@ -43,7 +43,7 @@ class FSDP2Prediction:
                 optimizer += local * state_tensors + state_fixed  # the unpadded chunk's; a 0-d step even when empty
         return Held(params, grads, optimizer)
 
-    def unit_layout(self, unit: Sequence[Parameter], shard: int, group: int) -> UnitLayout:
+    def unit_layout(self, unit: Sequence[Parameter], shard: int, group: int, gather_bytes: int) -> UnitLayout:
         padded = reduced = 0
         for p in unit:
             _, per_rank, rest = chunk(p, shard)

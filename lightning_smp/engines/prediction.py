@@ -58,7 +58,8 @@ class Prediction(Protocol):
         ``state_tensors`` tensors shaped like each trainable parameter and ``state_fixed`` bytes per parameter."""
         ...
 
-    def unit_layout(self, unit: Sequence[Parameter], shard: int, group: int) -> UnitLayout:
+    def unit_layout(self, unit: Sequence[Parameter], shard: int, group: int, gather_bytes: int) -> UnitLayout:
+        """The unit's sizes when its parameters are gathered in elements of ``gather_bytes`` bytes."""
         ...
 
     def gathered_bytes(self, unit_bytes: Sequence[int], root_bytes: int, zero2: bool, unsharded: bool) -> int:
@@ -76,14 +77,12 @@ class Prediction(Protocol):
 
 
 def dtype_bytes(precision: str, element_size: int) -> tuple[int, int]:
-    """Bytes per element of (gathered parameters, reduced gradients) under a Lightning precision for FSDP:
-    the 16-bit ones gather and reduce in 16 bits, ``32-true`` in the parameters' own type.
-
-    Known underestimate: under ``16-mixed`` and ``bf16-mixed`` both engines reduce in fp32
-    (:func:`lightning_smp.precision.mixed_precision_config`, ``engines/fsdp2_options.py``), twice the bytes counted
-    here for the reduce-scatter and the replica all-reduce. Counting them (``2, 4``) changes two rows of the published
-    table in ``docs/planner.md`` (the torchft and ZeRO++ rows: 2 -> 50 and 16 -> 32), whose reasons must be derived
-    again first. The memory report and the communication counts read the dtype FSDP really uses."""
+    """Bytes per element of (gathered parameters, reduced gradients) under a Lightning precision for FSDP, as both
+    engines run it: ``16-mixed`` and ``bf16-mixed`` gather in 16 bits and reduce in fp32
+    (:func:`lightning_smp.precision.mixed_precision_config`, ``engines/fsdp2_options.py``: DDP's numbers), the
+    ``*-true`` 16-bit ones gather and reduce in 16 bits, ``32-true`` in the parameters' own type."""
+    if "mixed" in precision:
+        return 2, 4
     if "16" in precision:
         return 2, 2
     return element_size, element_size
@@ -100,7 +99,7 @@ def fsdp_textbook(prediction: Prediction, units: Sequence[Sequence[Parameter]], 
     specs = []
     for index, unit in enumerate(units):
         gather, reduce = dtype_bytes(precision, unit[0].element_size())
-        sizes = prediction.unit_layout(unit, shard, group)
+        sizes = prediction.unit_layout(unit, shard, group, gather)
         specs.append(FSDPUnitSpec(padded_numel=sizes.padded, is_root=index == len(units) - 1, gather_bytes=gather,
                                   reduce_bytes=reduce, reduce_numel=sizes.reduced))
     scattered, synced = accumulation_passes(accumulation, micro_batches)
