@@ -16,7 +16,7 @@ HUGGING_FACE := $(VENV)/hugging-face
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install install-litgpt demo test lint bench bench-cluster bench-async bench-buffers clean
+.PHONY: install install-litgpt demo test lint bench bench-cluster bench-async bench-buffers bench-guard clean
 
 install: $(STAMP)
 
@@ -57,6 +57,10 @@ bench-async: $(STAMP)
 # what broadcast_buffers=True (DDP's rule for BatchNorm statistics) costs a step (4 CPU ranks); see docs/engines.md
 bench-buffers: $(STAMP)
 	$(BIN)/python -m benchmarks.buffer_sync $(ARGS)
+
+# the step guard's reduction, one all-reduce per mesh axis against one over the world (4 CPU ranks); see docs/performance.md
+bench-guard: $(STAMP)
+	$(BIN)/python -m benchmarks.guard_sync $(ARGS)
 
 clean:
 	rm -rf $(VENV) lightning_logs .pytest_cache

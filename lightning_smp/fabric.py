@@ -27,7 +27,7 @@ from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,9 +69,6 @@ from lightning_smp.names import (
 )
 from lightning_smp.optimizers import discard_on_zero_grad
 from lightning_smp.precision import autocast_context, mixed_precision_config, scaler_for
-
-if TYPE_CHECKING:
-    pass
 
 
 class HybridShardFabricPrecision(FSDPPrecision):

@@ -49,7 +49,8 @@ class HybridShardFrontEnd:
     _created_by = "the Trainer"
     _mesh_built_in = "inside Trainer.fit/validate/test/predict"
     _warned_override = False
-    _warned_budget = False
+    #: the planner's options already warned about (each once: a user who set two hears of both)
+    _warned_unused: frozenset[str] = frozenset()
     #: where every rank runs, learnt at setup on more than one node (names a lost node when a collective fails)
     _peers: list[RankAddress] | None = None
     #: writes sharded checkpoints in the background (``async_save``); made with its process group at setup
@@ -146,8 +147,8 @@ class HybridShardFrontEnd:
             rank_zero_warn(layout.override_message())
         config = self.core.config  # from any source
         for key, value in (("memory_budget", config.memory_budget), ("links", config.links)):
-            if value is not None and not self.core.auto and not self._warned_budget:
-                self._warned_budget = True
+            if value is not None and not self.core.auto and key not in self._warned_unused:
+                self._warned_unused = self._warned_unused | {key}
                 rank_zero_warn(f"{key}={value} is used only with hybrid_shard_degree='auto';"
                                f" hybrid_shard_degree={self.core.configured_degree} is in effect. Fix: drop {key},"
                                " or set hybrid_shard_degree='auto'.")

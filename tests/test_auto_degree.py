@@ -299,6 +299,20 @@ def test_a_budget_without_auto_warns_that_it_is_unused(clean_sources):
         cpu_trainer(HybridShardFSDPStrategy(hybrid_shard_degree=2, memory_budget="1GB"), devices=WORLD)
 
 
+def test_each_unused_planner_option_warns_once(clean_sources):
+    """memory_budget and links both set without 'auto': a warning for each (one flag had silenced the second), and
+    neither again when the strategy sets up a second time."""
+    import warnings
+
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, memory_budget="1GB", links="aws-p4d")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        strategy._warn_override_once(None)
+        strategy._warn_override_once(None)
+    unused = [str(w.message).split(" ")[0] for w in caught if "is used only with" in str(w.message)]
+    assert unused == ["memory_budget=1000000000", "links=aws-p4d"]
+
+
 def _plain_fully_shard_auto(rank: int, world_size: int) -> str:
     from torch.distributed.fsdp import fully_shard
 

@@ -374,3 +374,19 @@ def test_buffer_sync_benchmark_runs_and_reports(tmp_path: Path) -> None:
     assert all(e["rounds"] == 1 and e["on_s"] > 0 and e["off_s"] > 0 for e in result["engines"])
     assert json.loads((tmp_path / "buffers.json").read_text())["engines"] == json.loads(json.dumps(result["engines"]))
     assert "on / off" in (tmp_path / "buffers.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------- make bench-guard
+
+
+def test_guard_sync_benchmark_runs_and_reports(tmp_path: Path) -> None:
+    """A tiny real run of ``make bench-guard``: both reductions timed on every call, each round in turn."""
+    from benchmarks.guard_sync import VARIANTS, main
+
+    result = main(["--params", "8", "--width", "16", "--compute", "1", "--calls", "2", "--rounds", "2", "--output",
+                   str(tmp_path / "guard")])
+    assert result["calls"] == {variant: 4 for variant in VARIANTS}
+    assert all(result["median_ms"][variant] > 0 for variant in VARIANTS)
+    assert result["ratio_min"] <= result["world_over_per_axis"] <= result["ratio_max"]
+    assert json.loads((tmp_path / "guard.json").read_text())["median_ms"] == result["median_ms"]
+    assert "world / per axis" in (tmp_path / "guard.md").read_text()

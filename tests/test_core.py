@@ -25,11 +25,28 @@ from lightning_smp.forking import rank_error
 from lightning_smp.names import FULL
 
 
-@pytest.mark.parametrize("values", [names.MESH_AXES, names.SHARDING_STRATEGIES, names.START_METHODS,
-                                    names.STATE_DICT_TYPES, names.GRADIENT_ACCUMULATIONS, names.FSDP_VERSIONS])
-def test_each_option_is_defined_once(values):
-    # each tuple is read from its Literal (names.py); what can differ is a value listed twice
-    assert values and len(set(values)) == len(values)
+def test_each_option_is_defined_once():
+    """names.py as written: no ``Literal`` lists a value twice and no two spell the same value (``typing.get_args``
+    drops a repeated value, so the tuples read back from them cannot show it), and every tuple is its Literal's."""
+    import ast
+    import inspect
+
+    spelled: dict[object, str] = {}
+    for node in ast.walk(ast.parse(inspect.getsource(names))):
+        if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript)
+                and isinstance(node.value.value, ast.Name) and node.value.value.id == "Literal"):
+            continue
+        literal = node.targets[0].id  # type: ignore[attr-defined]
+        items = node.value.slice.elts if isinstance(node.value.slice, ast.Tuple) else [node.value.slice]
+        for value in (item.value for item in items if isinstance(item, ast.Constant)):  # a Name: another Literal
+            assert value not in spelled, f"{value!r} is spelled in {spelled[value]} and in {literal}"
+            spelled[value] = literal
+    assert len(spelled) >= 15  # every Literal of names.py was read
+    for values, literal in [(names.MESH_AXES, "MeshAxis"), (names.SHARDING_STRATEGIES, "ShardingStrategyName"),
+                            (names.STATE_DICT_TYPES, "StateDictType"),
+                            (names.GRADIENT_ACCUMULATIONS, "GradientAccumulation"), (names.FSDP_VERSIONS, "FSDPVersion")]:
+        assert values == typing.get_args(getattr(names, literal))
+        assert all(spelled[value] == literal for value in values)
 
 
 def test_start_methods_are_the_platforms_and_the_script_launcher():
