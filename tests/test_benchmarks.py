@@ -36,7 +36,7 @@ from benchmarks.settings import (
 from benchmarks.tables import GLOO_NOTE
 from benchmarks.workloads import BenchGPT, make_model, plain_mixed_precision
 from lightning_smp import HybridShardConfigError
-from lightning_smp.accounting.shards import flat_param_numel, rank_bytes
+from lightning_smp.accounting.shards import flat_param_numel
 from lightning_smp.demo import Block
 from lightning_smp.names import (
     FULL_SHARD,
@@ -48,6 +48,7 @@ from lightning_smp.names import (
     SHARD_AXIS,
     SHARD_GRAD_OP,
 )
+from tests.oracles import rank_bytes
 
 WORLD4_NAMES = [
     "smp_hybrid d=1 find_unused_parameters=False", "ddp", "smp_hybrid_fsdp2 d=1 find_unused_parameters=False",

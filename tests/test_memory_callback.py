@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning_smp import HybridShardFSDPStrategy
 from lightning_smp.accounting.comm import FSDPUnitSpec, fsdp_step_textbook
 from lightning_smp.accounting.memory import MEMORY_FIELDS, PEAK_FIELDS, measure_memory, shard_layout
-from lightning_smp.accounting.shards import flat_param_numel, floor_bytes, padding_per_rank, rank_bytes, unsharded_bytes
+from lightning_smp.accounting.shards import flat_param_numel
 from lightning_smp.callbacks import MemorySavingsCallback
 from lightning_smp.callbacks.memory import REPORT_FILENAME
 from lightning_smp.names import (
@@ -30,6 +30,7 @@ from lightning_smp.names import (
     SHARD_AXIS,
 )
 from tests.helpers import TinyModel, cpu_trainer, make_loader, run_distributed
+from tests.oracles import floor_bytes, padding_per_rank, rank_bytes, unsharded_bytes
 
 #: TinyModel's parameters (697 in all) as one FSDP unit (root only) or one unit per Linear layer.
 ROOT_UNIT = [[n for layer in TinyModel.LAYER_NUMELS for n in layer]]
