@@ -18,7 +18,6 @@ save's. Writes ``benchmarks/results/async_checkpoint.{md,json}``.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import tempfile
@@ -157,12 +156,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows.append(measure(version, background, settings))
     params = args.layers * (args.width * args.width + args.width)
     result = {"settings": settings, "params": params, "rows": rows, "verdicts": evaluate(rows)}
-    text = render(result)
-    print(text)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    args.output.with_suffix(".md").write_text("```\n" + text + "\n```\n")
-    return result
+    from benchmarks.report import write_small_results  # matplotlib and the library: only once there is a result
+
+    return write_small_results(args.output, result, render)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Writes ``benchmarks/results/buffer_sync.{md,json}``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -112,12 +111,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     settings = {k: getattr(args, k) for k in ("width", "layers", "batch", "steps")}
     result = run(settings, args.rounds)
-    text = render(result)
-    print(text)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    args.output.with_suffix(".md").write_text("```\n" + text + "\n```\n")
-    return result
+    from benchmarks.report import write_small_results  # matplotlib and the library: only once there is a result
+
+    return write_small_results(args.output, result, render)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Writes ``benchmarks/results/guard_sync.{md,json}``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -113,13 +112,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     settings = {k: getattr(args, k) for k in ("params", "width", "compute", "calls", "rounds")}
     result = run(settings)
-    text = render(result)
-    print(text)
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.with_suffix(".json").write_text(json.dumps(result, indent=1))
-        args.output.with_suffix(".md").write_text("```\n" + text + "\n```\n")
-    return result
+    from benchmarks.report import write_small_results  # matplotlib and the library: only once there is a result
+
+    return write_small_results(args.output, result, render)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ plot; the figures come from :mod:`benchmarks.figures`, their text from :mod:`ben
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,3 +46,14 @@ def write_results(summary: dict[str, Any], records: Sequence[dict[str, Any]], se
     paths["md"] = out / f"{settings.mode}.md"
     paths["md"].write_text(to_markdown(summary, settings, machine, command, plot_name))
     return paths
+
+
+def write_small_results(output: Path, result: dict[str, Any], render: Callable[[dict[str, Any]], str]) -> dict[str, Any]:
+    """A one-table benchmark's end: print ``render(result)`` and write it to ``output`` with ``.md``, every figure
+    with ``.json``; returns ``result``."""
+    text = render(result)
+    print(text)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    output.with_suffix(".md").write_text("```\n" + text + "\n```\n")
+    return result
