@@ -26,6 +26,7 @@ from lightning_smp.checkpoint import META_FILENAME, atomic
 from lightning_smp.checkpoint.atomic import is_temporary
 from lightning_smp.engines.chunks import TensorChunks
 from lightning_smp.fabric import HybridShardFSDPStrategy as FabricStrategy
+from tests.checkpoint_runs import CkptModel, assert_same_state, probe, run
 from tests.helpers import (
     BACKENDS,
     FSDP_VERSIONS,
@@ -38,7 +39,6 @@ from tests.helpers import (
     process_group_backend_for,
     require_devices,
 )
-from tests.test_checkpoint import CkptModel, assert_same_state, probe, run
 
 WORLD, DEGREE = 4, 2  # replica groups {0, 2} and {1, 3}: ranks 0 and 1 write, 2 and 3 hold the same shards
 
@@ -162,17 +162,17 @@ def assert_same_checkpoint(actual: dict[str, Any], expected: dict[str, Any]) -> 
 def _fabric_saves(fabric: L.Fabric, folder: str) -> dict[str, Any]:
     """Three steps, a save after each (each written while the next step runs, the last one as the loop ends); the
     full state after each step."""
-    from tests.test_fabric import _batches, _state, make_net
+    from tests.fabric_loops import fabric_state, make_net, rank_batches
 
     model = fabric.setup_module(make_net())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
     states = []
-    for step, (x, y) in enumerate(_batches(fabric)[:3]):
+    for step, (x, y) in enumerate(rank_batches(fabric)[:3]):
         fabric.backward(torch.nn.functional.mse_loss(model(x), y))
         optimizer.step()
         optimizer.zero_grad()
         fabric.save(Path(folder) / f"step{step}", {"model": model, "optimizer": optimizer, "step": step})
-        states.append(_state(fabric, model, optimizer))
+        states.append(fabric_state(fabric, model, optimizer))
     # no wait_for_checkpoint(): the last save is still being written as the loop returns, and the rank waits for it
     assert fabric.strategy.checkpoint_in_flight
     return {"states": states, "staged": fabric.strategy.checkpoint_staging_bytes,
@@ -180,9 +180,9 @@ def _fabric_saves(fabric: L.Fabric, folder: str) -> dict[str, Any]:
 
 
 def _fabric_loads(fabric: L.Fabric, path: str) -> dict[str, Any]:
-    from tests.test_fabric import _load
+    from tests.fabric_loops import load_fabric_state
 
-    return _load(fabric, path)
+    return load_fabric_state(fabric, path)
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
@@ -461,12 +461,12 @@ def test_a_failed_background_write_raises_on_every_rank(tmp_path: Path, version:
 
 
 def _fabric_fails(fabric: L.Fabric, folder: str) -> dict[str, Any]:
-    from tests.test_fabric import _batches, make_net
+    from tests.fabric_loops import make_net, rank_batches
 
     model = fabric.setup_module(make_net())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
     outcome: dict[str, Any] = {}
-    batches = _batches(fabric)[:6]
+    batches = rank_batches(fabric)[:6]
     # steps go on while the save is in flight (each step polls it, every rank together), however long a loaded
     # machine takes to write: the failure must come out of a step, not out of the end of the program
     for step in range(10_000):
@@ -500,11 +500,11 @@ def test_fabric_background_failure_raises_at_a_step_on_every_rank(tmp_path: Path
 
 
 def _fabric_last_save_fails(fabric: L.Fabric, folder: str) -> None:
-    from tests.test_fabric import _batches, make_net
+    from tests.fabric_loops import make_net, rank_batches
 
     model = fabric.setup_module(make_net())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
-    x, y = _batches(fabric)[0]
+    x, y = rank_batches(fabric)[0]
     fabric.backward(torch.nn.functional.mse_loss(model(x), y))
     optimizer.step()
     fabric.save(Path(folder) / "last", {"model": model, "optimizer": optimizer})  # returns; the loop ends

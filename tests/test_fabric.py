@@ -37,6 +37,17 @@ from lightning_smp.names import (
     STATE_DICT_TYPES,
     STRATEGY_NAMES,
 )
+from tests.fabric_loops import (
+    K,
+    clipped_by_optimizer,
+    fabric_state,
+    full_weights,
+    load_fabric_state,
+    make_net,
+    rank_batches,
+    tiny_gpt2,
+    window_dropped,
+)
 from tests.helpers import (
     FRONT_ENDS,
     FSDP_VERSIONS,
@@ -49,13 +60,7 @@ from tests.helpers import (
 )
 
 WORLD = 4
-K = 2  # micro-batches per optimizer step
 STEPS = 4
-
-
-def make_net() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return TinyModel().net  # 16 -> 33 -> 4, odd sizes that FSDP must pad
 
 
 def _fabric(strategy: Any, devices: int = WORLD) -> L.Fabric:
@@ -67,28 +72,11 @@ def _ours(degree: int, version: int, requested: str = HYBRID_SHARD, **kwargs: An
                                    start_method="fork", **kwargs)
 
 
-def _full(fabric: L.Fabric, model: Any) -> dict[str, list]:
-    """The full weights on rank 0 (as lists: a launched function's result is pickled out of the ranks)."""
-    strategy = fabric.strategy
-    if isinstance(strategy, HybridShardFSDPStrategy):
-        state = strategy.full_state_dict(model)
-    else:
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return {k: v.tolist() for k, v in state.items()}
-
-
-def _batches(fabric: L.Fabric) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    x, y = make_loader().dataset.tensors
-    mine = slice(fabric.global_rank, None, fabric.world_size)  # what a DistributedSampler gives this rank
-    xs, ys = x[mine], y[mine]
-    return [(xs[i:i + 2], ys[i:i + 2]) for i in range(0, len(xs), 2)]
-
-
 def train(fabric: L.Fabric, clip: dict[str, float], steps: int = STEPS) -> dict[str, Any]:
     """A litgpt-style step: k micro-batches under no_backward_sync but the last, clipping, AdamW."""
     model = fabric.setup_module(make_net())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
-    batches = iter(_batches(fabric))
+    batches = iter(rank_batches(fabric))
     counted: dict | None = None
     for step in range(steps):
         counter = count_communication(model) if step == 1 else None
@@ -111,7 +99,7 @@ def train(fabric: L.Fabric, clip: dict[str, float], steps: int = STEPS) -> dict[
     accumulation = getattr(fabric.strategy, "gradient_accumulation", NO_SYNC)  # Fabric's DDP: no_sync
     records = memory_report(model, [optimizer], comm=counted, backward_passes=K, accumulation=accumulation,
                             print_table=False)
-    return {"weights": _full(fabric, model), "records": records}
+    return {"weights": full_weights(fabric, model), "records": records}
 
 
 @lru_cache(maxsize=None)
@@ -183,7 +171,7 @@ def test_clipping_by_value_matches_ddp(version):
 def _step_after_unreduced_backward(fabric: L.Fabric) -> None:
     model = fabric.setup_module(make_net())
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
-    x, y = _batches(fabric)[0]
+    x, y = rank_batches(fabric)[0]
     with fabric.no_backward_sync(model):
         fabric.backward(torch.nn.functional.mse_loss(model(x), y))
     optimizer.step()  # the gradients were never reduced
@@ -241,29 +229,12 @@ def _save(fabric: L.Fabric, folder: str, kind_steps: int, factory: Any = None) -
     """Train ``kind_steps`` steps, save, return the full state (rank 0)."""
     model = fabric.setup_module(factory() if factory is not None else make_net())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
-    for x, y in _batches(fabric)[:kind_steps]:
+    for x, y in rank_batches(fabric)[:kind_steps]:
         fabric.backward(torch.nn.functional.mse_loss(model(x), y))
         optimizer.step()
         optimizer.zero_grad()
     fabric.save(Path(folder) / "ckpt", {"model": model, "optimizer": optimizer, "step": kind_steps})
-    return _state(fabric, model, optimizer)
-
-
-def _state(fabric: L.Fabric, model: Any, optimizer: Any) -> dict[str, Any]:
-    strategy = fabric.strategy
-    optim = strategy.full_optimizer_state(model, optimizer)
-    return {"weights": _full(fabric, model),
-            "optimizer": {i: {k: v.tolist() for k, v in s.items()} for i, s in optim.get("state", {}).items()}}
-
-
-def _load(fabric: L.Fabric, path: str) -> dict[str, Any]:
-    model = fabric.setup_module(make_net())
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
-    state = {"model": model, "optimizer": optimizer, "step": 0}
-    remainder = fabric.load(path, state, strict=False)
-    out = _state(fabric, model, optimizer)
-    out["step"], out["remainder"] = state["step"], sorted(remainder)
-    return out
+    return fabric_state(fabric, model, optimizer)
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
@@ -272,7 +243,7 @@ def _load(fabric: L.Fabric, path: str) -> dict[str, Any]:
                          ids=["fsdp2_d4_4r", "fsdp1_d1_2r", "fsdp1_d2_4r"])
 def test_fabric_checkpoint_resumes_across_degree_world_size_and_engine(tmp_path, kind, version, degree, devices):
     saved = _fabric(_ours(2, 2, state_dict_type=kind)).launch(_save, str(tmp_path), 3)
-    loaded = _fabric(_ours(degree, version, state_dict_type=kind), devices).launch(_load, str(tmp_path / "ckpt"))
+    loaded = _fabric(_ours(degree, version, state_dict_type=kind), devices).launch(load_fabric_state, str(tmp_path / "ckpt"))
     assert loaded["weights"] == saved["weights"] and loaded["optimizer"] == saved["optimizer"]
     assert loaded["step"] == 3
 
@@ -307,7 +278,7 @@ def test_checkpoints_cross_front_ends(tmp_path):
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
         remainder = fabric.load(path, {"model": model, "optimizer": optimizer})
         assert remainder["global_step"] == 2
-        return _full(fabric, model)
+        return full_weights(fabric, model)
 
     weights = _fabric(_ours(2, 2)).launch(load_trainer_checkpoint, str(written))
     assert {k: torch.tensor(v) for k, v in weights.items()}.keys() == full["state_dict"].keys()
@@ -365,7 +336,7 @@ class _StartProbe(L.Callback):
 def _load_raw(fabric: L.Fabric, path: str) -> dict[str, list]:
     model = fabric.setup_module(make_net())
     fabric.load_raw(path, model)
-    return _full(fabric, model)
+    return full_weights(fabric, model)
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
@@ -381,15 +352,6 @@ def test_load_raw_reads_a_plain_state_dict_file(tmp_path, version):
 # ---------------------------------------------------------------------------------------- a third-party model
 
 
-def _gpt2() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)  # built from a config: nothing is downloaded
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(config)
-
-
 GPT2_STEPS, GPT2_LR = 3, 1e-2
 #: The key third of each block's ``c_attn.bias`` (query, key, value in that order): its exact gradient is zero (a
 #: bias added to every key adds the same number to a whole row of attention logits, which the softmax ignores), so
@@ -402,7 +364,7 @@ def train_gpt2(fabric: L.Fabric, path: str) -> None:
     """Hugging Face GPT-2 (tied input and output embeddings) in the same loop: accumulation, clipping, AdamW. Rank 0
     writes the full weights to ``path`` (a launched function's result travels through a pipe Fabric reads only
     after the ranks end, too small for them)."""
-    model = fabric.setup_module(_gpt2())
+    model = fabric.setup_module(tiny_gpt2())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=GPT2_LR))
     tokens = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
     mine = tokens[fabric.global_rank::fabric.world_size]
@@ -470,7 +432,7 @@ def _rank_seeded(fabric: L.Fabric) -> tuple[dict[str, list], dict[str, list]]:
     first: list[Any] = [None] * fabric.world_size
     dist.all_gather_object(first, mine)
     model = fabric.setup_module(net)
-    return first[0], _full(fabric, model)
+    return first[0], full_weights(fabric, model)
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
@@ -483,11 +445,11 @@ def test_replicas_start_from_rank0_weights(version):
 def _joint_setup(fabric: L.Fabric) -> dict[str, list]:
     net = make_net()
     model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=0.05))
-    for x, y in _batches(fabric)[:2]:
+    for x, y in rank_batches(fabric)[:2]:
         fabric.backward(torch.nn.functional.mse_loss(model(x), y))
         optimizer.step()
         optimizer.zero_grad()
-    return _full(fabric, model)
+    return full_weights(fabric, model)
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
@@ -516,7 +478,7 @@ def test_a_second_run_never_overwrites_the_first_runs_checkpoint(tmp_path, kind)
 def _report(fabric: L.Fabric) -> list[dict]:
     model = fabric.setup_module(TinyModel())
     optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.05))
-    x, y = _batches(fabric)[0]
+    x, y = rank_batches(fabric)[0]
     fabric.backward(torch.nn.functional.mse_loss(model(x), y))
     optimizer.step()
     return memory_report(model, [optimizer], print_table=False)
@@ -565,7 +527,7 @@ def _train_with_position(fabric: L.Fabric, folder: str, save_at: int | None, res
     position = _Position()
     state = {"model": model, "optimizer": optimizer, "data": position, "step": 0}
     remainder = fabric.load(Path(folder) / "ckpt", state) if resume else {}
-    batches = _batches(fabric)
+    batches = rank_batches(fabric)
     while state["step"] < STEPS:
         x, y = batches[position.batches]
         fabric.backward(torch.nn.functional.mse_loss(model(x), y))
@@ -575,7 +537,7 @@ def _train_with_position(fabric: L.Fabric, folder: str, save_at: int | None, res
         state["step"] += 1
         if state["step"] == save_at:
             fabric.save(Path(folder) / "ckpt", state)
-    return {"weights": _full(fabric, model), "position": position.batches, "remainder": sorted(remainder),
+    return {"weights": full_weights(fabric, model), "position": position.batches, "remainder": sorted(remainder),
             "data_is_the_object": state["data"] is position}
 
 
@@ -597,11 +559,11 @@ def test_stateful_objects_are_saved_through_state_dict_and_resume_exactly(tmp_pa
 def _save_full_with_user_keys(fabric: L.Fabric, path: str) -> dict[str, Any]:
     model = fabric.setup_module(make_net())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
-    x, y = _batches(fabric)[0]
+    x, y = rank_batches(fabric)[0]
     fabric.backward(torch.nn.functional.mse_loss(model(x), y))
     optimizer.step()
     fabric.save(path, {"model": model, "optimizer": optimizer, "iter_num": 1})
-    return _state(fabric, model, optimizer)
+    return fabric_state(fabric, model, optimizer)
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
@@ -729,7 +691,7 @@ def _seeded_meta_init(fabric: L.Fabric) -> dict[str, list]:
     with fabric.init_module(empty_init=True):
         net = TinyModel().net
     assert all(p.is_meta for p in net.parameters())
-    return _full(fabric, fabric.setup_module(net))
+    return full_weights(fabric, fabric.setup_module(net))
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
@@ -744,49 +706,14 @@ def test_seeded_meta_init_gives_the_weights_of_an_unsharded_model(version, degre
     assert all(torch.equal(torch.tensor(ours[k]), v) for k, v in reference.items())
 
 
-def _window_dropped(fabric: L.Fabric) -> dict[str, list]:
-    """Accumulation of K micro-batches under no_backward_sync; in the second step, optimizer.zero_grad() right after
-    the first micro-batch drops it (a loop discarding part of a window, e.g. after a loss spike)."""
-    model = fabric.setup_module(make_net())
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
-    batches = iter(_batches(fabric))
-    for step in range(3):
-        for micro in range(K):
-            x, y = next(batches)
-            with fabric.no_backward_sync(model, enabled=micro < K - 1):
-                fabric.backward(torch.nn.functional.mse_loss(model(x), y) / K)
-            if step == 1 and micro == 0:
-                optimizer.zero_grad()
-        optimizer.step()
-        optimizer.zero_grad()
-    return _full(fabric, model)
-
-
 @pytest.mark.timeout(GLOO_TIMEOUT)
 @pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_zero_grad_inside_an_accumulation_window_drops_what_it_accumulated(version):
     """As under DDP: nothing of the dropped micro-batch reaches the step (FSDP2's deferred sum is held outside
     .grad; zero_grad discards it too)."""
-    reference = _fabric(DDPStrategy(start_method="fork")).launch(_window_dropped)
-    ours = _fabric(_ours(2, version)).launch(_window_dropped)
+    reference = _fabric(DDPStrategy(start_method="fork")).launch(window_dropped)
+    ours = _fabric(_ours(2, version)).launch(window_dropped)
     assert_matches_ddp(ours, {k: torch.tensor(v) for k, v in reference.items()})
-
-
-def _clipped_by_optimizer(fabric: L.Fabric, two: bool) -> dict[str, list]:
-    """Norm clipping per optimizer: the head's optimizer alone while the body still requires grad (``two=False``), or
-    one optimizer for the body and one for the head, each clipped on its own (``two=True``)."""
-    model = fabric.setup_module(make_net())
-    head = list(model.module[2].parameters())
-    body = [p for p in model.module.parameters() if all(p is not h for h in head)]
-    groups = [body, head] if two else [head]
-    optimizers = [fabric.setup_optimizers(torch.optim.AdamW(params, lr=0.05)) for params in groups]
-    for x, y in _batches(fabric)[:3]:
-        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
-        for optimizer in optimizers:
-            fabric.clip_gradients(model, optimizer, max_norm=0.05)  # below every norm here: always clips
-            optimizer.step()
-            optimizer.zero_grad()
-    return _full(fabric, model)
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
@@ -794,6 +721,6 @@ def _clipped_by_optimizer(fabric: L.Fabric, two: bool) -> dict[str, list]:
 @pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_norm_clipping_takes_the_optimizers_parameters(version, two):
     """As Lightning and DDP clip: the norm of the optimizer's own parameters, not of the whole model."""
-    reference = _fabric(DDPStrategy(start_method="fork")).launch(_clipped_by_optimizer, two)
-    ours = _fabric(_ours(2, version)).launch(_clipped_by_optimizer, two)
+    reference = _fabric(DDPStrategy(start_method="fork")).launch(clipped_by_optimizer, two)
+    ours = _fabric(_ours(2, version)).launch(clipped_by_optimizer, two)
     assert_matches_ddp(ours, {k: torch.tensor(v) for k, v in reference.items()})

@@ -15,7 +15,6 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_smp import GradientSyncError, HybridShardFSDPStrategy, MemorySavingsCallback, resolve_layout
 from lightning_smp.engines import FSDP2Engine
@@ -48,10 +47,9 @@ from tests.helpers import (
     weight_difference,
     weights_of,
 )
+from tests.modules import FeatureModel, LoRABlock, token_loader
 
 WORLD = 4
-
-
 
 
 def _chunk_rows(rows: int, shard: int, rank: int) -> int:
@@ -61,50 +59,6 @@ def _chunk_rows(rows: int, shard: int, rank: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------- models
-
-
-class LoRABlock(torch.nn.Module):
-    """A frozen base projection with a trainable low-rank update (most weights ``requires_grad=False``)."""
-
-    def __init__(self, width: int, rank: int = 2) -> None:
-        super().__init__()
-        self.base = torch.nn.Linear(width, width)
-        self.base.requires_grad_(False)
-        self.down = torch.nn.Linear(width, rank, bias=False)
-        self.up = torch.nn.Linear(rank, width, bias=False)
-        torch.nn.init.normal_(self.up.weight, std=0.1)  # LoRA starts B at zero; nonzero so both factors train
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.base(x) + self.up(self.down(x))) + x
-
-
-class FeatureModel(L.LightningModule):
-    """Tied input/output embeddings, frozen LoRA bases, blocks for wrapping and activation checkpointing."""
-
-    VOCAB, WIDTH = 11, 12
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(self.VOCAB, self.WIDTH)
-        self.blocks = torch.nn.Sequential(LoRABlock(self.WIDTH), LoRABlock(self.WIDTH))
-        self.head = torch.nn.Linear(self.WIDTH, self.VOCAB, bias=False)
-        self.head.weight = self.embed.weight  # tied
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.embed(tokens)))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        tokens, targets = batch
-        return torch.nn.functional.cross_entropy(self(tokens).flatten(0, 1), targets.flatten())
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
-
-
-def token_loader(samples: int = 64, batch_size: int = 4) -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, FeatureModel.VOCAB, (samples, 6), generator=g)
-    return DataLoader(TensorDataset(tokens, tokens.roll(1, dims=1)), batch_size=batch_size)
 
 
 MODELS = {"tiny": TinyModel, "features": FeatureModel}
@@ -219,7 +173,6 @@ def test_features_match_ddp(tmp_path, version, degree, requested, accumulation):
     assert weight_difference(ddp_weights, unclipped) > 1e-3
     assert model.head.weight is model.embed.weight
     assert not any(isinstance(m, CheckpointWrapper) for m in model.modules())  # the launching process's model
-
 
 
 # ---------------------------------------------------------------------------------------- gradient accumulation

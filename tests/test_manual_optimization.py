@@ -8,55 +8,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_smp import HybridShardFSDPStrategy, UnsupportedOptionError
 from tests.helpers import FSDP_VERSIONS, GLOO_TIMEOUT, assert_matches_ddp, fit_and_record, make_loader
+from tests.modules import GAN
 
 WORLD = 4
 STEPS = 3
-
-
-class GAN(L.LightningModule):
-    """A generator and a discriminator, each with its own optimizer, stepped in turn with ``toggle_optimizer``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.generator = torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.Tanh(), torch.nn.Linear(33, 16))
-        self.discriminator = torch.nn.Sequential(torch.nn.Linear(16, 17), torch.nn.Tanh(), torch.nn.Linear(17, 1))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        real, _ = batch
-        noise = real[:, :8].flip(0)  # from the batch: no random numbers that could differ between strategies
-        opt_g, opt_d = self.optimizers()
-        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
-        bce = torch.nn.functional.binary_cross_entropy_with_logits
-
-        self.toggle_optimizer(opt_g)
-        fake = self.generator(noise)
-        self.manual_backward(bce(self.discriminator(fake), ones))
-        self.clip_gradients(opt_g, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
-        opt_g.step()
-        opt_g.zero_grad()
-        self.untoggle_optimizer(opt_g)
-
-        self.toggle_optimizer(opt_d)
-        for half in (slice(0, 1), slice(1, 2)):  # two forward/backward passes before the step: they accumulate
-            loss = bce(self.discriminator(real[half]), ones[half]) + bce(self.discriminator(fake[half].detach()),
-                                                                         zeros[half])
-            self.manual_backward(loss / 2)
-        opt_d.step()
-        opt_d.zero_grad()
-        self.untoggle_optimizer(opt_d)
-        return loss.detach()
-
-    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [torch.optim.AdamW(self.generator.parameters(), lr=0.05),
-                torch.optim.AdamW(self.discriminator.parameters(), lr=0.05)]
 
 
 def _fit(strategy: Any, folder: Path) -> dict[str, dict[str, torch.Tensor]]:

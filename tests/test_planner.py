@@ -15,7 +15,7 @@ import torch
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, MemorySavingsCallback
 from lightning_smp.planner import model_state, optimizer_state_layout, plan
 from tests.helpers import FSDP_VERSIONS, GLOO_TIMEOUT, TinyModel, cpu_trainer, make_loader
-from tests.test_fsdp2 import FeatureModel, LoRABlock, token_loader
+from tests.modules import FeatureModel, LoRABlock, token_loader
 
 WORLD = 4
 REPO = Path(__file__).resolve().parents[1]
@@ -26,9 +26,9 @@ class GPT2Module(L.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        from tests.test_fabric import _gpt2
+        from tests.fabric_loops import tiny_gpt2
 
-        self.model = _gpt2()
+        self.model = tiny_gpt2()
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return self.model(input_ids=batch, labels=batch).loss
@@ -362,10 +362,10 @@ def test_activations_follow_checkpointing_and_take_a_meta_input_of_the_shape():
 def test_a_third_party_model_traces_with_keyword_inputs():
     """Hugging Face GPT-2 on the meta device, its micro-batch given as keyword inputs (as Lightning's
     ``example_input_array`` may be a dict): the trace runs its real attention and loss code on fake tensors."""
-    from tests.test_fabric import _gpt2
+    from tests.fabric_loops import tiny_gpt2
 
     with torch.device("meta"):
-        model = _gpt2()
+        model = tiny_gpt2()
     ids = torch.empty(2, 16, dtype=torch.long, device="meta")
     result = plan(model, world_size=WORLD, budget_bytes="1GB", auto_wrap_policy=_gpt2_block(),
                   example_input={"input_ids": ids, "labels": ids})

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_smp import HybridShardFSDPStrategy, ShardedParameterError
 from lightning_smp.fabric import HybridShardFSDPStrategy as FabricHybridShardFSDPStrategy
+from tests.fabric_loops import clipped_by_optimizer, full_weights, make_net, rank_batches, window_dropped
 from tests.helpers import (
     FRONT_ENDS,
     GLOO_TIMEOUT,
@@ -34,9 +35,7 @@ from tests.helpers import (
     make_loader,
     parity_bound,
 )
-from tests.test_fabric import _batches, _clipped_by_optimizer, _full, _window_dropped, make_net
-from tests.test_manual_optimization import GAN
-from tests.test_unused_parameters import BODY_ONLY, AuxiliaryHeads, DataDependentBranch, ZeroGradAfterTheFirstMicroBatch
+from tests.modules import BODY_ONLY, GAN, AuxiliaryHeads, DataDependentBranch, ZeroGradAfterTheFirstMicroBatch
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +108,7 @@ def _fabric_heads(fabric: L.Fabric) -> dict[str, list]:
     """A head per micro-batch of each window (even, then odd) under no_backward_sync (items 1 and 6)."""
     model = fabric.setup_module(_heads()[0])  # the Trainer's seeded model; forward(x, micro) picks the head
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
-    batches = iter(_batches(fabric))
+    batches = iter(rank_batches(fabric))
     for _ in range(3):
         for micro in range(K):
             x, y = next(batches)
@@ -118,7 +117,7 @@ def _fabric_heads(fabric: L.Fabric) -> dict[str, list]:
                 fabric.backward((torch.nn.functional.mse_loss(out, y) + torch.nn.functional.mse_loss(aux, y)) / K)
         optimizer.step()
         optimizer.zero_grad()
-    return _full(fabric, model)
+    return full_weights(fabric, model)
 
 
 def _fabric_branch(fabric: L.Fabric) -> dict[str, list]:
@@ -126,11 +125,11 @@ def _fabric_branch(fabric: L.Fabric) -> dict[str, list]:
     torch.manual_seed(0)
     model = fabric.setup_module(DataDependentBranch())
     optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.05))
-    for x, y in _batches(fabric)[:4]:
+    for x, y in rank_batches(fabric)[:4]:
         fabric.backward(model.training_step((x, y), 0))  # its forward and branch, through the sharded root
         optimizer.step()
         optimizer.zero_grad()
-    return _full(fabric, model)
+    return full_weights(fabric, model)
 
 
 def _fabric_meta_init(fabric: L.Fabric) -> dict[str, list]:
@@ -141,11 +140,11 @@ def _fabric_meta_init(fabric: L.Fabric) -> dict[str, list]:
         net = TinyModel().net
     model = fabric.setup_module(net)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
-    for x, y in _batches(fabric)[:3]:
+    for x, y in rank_batches(fabric)[:3]:
         fabric.backward(torch.nn.functional.mse_loss(model(x), y))
         optimizer.step()
         optimizer.zero_grad()
-    return _full(fabric, model)
+    return full_weights(fabric, model)
 
 
 def _seven() -> torch.nn.Module:
@@ -333,7 +332,7 @@ def _fabric_batchnorm(fabric: L.Fabric) -> dict[str, list]:
         loss = fabric.all_reduce(torch.nn.functional.mse_loss(model(x), y), reduce_op="mean")
     extras.update({f"extra/after_eval.{k}": v for k, v in _every_ranks_buffers(fabric, model).items()})
     extras["extra/eval_loss"] = float(loss)
-    return {**_full(fabric, model), **{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in extras.items()}}
+    return {**full_weights(fabric, model), **{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in extras.items()}}
 
 
 def _buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -352,12 +351,12 @@ def _fabric_clip_by_hand(fabric: L.Fabric) -> dict[str, list]:
     """torch.nn.utils.clip_grad_norm_(model.parameters(), c) before each step, as plain PyTorch loops do (item 2)."""
     model = fabric.setup_module(make_net())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
-    for x, y in _batches(fabric)[:3]:
+    for x, y in rank_batches(fabric)[:3]:
         fabric.backward(torch.nn.functional.mse_loss(model(x), y))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # below every norm here: always clips
         optimizer.step()
         optimizer.zero_grad()
-    return _full(fabric, model)
+    return full_weights(fabric, model)
 
 
 def _fabric_penalty(fabric: L.Fabric, decay: bool) -> dict[str, list]:
@@ -365,33 +364,33 @@ def _fabric_penalty(fabric: L.Fabric, decay: bool) -> dict[str, list]:
     model = fabric.setup_module(make_net())
     optimizer = fabric.setup_optimizers(
         torch.optim.Adam(model.parameters(), lr=0.05, weight_decay=2 * PENALTY if decay else 0.0))
-    for x, y in _batches(fabric)[:3]:
+    for x, y in rank_batches(fabric)[:3]:
         loss = torch.nn.functional.mse_loss(model(x), y)
         if not decay:
             loss = loss + PENALTY * sum(p.pow(2).sum() for p in model.parameters())
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-    return _full(fabric, model)
+    return full_weights(fabric, model)
 
 
 def _fabric_penalty_in_forward(fabric: L.Fabric) -> dict[str, list]:
     """The L2 term returned by the layers that own the weights (the fix for a term that is not weight decay)."""
     model = fabric.setup_module(_seeded(PenaltyNet)())
     optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.05))
-    for x, y in _batches(fabric)[:3]:
+    for x, y in rank_batches(fabric)[:3]:
         out, penalty = model(x)
         fabric.backward(torch.nn.functional.mse_loss(out, y) + penalty)
         optimizer.step()
         optimizer.zero_grad()
-    return _full(fabric, model)
+    return full_weights(fabric, model)
 
 
 def _fabric_temperature(fabric: L.Fabric) -> dict[str, list]:
     """The 0-dim temperature (item 4), with accumulation and clipping by norm."""
     model = fabric.setup_module(_seeded(Temperature)())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
-    batches = iter(_batches(fabric))
+    batches = iter(rank_batches(fabric))
     for _ in range(3):
         for micro in range(K):
             x, y = next(batches)
@@ -400,7 +399,7 @@ def _fabric_temperature(fabric: L.Fabric) -> dict[str, list]:
         fabric.clip_gradients(model, optimizer, max_norm=0.5)
         optimizer.step()
         optimizer.zero_grad()
-    return _full(fabric, model)
+    return full_weights(fabric, model)
 
 
 class Block(torch.nn.Module):
@@ -428,11 +427,11 @@ def _fabric_nested_meta_init(fabric: L.Fabric) -> dict[str, list]:
         net = _nested()
     model = fabric.setup_module(net)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
-    for x, y in _batches(fabric)[:3]:
+    for x, y in rank_batches(fabric)[:3]:
         fabric.backward(torch.nn.functional.mse_loss(model(x), y))
         optimizer.step()
         optimizer.zero_grad()
-    return _full(fabric, model)
+    return full_weights(fabric, model)
 
 
 def _nested_seven() -> torch.nn.Module:
@@ -445,20 +444,20 @@ def _fabric_compiled(fabric: L.Fabric) -> dict[str, list]:
     trace and AOTAutograd's graphs through FSDP2's hooks, with eager kernels (no C++ build on every rank)."""
     model = fabric.setup_module(torch.compile(make_net(), backend="aot_eager"))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
-    for x, y in _batches(fabric)[:3]:
+    for x, y in rank_batches(fabric)[:3]:
         fabric.backward(torch.nn.functional.mse_loss(model(x), y))
         optimizer.step()
         optimizer.zero_grad()
-    return _full(fabric, model)
+    return full_weights(fabric, model)
 
 
 def _fabric_bf16(fabric: L.Fabric) -> dict[str, list]:
     model = fabric.setup_module(make_net())
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05))
-    x, y = _batches(fabric)[0]
+    x, y = rank_batches(fabric)[0]
     fabric.backward(torch.nn.functional.mse_loss(model(x), y))
     optimizer.step()
-    return _full(fabric, model)
+    return full_weights(fabric, model)
 
 
 SCENARIOS = [
@@ -466,8 +465,8 @@ SCENARIOS = [
              policy=EACH_LINEAR),
     Scenario("branch_on_some_ranks", trainer=_branch, fabric=_fabric_branch,
              fabric_start=_seeded(DataDependentBranch), policy=BODY_ONLY),
-    Scenario("zero_grad_mid_window", trainer=_zero_grad_mid_window, fabric=_window_dropped, fabric_start=make_net),
-    Scenario("clip_by_optimizer", trainer=_clip_head, fabric=_clipped_by_optimizer, fabric_start=make_net,
+    Scenario("zero_grad_mid_window", trainer=_zero_grad_mid_window, fabric=window_dropped, fabric_start=make_net),
+    Scenario("clip_by_optimizer", trainer=_clip_head, fabric=clipped_by_optimizer, fabric_start=make_net,
              fabric_args=(True,)),
     Scenario("manual_gan", trainer=_gan, engines=(2,), policy=EACH_LINEAR),
     Scenario("seeded_meta_init", fabric=_fabric_meta_init, fabric_start=_seven),

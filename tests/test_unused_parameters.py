@@ -19,39 +19,12 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from lightning_smp import HybridShardFSDPStrategy, UnitOrderError, unit_order
-from tests.helpers import FSDP_VERSIONS, GLOO_TIMEOUT, TinyModel, assert_matches_ddp, fit_and_record, make_loader
+from tests.helpers import FSDP_VERSIONS, GLOO_TIMEOUT, assert_matches_ddp, fit_and_record, make_loader
+from tests.modules import BODY_ONLY, AuxiliaryHeads, DataDependentBranch, K
 
 WORLD = 4
-K = 2  # micro-batches per optimizer step
-
-
-class AuxiliaryHeads(TinyModel):
-    """TinyModel and two heads of one shape: ``aux_even`` takes part in even batches only, ``aux_odd`` in odd ones.
-    With ``run_both``, both heads run in every batch and only the loss leaves one out (its hook never fires)."""
-
-    def __init__(self, run_both: bool = False) -> None:
-        super().__init__(lr=0.05)
-        self.aux_even = torch.nn.Linear(16, 4)
-        self.aux_odd = torch.nn.Linear(16, 4)
-        self.run_both = run_both
-
-    def forward(self, x: torch.Tensor, head: int | None = None) -> Any:
-        """The body's output; with ``head`` (a micro-batch index), also that of the head it picks (Fabric's loops)."""
-        if head is None:
-            return self.net(x)
-        return self.net(x), (self.aux_even if head % 2 == 0 else self.aux_odd)(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        if self.run_both:
-            even, odd = self.aux_even(x), self.aux_odd(x)
-            head = even if batch_idx % 2 == 0 else odd
-        else:
-            head = (self.aux_even if batch_idx % 2 == 0 else self.aux_odd)(x)
-        return torch.nn.functional.mse_loss(self(x), y) + torch.nn.functional.mse_loss(head, y)
 
 
 def _fit(strategy: Any, folder: Path, run_both: bool = False) -> dict[str, torch.Tensor]:
@@ -131,27 +104,6 @@ def test_a_head_no_rank_uses_in_a_window_keeps_its_grad_as_under_ddp(tmp_path, v
     assert torch.equal(ours["end"]["aux_odd.weight"], ours["start"]["aux_odd.weight"])
 
 
-class DataDependentBranch(TinyModel):
-    """An auxiliary loss only where this rank's batch meets a condition: some ranks use ``aux``, others do not.
-    ``net`` is the body, ``head`` and ``aux`` sit beside it."""
-
-    def __init__(self) -> None:
-        super().__init__(lr=0.05)
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.Tanh())
-        self.head = torch.nn.Linear(33, 4)
-        self.aux = torch.nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.net(x))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self(x), y)
-        if y[:, 0].mean() > 0:  # true on 1 to 3 of the 4 ranks in each step of this data
-            loss = loss + torch.nn.functional.mse_loss(self.aux(x), y)
-        return loss
-
-
 class ABranchNoRankTakesInOddSteps(DataDependentBranch):
     """As :class:`DataDependentBranch` in even optimizer steps; in odd ones no rank uses ``aux``."""
 
@@ -164,9 +116,6 @@ class ABranchNoRankTakesInOddSteps(DataDependentBranch):
 
 
 #: the body a unit of its own; ``aux`` stays in the root unit with ``head``, which every rank uses
-BODY_ONLY = ModuleWrapPolicy({torch.nn.Sequential})
-
-
 def _fit_branch(strategy: Any, folder: Path, model_cls: type = DataDependentBranch) -> dict[str, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = model_cls()
@@ -305,18 +254,6 @@ def test_a_gradient_that_is_not_zero_is_never_dropped_whatever_the_notes_say():
     assert restore_unused([presence], torch.device("cpu"), []) == 1
     assert a.grad is not None and b.grad is None and c.grad is not None
     assert presence.used == [False] * 3 and presence.was_none == [None] * 3  # a new window
-
-
-class ZeroGradAfterTheFirstMicroBatch(TinyModel):
-    """In the second optimizer step, ``zero_grad`` right after the first micro-batch's backward (a hook of the user's)
-    drops that micro-batch: under DDP the step then applies the second micro-batch's gradient alone. (Every
-    parameter takes part in every micro-batch: DDP's reducer refuses a window in which a parameter it saw used has
-    lost its gradient.) FSDP2's deferred all-reduce keeps the window's sum outside ``.grad``: the Trainer's
-    ``zero_grad`` left it there once, and the step applied the dropped micro-batch anyway (``tests/test_scenarios.py``)."""
-
-    def on_after_backward(self) -> None:
-        if self.trainer.global_step == 1 and self.trainer.fit_loop.epoch_loop.batch_idx % K == 0:
-            self.optimizers().zero_grad()
 
 
 def _record_step_error(fabric: L.Fabric, folder: Path, steps: Callable[[L.Fabric], None]) -> None:
