@@ -180,3 +180,18 @@ def test_zero_grad_discards_through_every_wrapper_and_pickles_as_the_plain_optim
     assert isinstance(optimizer, torch.optim.AdamW) and type(optimizer).__name__ == "AdamW"
     copied = pickle.loads(pickle.dumps(optimizer))
     assert type(copied) is torch.optim.AdamW and copied.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+
+
+def test_no_test_module_imports_another():
+    """What several test modules share lives in a helper module (helpers, oracles, modules, fabric_loops,
+    checkpoint_runs); a test module imported by another would run its module-level setup twice and ties their edits."""
+    import ast
+    from pathlib import Path
+
+    offenders = []
+    for path in sorted(Path(__file__).parent.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            offenders += [f"{path.name} imports {t}" for t in targets if t.split(".")[-1].startswith("test_")]
+    assert not offenders, offenders
