@@ -10,9 +10,7 @@ import torch
 
 from lightning_smp.fabric import HybridShardFSDPStrategy
 from tests.helpers import TinyModel, make_loader
-
-#: micro-batches per optimizer step of the accumulating loops
-K = 2
+from tests.modules import K  # micro-batches per optimizer step of the accumulating loops
 
 
 def make_net() -> torch.nn.Module:
