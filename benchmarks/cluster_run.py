@@ -34,7 +34,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_smp.accounting import CommCounter  # noqa: E402
-from lightning_smp.accounting.comm import ring_bytes  # noqa: E402
+from lightning_smp.engines.textbook import ring_bytes  # noqa: E402
 from lightning_smp.names import MESH_AXES, OTHER_AXIS  # noqa: E402
 from lightning_smp.testing.crossing import cross_node_bytes, crossing_edges, link_tx_bytes  # noqa: E402
 

@@ -1,12 +1,12 @@
 """Test oracles: what a rank should hold under FSDP1, written from the flat-parameter rules
-(:mod:`lightning_smp.accounting.shards`) independently of the library's measurement and of the planner, so that the
+(:mod:`lightning_smp.engines.fsdp1.flat`) independently of the library's measurement and of the planner, so that the
 memory report and the planner are checked against arithmetic, not against themselves."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_smp.accounting.shards import flat_param_numel, local_param_numels, local_shard_numel
+from lightning_smp.engines.fsdp1.flat import flat_param_numel, local_param_numels, local_shard_numel
 
 
 def rank_bytes(

@@ -36,8 +36,8 @@ from benchmarks.settings import (
 from benchmarks.tables import GLOO_NOTE
 from benchmarks.workloads import BenchGPT, make_model, plain_mixed_precision
 from lightning_smp import HybridShardConfigError
-from lightning_smp.accounting.shards import flat_param_numel
 from lightning_smp.demo import Block
+from lightning_smp.engines.fsdp1.flat import flat_param_numel
 from lightning_smp.names import (
     FULL_SHARD,
     HYBRID_SHARD,

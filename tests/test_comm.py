@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_smp.accounting.comm import FSDPUnitSpec, fsdp_step_textbook, ring_bytes
 from lightning_smp.accounting.counter import CommCounter
 from lightning_smp.degree import resolve_layout
+from lightning_smp.engines.textbook import FSDPUnitSpec, fsdp_step_textbook, ring_bytes
 from lightning_smp.mesh import build_device_mesh
 from lightning_smp.names import (
     FULL_SHARD,

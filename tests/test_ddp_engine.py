@@ -13,7 +13,8 @@ from torch.distributed.fsdp import CPUOffload, MixedPrecision
 from lightning_smp import HybridShardFSDPStrategy
 from lightning_smp.degree import resolve_layout
 from lightning_smp.engines import DDP_ENGINE, engine_for, engine_for_layout, options_for
-from lightning_smp.engines.ddp import DDPEngine, DDPPrediction
+from lightning_smp.engines.ddp.engine import DDPEngine
+from lightning_smp.engines.ddp.prediction import DDPPrediction
 from lightning_smp.planner.state import model_state
 from tests.helpers import (
     FSDP_VERSIONS,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from lightning_smp import GradientSyncError, HybridShardFSDPStrategy, MemorySavingsCallback, resolve_layout
 from lightning_smp.engines import FSDP2Engine
-from lightning_smp.engines.fsdp2_groups import fsdp_modules
+from lightning_smp.engines.fsdp2.groups import fsdp_modules
 from lightning_smp.names import (
     DEFER_ALL_REDUCE,
     EVERY_MICRO_BATCH,
@@ -257,7 +257,7 @@ class _WarningProbe(L.Callback):
 @pytest.mark.parametrize("chosen", [None, NO_SYNC])
 def test_fsdp1_no_sync_warns_once_with_the_cost(tmp_path, chosen):
     """Rank 0 warns once, with the exact extra bytes per rank and the fix; choosing no_sync explicitly silences it."""
-    from lightning_smp.accounting.shards import local_shard_numel
+    from lightning_smp.engines.fsdp1.flat import local_shard_numel
 
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, start_method="fork", gradient_accumulation=chosen)
     trainer = cpu_trainer(strategy, tmp_path, WORLD, max_steps=2, accumulate_grad_batches=2,
@@ -450,7 +450,7 @@ def test_precision_maps_to_a_mixed_precision_policy():
     from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
     from lightning_smp.engines import ShardingPlan
-    from lightning_smp.engines.fsdp2_options import _mixed_precision_policy, _offload_policy
+    from lightning_smp.engines.fsdp2.options import _mixed_precision_policy, _offload_policy
 
     layout = resolve_layout(WORLD, 2)
     cpu = torch.device("cpu")
@@ -532,7 +532,7 @@ def test_auto_wrap_policies_pick_the_same_modules_as_fsdp1():
     from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy, size_based_auto_wrap_policy
 
     from lightning_smp import UnsupportedOptionError
-    from lightning_smp.engines.fsdp2_wrap import wrap_targets
+    from lightning_smp.engines.fsdp2.wrap import wrap_targets
 
     model = FeatureModel()
     blocks = list(model.blocks)

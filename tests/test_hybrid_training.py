@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, resolve_layout
-from lightning_smp.accounting.shards import local_shard_numel
+from lightning_smp.engines.fsdp1.flat import local_shard_numel
 from lightning_smp.names import FULL, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, NO_SHARD, SHARD_AXIS
 from tests.helpers import (
     BACKENDS,

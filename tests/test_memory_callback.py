@@ -15,11 +15,11 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_smp import HybridShardFSDPStrategy
-from lightning_smp.accounting.comm import FSDPUnitSpec, fsdp_step_textbook
 from lightning_smp.accounting.memory import MEMORY_FIELDS, PEAK_FIELDS, measure_memory, shard_layout
-from lightning_smp.accounting.shards import flat_param_numel
 from lightning_smp.callbacks import MemorySavingsCallback
 from lightning_smp.callbacks.memory import REPORT_FILENAME
+from lightning_smp.engines.fsdp1.flat import flat_param_numel
+from lightning_smp.engines.textbook import FSDPUnitSpec, fsdp_step_textbook
 from lightning_smp.names import (
     FULL_SHARD,
     HYBRID_SHARD,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_smp.accounting.comm import FSDPUnitSpec, fsdp_step_textbook
+from lightning_smp.engines.textbook import FSDPUnitSpec, fsdp_step_textbook
 from lightning_smp.names import FULL_SHARD, HYBRID_SHARD
 from lightning_smp.planner import Links, plan
 from lightning_smp.planner.choose import TIE

@@ -2,14 +2,6 @@
 counting (:mod:`.counter`), FSDP1's shard arithmetic (:mod:`.shards`) and the table renderer (:mod:`.render`). No
 Lightning here: the memory callback (:mod:`lightning_smp.callbacks.memory`) and the benchmarks only call these."""
 
-from lightning_smp.accounting.comm import (
-    OPS,
-    CommFigure,
-    FSDPUnitSpec,
-    ddp_step_textbook,
-    fsdp_step_textbook,
-    ring_bytes,
-)
 from lightning_smp.accounting.counter import CommCounter
 from lightning_smp.accounting.memory import (
     MEMORY_FIELDS,
@@ -23,6 +15,14 @@ from lightning_smp.accounting.memory import (
 )
 from lightning_smp.accounting.render import format_report, print_report
 from lightning_smp.accounting.report import count_communication, memory_report
+from lightning_smp.engines.textbook import (
+    OPS,
+    CommFigure,
+    FSDPUnitSpec,
+    ddp_step_textbook,
+    fsdp_step_textbook,
+    ring_bytes,
+)
 
 __all__ = [
     "MEMORY_FIELDS",

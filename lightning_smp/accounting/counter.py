@@ -1,7 +1,7 @@
 """Counting the collectives a rank really issues: :class:`CommCounter`, a context manager that counts every
 ``torch.distributed`` collective issued while it is active (number of calls and logical bytes per operation),
 attributed to a mesh axis by its process group. Usable without Lightning; the bytes follow the conventions of
-:mod:`lightning_smp.accounting.comm`, so counts compare one to one with its textbook figures.
+:mod:`lightning_smp.engines.textbook`, so counts compare one to one with its textbook figures.
 
 Example::
 
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_smp.accounting.comm import OPS
+from lightning_smp.engines.textbook import OPS
 from lightning_smp.names import OTHER_AXIS
 
 if TYPE_CHECKING:

@@ -18,9 +18,9 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_smp.accounting.comm import CommFigure
 from lightning_smp.engines import StorageUnit, engine_of
 from lightning_smp.engines.base import Accounting
+from lightning_smp.engines.textbook import CommFigure
 from lightning_smp.names import NO_SYNC, GradientAccumulation
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
-from lightning_smp.accounting.comm import OPS
+from lightning_smp.engines.textbook import OPS
 
 #: Each table: (title, header, rows); every cell a string.
 TableSpec = tuple[str, Sequence[str], Sequence[Sequence[str]]]

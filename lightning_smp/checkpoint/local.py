@@ -3,7 +3,7 @@
 Building torch's sharded state dicts is collective work for some engines (FSDP1 gathers every flat parameter to cut
 it per parameter): a background save would block on it. An engine may describe the same state from what each rank
 holds (``Engine.local_model_state``/``local_optimizer_state``; FSDP1 does, see
-:mod:`lightning_smp.engines.fsdp1_state`). The first background save of a run checks that description against
+:mod:`lightning_smp.engines.fsdp1.state`). The first background save of a run checks that description against
 torch's, key by key and value by value (:func:`differences`); only if every rank agrees is it used from then on,
 otherwise the run keeps torch's state dicts and says so once.
 """

@@ -11,12 +11,12 @@ from torch.nn import Module
 
 from lightning_smp.config import check_fsdp_version
 from lightning_smp.degree import Layout
-from lightning_smp.engines import ddp
 from lightning_smp.engines.base import Engine, ShardingFacts, ShardingPlan, StorageUnit
-from lightning_smp.engines.ddp import DDPEngine
-from lightning_smp.engines.fsdp1 import FSDP1Engine
-from lightning_smp.engines.fsdp2 import FSDP2Engine
-from lightning_smp.engines.fsdp2_wrap import wrap_targets
+from lightning_smp.engines.ddp import engine as ddp
+from lightning_smp.engines.ddp.engine import DDPEngine
+from lightning_smp.engines.fsdp1.engine import FSDP1Engine
+from lightning_smp.engines.fsdp2.engine import FSDP2Engine
+from lightning_smp.engines.fsdp2.wrap import wrap_targets
 from lightning_smp.names import NO_SHARD
 
 #: The engines ``fsdp_version`` selects.

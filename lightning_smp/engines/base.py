@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_smp.accounting.comm import CommFigure
     from lightning_smp.engines.prediction import Prediction
+    from lightning_smp.engines.textbook import CommFigure
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,8 @@ class ShardingFacts:
 class Engine(Protocol):
     """One FSDP implementation, as the rest of the package needs it.
 
-    Implementations: :class:`~lightning_smp.engines.fsdp1.FSDP1Engine` (``FullyShardedDataParallel``),
-    :class:`~lightning_smp.engines.fsdp2.FSDP2Engine` (``fully_shard``) and :class:`~lightning_smp.engines.ddp.DDPEngine`
+    Implementations: :class:`~lightning_smp.engines.fsdp1.engine.FSDP1Engine` (``FullyShardedDataParallel``),
+    :class:`~lightning_smp.engines.fsdp2.engine.FSDP2Engine` (``fully_shard``) and :class:`~lightning_smp.engines.ddp.engine.DDPEngine`
     (``DistributedDataParallel``, for layouts with nothing sharded); each also takes the optional
     :class:`Accounting` role.
     """
@@ -259,7 +259,7 @@ class Accounting(Protocol):
     def step_textbook(self, model: Module, backward_passes: int, accumulation: GradientAccumulation,
                       root_gathered: bool = False) -> CommFigure | None:
         """The textbook communication of one optimizer step of ``model`` with ``backward_passes`` micro-batches
-        accumulated as ``accumulation`` says (see :func:`~lightning_smp.accounting.comm.fsdp_step_textbook` for
+        accumulated as ``accumulation`` says (see :func:`~lightning_smp.engines.textbook.fsdp_step_textbook` for
         ``root_gathered``)."""
         ...
 

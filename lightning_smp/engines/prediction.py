@@ -18,8 +18,8 @@ from torch.nn import Parameter
 from lightning_smp.names import NO_SHARD
 
 if TYPE_CHECKING:
-    from lightning_smp.accounting.comm import CommFigure
     from lightning_smp.degree import Layout
+    from lightning_smp.engines.textbook import CommFigure
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,8 @@ def dtype_bytes(precision: str, element_size: int) -> tuple[int, int]:
 def fsdp_textbook(prediction: Prediction, units: Sequence[Sequence[Parameter]], layout: Layout, micro_batches: int,
                   accumulation: str, precision: str) -> CommFigure:
     """:meth:`Prediction.step_textbook` of the FSDP engines: all-gathers, reduce-scatters and all-reduces per unit
-    (:func:`~lightning_smp.accounting.comm.fsdp_step_textbook`), over the unit sizes of ``prediction``."""
-    from lightning_smp.accounting.comm import FSDPUnitSpec, accumulation_passes, fsdp_step_textbook
+    (:func:`~lightning_smp.engines.textbook.fsdp_step_textbook`), over the unit sizes of ``prediction``."""
+    from lightning_smp.engines.textbook import FSDPUnitSpec, accumulation_passes, fsdp_step_textbook
 
     shard = layout.shard
     group = layout.world_size if layout.sharding_strategy == NO_SHARD else shard

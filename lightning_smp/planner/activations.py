@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,13 +38,20 @@ class ActivationTracker(MemTracker):
     accumulates it (the tracker then relabels it a gradient). Under FSDP that moment is the unit's unsharded
     gradient, which the planner counts with the unit, so it is left out here."""
 
-    def __init__(self) -> None:
+    def __init__(self, collect_before_allocation: bool = False) -> None:
         super().__init__()
+        #: fake tensors are held by reference cycles that real ones do not have (activation checkpointing's discarded
+        #: forward outputs among them), so they are freed whenever the collector happens to run, and the peak would
+        #: depend on the process's garbage-collection history. Collected before each allocation, they are freed
+        #: where refcounting frees real tensors (a real run measures the same peak); real tensors need none of it
+        self.collect_before_allocation = collect_before_allocation
         self.timeline: list[int] = []
         self.added_at: dict[int, int] = {}
         self.gradient_windows: list[tuple[int, int, int]] = []
 
     def _update_snap(self, u_type: Any, winfo: Any, *args: Any, **kwargs: Any) -> None:  # every change passes here
+        if self.collect_before_allocation and u_type.name == "ADD":
+            gc.collect()
         super()._update_snap(u_type, winfo, *args, **kwargs)
         self.timeline.append(sum(sum(snap.get(c, 0) for c in (_MemRefType.ACT, _MemRefType.TEMP))
                                  for snap in self._curr_mem_snap.values()))
@@ -64,6 +72,18 @@ class ActivationTracker(MemTracker):
             in_flight += change
             peak = max(peak, value - in_flight)
         return peak
+
+
+@contextlib.contextmanager
+def _only_new_objects_collected() -> Iterator[None]:
+    """The tracker collects garbage before every allocation: with everything older than the trace frozen
+    (``gc.freeze``), each collection looks at the trace's own objects only, not at the whole process."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _meta_copy(model: Module) -> Module:
@@ -143,11 +163,11 @@ def trace_micro_batch(model: Module, example_input: Any, *, step: Callable[[Modu
     if checkpoint is not None:
         checkpoint(copy_)
 
-    with FakeTensorMode():
+    with _only_new_objects_collected(), FakeTensorMode():
         # factory calls take shapes only, so the meta tensors never meet the fake mode
         copy_._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
         batch = _fake_like(example_input, device)
-        tracker = ActivationTracker()
+        tracker = ActivationTracker(collect_before_allocation=True)
         tracker.track_external(copy_)
         flops = FlopCounterMode(display=False)
         try:

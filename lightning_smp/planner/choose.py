@@ -22,9 +22,9 @@ from typing import Any
 
 from torch.nn import Module
 
-from lightning_smp.accounting.comm import accumulation_passes
 from lightning_smp.degree import resolve_layout, valid_degrees
 from lightning_smp.engines import engine_for, engine_for_layout, wrap_targets
+from lightning_smp.engines.textbook import accumulation_passes
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.names import HYBRID_SHARD, NO_SHARD
 from lightning_smp.planner.budget import parse_bytes

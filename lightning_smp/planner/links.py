@@ -1,7 +1,7 @@
 """The links between ranks, and how long a step's collectives take on them (an alpha-beta model of ring collectives).
 
 A ring all-gather or reduce-scatter over ``p`` ranks takes ``p - 1`` steps, an all-reduce ``2 (p - 1)``; each step
-costs the link's latency (alpha), and every rank sends :func:`~lightning_smp.accounting.comm.ring_bytes` in all at
+costs the link's latency (alpha), and every rank sends :func:`~lightning_smp.engines.textbook.ring_bytes` in all at
 the link's bandwidth (beta: bytes per second, one direction, per rank). A group whose ranks all sit in one node uses
 the intra-node link; a group that spans nodes is as fast as its slowest hop, the inter-node link. A ring crosses
 each node boundary once, so the groups of an axis that leave a node at the same time share the node's network

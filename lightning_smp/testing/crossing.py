@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_smp.accounting.comm import ring_bytes
+from lightning_smp.engines.textbook import ring_bytes
 
 
 def link_tx_bytes(interface: str | None = None) -> int:

@@ -38,7 +38,8 @@ from torch.optim import Optimizer
 
 from lightning_smp.degree import Layout
 from lightning_smp.engines.base import PlainCalls, ShardingFacts, ShardingPlan, StorageUnit
-from lightning_smp.engines.prediction import Held, Prediction, UnitLayout
+from lightning_smp.engines.ddp.prediction import BITMAP_BYTES, DDPPrediction
+from lightning_smp.engines.prediction import Prediction
 from lightning_smp.errors import GradientSyncError
 from lightning_smp.names import (
     DEFER_ALL_REDUCE,
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_smp.accounting.comm import CommFigure
+    from lightning_smp.engines.textbook import CommFigure
 
 #: FSDP arguments that only say how to shard or to schedule sharded communication: with nothing sharded they mean
 #: nothing, and the DDP engine runs without them. Any other FSDP argument (``ignored_modules``, ``process_group``,
@@ -75,8 +76,6 @@ _BUFFER_SYNC = (
     else "broadcast_buffers"
 )
 
-#: bytes per parameter of DDP's used-parameter bitmap (``find_unused_parameters``: an ``int32`` per parameter)
-BITMAP_BYTES = 4
 
 
 def takes(options: Mapping[str, Any], mixed_precision: Any, cpu_offload: Any) -> bool:
@@ -94,39 +93,6 @@ def _inner(model: Module) -> Module:
 
 def _trainable(model: Module) -> list[Parameter]:
     return [p for p in _inner(model).parameters() if p.requires_grad]
-
-
-class DDPPrediction:
-    """The planner's rules: every rank holds every parameter, its gradient and its optimizer state, whole; nothing is
-    gathered; the gradients cross the ranks once per synced backward in DDP's buckets."""
-
-    keeps_gathered_unsynced = False
-
-    def held(self, unit: Sequence[Parameter], shard: int, position: int, group: int, state_tensors: int,
-             state_fixed: int) -> Held:
-        params = sum(p.numel() * p.element_size() for p in unit)
-        trainable = [p for p in unit if p.requires_grad]
-        grads = sum(p.numel() * p.element_size() for p in trainable)
-        return Held(params, grads, sum(p.numel() * p.element_size() * state_tensors + state_fixed for p in trainable))
-
-    def unit_layout(self, unit: Sequence[Parameter], shard: int, group: int, gather_bytes: int) -> UnitLayout:
-        return UnitLayout(sum(p.numel() for p in unit), sum(p.numel() for p in unit if p.requires_grad))
-
-    def gathered_bytes(self, unit_bytes: Sequence[int], root_bytes: int, zero2: bool, unsharded: bool) -> int:
-        return 0  # each rank computes on its own whole copy
-
-    def step_textbook(self, units: Sequence[Sequence[Parameter]], layout: Layout, micro_batches: int,
-                      accumulation: str, precision: str) -> CommFigure:
-        """DDP's traffic: the gradients (in the parameters' dtype: autocast leaves them in it) and the bitmap, once
-        per synced pass, in one bucket per 25 MiB (DDP's default cap; the count is only the latency term)."""
-        from lightning_smp.accounting.comm import accumulation_passes, ddp_step_textbook
-
-        trainable = [p for unit in units for p in unit if p.requires_grad]
-        grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
-        buckets = max(1, -(-grad_bytes // (25 * 1024 * 1024)))
-        return ddp_step_textbook(grad_bytes, layout.world_size, buckets,
-                                 synced_passes=accumulation_passes(accumulation, micro_batches)[1],
-                                 used_bitmap_bytes=len(trainable) * BITMAP_BYTES)
 
 
 class DDPEngine:
@@ -274,7 +240,7 @@ class DDPEngine:
 
     def step_textbook(self, model: Module, backward_passes: int, accumulation: GradientAccumulation,
                       root_gathered: bool = False) -> CommFigure | None:
-        from lightning_smp.accounting.comm import accumulation_passes, ddp_bucket_count, ddp_step_textbook
+        from lightning_smp.engines.textbook import accumulation_passes, ddp_bucket_count, ddp_step_textbook
 
         if not isinstance(model, DistributedDataParallel):
             return None

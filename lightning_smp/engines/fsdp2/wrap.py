@@ -10,7 +10,7 @@ import torch
 from torch.nn import Module
 
 from lightning_smp.engines.base import ShardingPlan
-from lightning_smp.engines.fsdp2_groups import fsdp_module_cls, fsdp_modules, track_unused
+from lightning_smp.engines.fsdp2.groups import fsdp_module_cls, fsdp_modules, track_unused
 from lightning_smp.errors import UnsupportedOptionError
 
 

@@ -8,8 +8,9 @@ from contextlib import contextmanager
 
 from torch.nn import Module
 
-from lightning_smp.engines import fsdp2_groups, unused
-from lightning_smp.engines.fsdp2_groups import fsdp_modules
+from lightning_smp.engines import unused
+from lightning_smp.engines.fsdp2 import groups as fsdp2_groups
+from lightning_smp.engines.fsdp2.groups import fsdp_modules
 from lightning_smp.errors import GradientSyncError
 
 

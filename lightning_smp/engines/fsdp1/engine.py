@@ -3,9 +3,9 @@
 FSDP1 has no public API for what a rank stores (flat-parameter shards, their padding, the process groups of a
 hybrid unit), so this module reads FSDP1's internals (``_handle``, ``flat_param._numels``, ``_inter_node_pg``, ...);
 each read is checked against the real tensors by the memory-accounting tests. The only other modules that read
-them do one job each: :mod:`~lightning_smp.engines.fsdp1_state` (the shards of a background save),
-:mod:`~lightning_smp.engines.fsdp1_unused` (which parameters a backward used) and
-:mod:`~lightning_smp.engines.fsdp1_left_out` (units the last backward of a ``no_sync`` window did not reach).
+them do one job each: :mod:`~lightning_smp.engines.fsdp1.state` (the shards of a background save),
+:mod:`~lightning_smp.engines.fsdp1.unused` (which parameters a backward used) and
+:mod:`~lightning_smp.engines.fsdp1.left_out` (units the last backward of a ``no_sync`` window did not reach).
 
 Above 300 lines for a reason: one class implementing every method of the :class:`~lightning_smp.engines.Engine`
 protocol for FSDP1 (the class alone is over 300 lines); splitting it would spread FSDP1's internals further.
@@ -25,9 +25,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_smp.degree import Layout
-from lightning_smp.engines import fsdp1_clip, fsdp1_left_out, fsdp1_unused, unused
+from lightning_smp.engines import unused
 from lightning_smp.engines.base import PlainCalls, ShardingFacts, ShardingPlan, StorageUnit, replace_attribute
-from lightning_smp.engines.fsdp1_prediction import FSDP1Prediction
+from lightning_smp.engines.fsdp1 import clip, left_out
+from lightning_smp.engines.fsdp1 import unused as fsdp1_unused
+from lightning_smp.engines.fsdp1.prediction import FSDP1Prediction
 from lightning_smp.engines.prediction import Prediction
 from lightning_smp.engines.scalars import scalar_parameters
 from lightning_smp.engines.scalars import track as track_scalars
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_smp.accounting.comm import CommFigure, FSDPUnitSpec
+    from lightning_smp.engines.textbook import CommFigure, FSDPUnitSpec
 
 
 def _fsdp() -> Any:
@@ -78,9 +80,9 @@ def full_state_dict_context(model: Module, device: torch.device, rank0_only: boo
 
 def _track(root: Module) -> None:
     """What the engine follows on every root it shards or completes."""
-    fsdp1_left_out.track(root)  # accumulation: units the last micro-batch did not reach are reduced too
+    left_out.track(root)  # accumulation: units the last micro-batch did not reach are reduced too
     fsdp1_unused.track(root)  # a parameter no rank used keeps .grad None (engines/unused.py)
-    fsdp1_clip.install(_live_shard_groups)  # torch's clip_grad_norm_ over shards: DDP's norm
+    clip.install(_live_shard_groups)  # torch's clip_grad_norm_ over shards: DDP's norm
 
 
 def _materialize_in_module_order(module: Module, plan: ShardingPlan) -> None:
@@ -116,7 +118,7 @@ def _ignoring(kwargs: dict[str, Any], scalars: list[torch.nn.Parameter], device:
 def _live_shard_groups() -> dict[int, ProcessGroup]:
     groups: dict[int, ProcessGroup] = {}
     for root in fsdp1_unused.roots():
-        groups.update(fsdp1_clip.shard_ids(_handles(root)))
+        groups.update(clip.shard_ids(_handles(root)))
     return groups
 
 
@@ -275,12 +277,12 @@ class FSDP1Engine:
 
     def local_model_state(self, model: Module) -> dict[str, Any] | None:
         # torch's sharded state dict gathers every flat parameter to cut it per parameter; this one gathers nothing
-        from lightning_smp.engines.fsdp1_state import local_model_state
+        from lightning_smp.engines.fsdp1.state import local_model_state
 
         return local_model_state(model) if isinstance(model, _fsdp()) else None
 
     def local_optimizer_state(self, model: Module, optimizer: Optimizer) -> dict[str, Any] | None:
-        from lightning_smp.engines.fsdp1_state import local_optimizer_state
+        from lightning_smp.engines.fsdp1.state import local_optimizer_state
 
         return local_optimizer_state(model, optimizer) if isinstance(model, _fsdp()) else None
 
@@ -299,7 +301,7 @@ class FSDP1Engine:
             return model.clip_grad_norm_(max_norm)
         params = [p for p in model.parameters() if id(p) in chosen]
         # every rank reduces, with or without gradients of its own
-        total = fsdp1_clip.total_norm(params, 2.0, fsdp1_clip.shard_ids(_handles(model)))
+        total = clip.total_norm(params, 2.0, clip.shard_ids(_handles(model)))
         torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total)
         return total
 
@@ -383,8 +385,8 @@ class FSDP1Engine:
         return ShardingFacts(name, handle.world_size, replicas, groups)
 
     def comm_units(self, model: Module) -> list[FSDPUnitSpec]:
-        """The :class:`~lightning_smp.accounting.comm.FSDPUnitSpec` of every unit of ``model`` that owns parameters."""
-        from lightning_smp.accounting.comm import FSDPUnitSpec
+        """The :class:`~lightning_smp.engines.textbook.FSDPUnitSpec` of every unit of ``model`` that owns parameters."""
+        from lightning_smp.engines.textbook import FSDPUnitSpec
 
         specs = []
         for unit in _fsdp().fsdp_modules(model):
@@ -408,7 +410,7 @@ class FSDP1Engine:
 
     def step_textbook(self, model: Module, backward_passes: int, accumulation: GradientAccumulation,
                       root_gathered: bool = False) -> CommFigure | None:
-        from lightning_smp.accounting.comm import accumulation_passes, fsdp_step_textbook
+        from lightning_smp.engines.textbook import accumulation_passes, fsdp_step_textbook
 
         facts = self.sharding(model)
         if facts is None:

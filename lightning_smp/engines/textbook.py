@@ -59,7 +59,7 @@ class FSDPUnitSpec:
 
     Attributes:
         padded_numel: elements of the unit's unsharded flat parameter, padding included
-            (:func:`lightning_smp.accounting.shards.flat_param_numel`).
+            (:func:`lightning_smp.engines.fsdp1.flat.flat_param_numel`).
         is_root: the root unit keeps its parameters gathered from forward to backward (no second all-gather).
         gather_bytes: element size of the all-gathered parameters (the forward/backward dtype).
         reduce_bytes: element size of the reduced gradients (the reduce dtype).

@@ -2,7 +2,7 @@
 
 What FSDP2 does not expose publicly (the padded local shard of each parameter, the partial-reduce buffer of
 deferred accumulation, whether a group still defers its all-reduce, the root's forward hooks) is read here and,
-with :mod:`~lightning_smp.engines.fsdp2_unused`, only here; the memory-accounting tests check every such read
+with :mod:`~lightning_smp.engines.fsdp2.unused`, only here; the memory-accounting tests check every such read
 against the real tensors.
 """
 
@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn import Module
 
-from lightning_smp.engines import fsdp2_unused, unused
+from lightning_smp.engines import unused
 from lightning_smp.engines.base import ShardingFacts, StorageUnit
+from lightning_smp.engines.fsdp2 import unused as fsdp2_unused
 from lightning_smp.names import (
     FULL_SHARD,
     HYBRID_SHARD,
@@ -28,7 +29,7 @@ from lightning_smp.names import (
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from lightning_smp.accounting.comm import FSDPUnitSpec
+    from lightning_smp.engines.textbook import FSDPUnitSpec
     from lightning_smp.engines.unused import Presence
 
 
@@ -85,7 +86,7 @@ def holding_unreduced_sums(model: Module) -> list[Any]:
 
 
 def presences(model: Module) -> list[Presence]:
-    """The unused-parameter notes of every parameter group (:mod:`~lightning_smp.engines.fsdp2_unused`)."""
+    """The unused-parameter notes of every parameter group (:mod:`~lightning_smp.engines.fsdp2.unused`)."""
     return fsdp2_unused.presences(group for _, group in param_groups(model))
 
 
@@ -175,9 +176,9 @@ def sharding(model: Module, known: str | None) -> ShardingFacts | None:
 
 
 def comm_units(model: Module) -> list[FSDPUnitSpec]:
-    """One :class:`~lightning_smp.accounting.comm.FSDPUnitSpec` per module that owns parameters: one all-gather
+    """One :class:`~lightning_smp.engines.textbook.FSDPUnitSpec` per module that owns parameters: one all-gather
     and one reduce-scatter each, of all its parameters' padded shards together."""
-    from lightning_smp.accounting.comm import FSDPUnitSpec
+    from lightning_smp.engines.textbook import FSDPUnitSpec
 
     specs = []
     for module, group in param_groups(model):

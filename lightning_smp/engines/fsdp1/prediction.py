@@ -1,7 +1,7 @@
 """FSDP1's layout rules for the planner (:class:`~.prediction.Prediction`).
 
 The parameters of each unit are flattened (16-byte aligned) and padded to a multiple of the unit's process group
-(:mod:`lightning_smp.accounting.shards`); every rank holds an equal chunk of each unit, its gradient too, and the
+(:mod:`lightning_smp.engines.fsdp1.flat`); every rank holds an equal chunk of each unit, its gradient too, and the
 optimizer state of the parts of the original parameters that fall into its chunk.
 """
 
@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 from torch.nn import Parameter
 
-from lightning_smp.accounting.shards import flat_param_numel, local_param_numels, local_shard_numel
+from lightning_smp.engines.fsdp1.flat import flat_param_numel, local_param_numels, local_shard_numel
 from lightning_smp.engines.prediction import Held, UnitLayout, fsdp_textbook
 
 if TYPE_CHECKING:
-    from lightning_smp.accounting.comm import CommFigure
     from lightning_smp.degree import Layout
+    from lightning_smp.engines.textbook import CommFigure
 
 
 class FSDP1Prediction:

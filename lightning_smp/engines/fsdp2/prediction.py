@@ -16,8 +16,8 @@ from torch.nn import Parameter
 from lightning_smp.engines.prediction import Held, UnitLayout, fsdp_textbook
 
 if TYPE_CHECKING:
-    from lightning_smp.accounting.comm import CommFigure
     from lightning_smp.degree import Layout
+    from lightning_smp.engines.textbook import CommFigure
 
 
 def chunk(p: Parameter, shard: int) -> tuple[int, int, int]:

@@ -5,10 +5,10 @@ Parameters become ``DTensor``s placed ``(Replicate(), Shard(0))`` on the 2-D ``(
 which FSDP2 issues no shard-group collective and all-reduces every gradient across the world, as DDP does.
 
 This module is the :class:`~lightning_smp.engines.Engine` protocol for ``fully_shard``; the work behind it lives
-beside it: the arguments it takes (:mod:`~lightning_smp.engines.fsdp2_options`), wrapping
-(:mod:`~lightning_smp.engines.fsdp2_wrap`), gradient accumulation (:mod:`~lightning_smp.engines.fsdp2_accumulation`),
-full state dicts (:mod:`~lightning_smp.engines.fsdp2_state_dicts`), and every read of FSDP2's parameter groups
-(:mod:`~lightning_smp.engines.fsdp2_groups`, with :mod:`~lightning_smp.engines.fsdp2_unused`). This module itself
+beside it: the arguments it takes (:mod:`~lightning_smp.engines.fsdp2.options`), wrapping
+(:mod:`~lightning_smp.engines.fsdp2.wrap`), gradient accumulation (:mod:`~lightning_smp.engines.fsdp2.accumulation`),
+full state dicts (:mod:`~lightning_smp.engines.fsdp2.state_dicts`), and every read of FSDP2's parameter groups
+(:mod:`~lightning_smp.engines.fsdp2.groups`, with :mod:`~lightning_smp.engines.fsdp2.unused`). This module itself
 replaces ``fully_shard``'s default-mesh lookup (``_patch_default_mesh``).
 """
 
@@ -24,11 +24,15 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_smp.degree import Layout
-from lightning_smp.engines import fsdp2_accumulation, fsdp2_groups, fsdp2_options, fsdp2_state_dicts, unused
+from lightning_smp.engines import unused
 from lightning_smp.engines.base import PlainCalls, ShardingFacts, ShardingPlan, StorageUnit, replace_attribute
-from lightning_smp.engines.fsdp2_groups import fsdp_module_cls, fsdp_modules
-from lightning_smp.engines.fsdp2_prediction import FSDP2Prediction
-from lightning_smp.engines.fsdp2_wrap import materialize_where_shards_cannot_draw, shard_root, wrap_targets
+from lightning_smp.engines.fsdp2 import accumulation as fsdp2_accumulation
+from lightning_smp.engines.fsdp2 import groups as fsdp2_groups
+from lightning_smp.engines.fsdp2 import options as fsdp2_options
+from lightning_smp.engines.fsdp2 import state_dicts as fsdp2_state_dicts
+from lightning_smp.engines.fsdp2.groups import fsdp_module_cls, fsdp_modules
+from lightning_smp.engines.fsdp2.prediction import FSDP2Prediction
+from lightning_smp.engines.fsdp2.wrap import materialize_where_shards_cannot_draw, shard_root, wrap_targets
 from lightning_smp.engines.prediction import Prediction
 from lightning_smp.engines.scalars import scalar_parameters
 from lightning_smp.engines.scalars import track as track_scalars
@@ -46,7 +50,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_smp.accounting.comm import CommFigure, FSDPUnitSpec
+    from lightning_smp.engines.textbook import CommFigure, FSDPUnitSpec
 
 # The sharding strategy each root this engine sharded runs: FSDP2 keeps no such name, and a root-only model under
 # ZeRO-2 looks like HYBRID_SHARD (the root never reshards after forward in either). Weak: never keeps a model alive.
@@ -250,13 +254,13 @@ class FSDP2Engine:
         return fsdp2_groups.sharding(model, _SHARDED_AS.get(model))
 
     def comm_units(self, model: Module) -> list[FSDPUnitSpec]:
-        """One :class:`~lightning_smp.accounting.comm.FSDPUnitSpec` per module that owns parameters: one all-gather
+        """One :class:`~lightning_smp.engines.textbook.FSDPUnitSpec` per module that owns parameters: one all-gather
         and one reduce-scatter each, of all its parameters' padded shards together."""
         return fsdp2_groups.comm_units(model)
 
     def step_textbook(self, model: Module, backward_passes: int, accumulation: GradientAccumulation,
                       root_gathered: bool = False) -> CommFigure | None:
-        from lightning_smp.accounting.comm import accumulation_passes, fsdp_step_textbook
+        from lightning_smp.engines.textbook import accumulation_passes, fsdp_step_textbook
 
         facts = self.sharding(model)
         if facts is None:
