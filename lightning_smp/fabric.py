@@ -50,6 +50,7 @@ from typing_extensions import override
 
 from lightning_smp import buffers
 from lightning_smp import checkpoint as checkpoint_lib
+from lightning_smp.autocast import autocast_context
 from lightning_smp.checkpoint import FABRIC_KEYS
 from lightning_smp.checkpoint.local import background_module_state, background_optimizer_state
 from lightning_smp.checkpoint.saving import check_storage_options
@@ -68,7 +69,7 @@ from lightning_smp.names import (
     StateDictType,
 )
 from lightning_smp.optimizers import discard_on_zero_grad
-from lightning_smp.precision import autocast_context, mixed_precision_config, scaler_for
+from lightning_smp.precision import mixed_precision_config, scaler_for
 
 
 class HybridShardFabricPrecision(FSDPPrecision):

@@ -11,16 +11,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_smp.autocast import autocast_context
+
 if TYPE_CHECKING:
     from lightning_smp.engines import Engine
-
-
-def autocast_context(precision: str, device_type: str) -> AbstractContextManager | None:
-    """``torch.autocast`` on ``device_type`` for a ``*-mixed`` precision (Lightning's FSDP plugins hard-code
-    ``"cuda"``), else ``None``. Shared by the Trainer's and Fabric's precision plugins."""
-    if "mixed" not in precision:
-        return None
-    return torch.autocast(device_type, dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
 
 
 def mixed_precision_config(precision: str, lightning_config: Any) -> Any:

@@ -286,7 +286,8 @@ def test_the_cpu_default_budget_shares_the_available_ram():
 
 
 def test_link_presets_time_ring_collectives():
-    from lightning_smp.planner.links import LINK_PRESETS, collective_seconds, group_spans_nodes
+    from lightning_smp.links import LINK_PRESETS
+    from lightning_smp.planner.links import collective_seconds, group_spans_nodes
 
     link = LINK_PRESETS["h100-nvlink-ib400"]
     # one all-reduce of 8 GB over 8 ranks: 2 * 7 ring steps and 2 * 7/8 of the bytes sent per rank

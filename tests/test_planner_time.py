@@ -218,8 +218,8 @@ def test_the_alpha_beta_fit_recovers_a_link():
 def test_links_round_trip_through_json_and_the_cli_reads_them(tmp_path, capsys):
     from lightning_smp.cli import main
     from lightning_smp.errors import HybridShardConfigError
+    from lightning_smp.links import links_for
     from lightning_smp.planner import load_links, save_links
-    from lightning_smp.planner.links import links_for
 
     links = Links(*INTRA, 0.1e9, 20e-6, description="measured", device_flops=3e12, overlap=False,
                   engine_costs={"fsdp1": (1e-3, 1e-9), "fsdp2": (2e-3, 3e-9)})

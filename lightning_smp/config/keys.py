@@ -12,7 +12,9 @@ from typing import Any, Literal, get_type_hints
 
 from lightning_smp.degree import check_degree_setting
 from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.links import links_for
 from lightning_smp.names import FSDP_VERSIONS
+from lightning_smp.sizes import parse_bytes
 
 
 @dataclass
@@ -88,8 +90,6 @@ def _check_hybrid_shard_degree(value: Any, where: str) -> int | str:
 
 def check_memory_budget(value: Any, parameter: str = "memory_budget") -> int | None:
     """``value`` in bytes (``None`` stays ``None``: the device's free memory is used)."""
-    from lightning_smp.planner.budget import parse_bytes
-
     return None if value is None else parse_bytes(value, parameter)
 
 
@@ -107,8 +107,6 @@ CALIBRATE = "calibrate"
 def check_links(value: Any, parameter: str = "links") -> str | None:
     """``value`` if the planner can time on it: ``None``, :data:`CALIBRATE`, a link preset's name or a readable JSON
     file of ``Links``."""
-    from lightning_smp.planner.links import links_for
-
     if value is None or value == CALIBRATE:
         return value
     if not isinstance(value, str):

@@ -10,11 +10,11 @@
 - :mod:`.result`: what it returns, :class:`Plan` and :class:`DegreePlan`, with the table and the reason.
 """
 
+from lightning_smp.links import DEFAULT_PRESET, LINK_PRESETS, Links, links_for, load_links, save_links
 from lightning_smp.planner.activations import measure_activations, transformer_activation_bytes
-from lightning_smp.planner.budget import default_budget, parse_bytes
+from lightning_smp.planner.budget import default_budget
 from lightning_smp.planner.calibrate import calibrate
 from lightning_smp.planner.choose import plan
-from lightning_smp.planner.links import DEFAULT_PRESET, LINK_PRESETS, Links, links_for, load_links, save_links
 from lightning_smp.planner.result import DegreePlan, Plan
 from lightning_smp.planner.state import (
     OPTIMIZER_STATE,
@@ -25,6 +25,7 @@ from lightning_smp.planner.state import (
     optimizer_state_layout,
 )
 from lightning_smp.planner.timing import StepTime, step_time
+from lightning_smp.sizes import parse_bytes
 
 __all__ = [
     "DEFAULT_PRESET",

@@ -28,8 +28,8 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.nn import Module
 
+from lightning_smp.autocast import autocast_context
 from lightning_smp.errors import HybridShardConfigError
-from lightning_smp.precision import autocast_context
 
 
 class ActivationTracker(MemTracker):

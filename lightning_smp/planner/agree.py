@@ -17,10 +17,11 @@ from torch.nn import Module
 from lightning_smp.collectives import Collectives
 from lightning_smp.config import CALIBRATE
 from lightning_smp.errors import HybridShardConfigError
-from lightning_smp.planner.budget import default_budget, parse_bytes
+from lightning_smp.planner.budget import default_budget
 from lightning_smp.planner.calibrate import calibrate
 from lightning_smp.planner.choose import plan
 from lightning_smp.planner.result import Plan
+from lightning_smp.sizes import parse_bytes
 
 
 def plan_on_every_rank(module: Module, *, configured_budget: int | str | None, device: torch.device, local_ranks: int,

@@ -24,10 +24,11 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.nn import Module
 
+from lightning_smp.autocast import autocast_context
 from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.links import Links
 from lightning_smp.planner.engine_costs import engine_costs
-from lightning_smp.planner.links import Links
-from lightning_smp.precision import autocast_context
+from lightning_smp.planner.timed import agreed_runs, slowest, sync
 
 #: Bytes of the timed all-reduces (a small one for the latency, larger ones for the bandwidth).
 SIZES = (1 << 12, 1 << 20, 1 << 22)
@@ -35,24 +36,11 @@ SIZES = (1 << 12, 1 << 20, 1 << 22)
 ROUNDS = 3
 
 
-def sync(device: torch.device) -> None:
-    """Wait for ``device``'s queued work (nothing to wait for on the CPU), so that a timing ends with the work."""
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-
-
 def _default_device() -> torch.device:
     accelerator = torch.accelerator.current_accelerator()
     if dist.get_backend() == "gloo" or accelerator is None:
         return torch.device("cpu")
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
-
-
-def slowest(values: Sequence[float], device: torch.device) -> list[float]:
-    """The largest of each value over every rank (every rank gets the same list)."""
-    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
 
 
 def _time_all_reduce(group: dist.ProcessGroup, size: int, repeats: int, device: torch.device) -> float:
@@ -94,17 +82,6 @@ def _matmul_flops(device: torch.device, size: int, seconds: float) -> float:
         torch.mm(a, b)
 
     return 2.0 * size**3 / _timed_run(run, device, seconds)
-
-
-def agreed_runs(run: Callable[[], None], device: torch.device, seconds: float) -> int:
-    """How many times every rank runs ``run`` to fill about ``seconds`` (at least once), from one timed run: the same
-    count on every rank (the slowest rank's), so that no rank runs its last ones alone on idle cores."""
-    sync(device)
-    start = time.perf_counter()
-    run()
-    sync(device)
-    once = max(time.perf_counter() - start, 1e-9)
-    return int(max(-slowest([-min(seconds / once, 10_000.0)], device)[0], 1.0))
 
 
 def _timed_run(run: Callable[[], None], device: torch.device, seconds: float) -> float:

@@ -26,19 +26,14 @@ from lightning_smp.degree import resolve_layout, valid_degrees
 from lightning_smp.engines import engine_for, engine_for_layout, wrap_targets
 from lightning_smp.engines.textbook import accumulation_passes
 from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.links import Links, links_for
 from lightning_smp.names import HYBRID_SHARD, NO_SHARD
-from lightning_smp.planner.budget import parse_bytes
-from lightning_smp.planner.links import (
-    Links,
-    as_run,
-    axis_link,
-    collective_seconds,
-    links_for,
-)
+from lightning_smp.planner.links import as_run, axis_link, collective_seconds
 from lightning_smp.planner.result import GIVEN, MEASURED, NOT_INCLUDED, DegreePlan, Plan, _no_fit_message
 from lightning_smp.planner.state import fsdp_units, model_state, optimizer_name
 from lightning_smp.planner.step import textbook, transient_bytes
 from lightning_smp.planner.timing import engine_seconds, step_time
+from lightning_smp.sizes import parse_bytes
 
 #: Predicted step times within this fraction of the fastest count as tied (the smaller degree wins).
 TIE = 0.05

@@ -26,14 +26,15 @@ import torch
 from torch.nn import Module
 
 from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.links import DEFAULT_PRESET, LINK_PRESETS, Links, save_links
 from lightning_smp.names import HYBRID_SHARD, STRATEGY_NAMES
 from lightning_smp.planner.activations import transformer_activation_bytes
-from lightning_smp.planner.budget import UNITS, default_budget, parse_bytes
+from lightning_smp.planner.budget import default_budget
 from lightning_smp.planner.choose import plan
-from lightning_smp.planner.links import DEFAULT_PRESET, LINK_PRESETS, Links, save_links
 from lightning_smp.planner.result import Plan
 from lightning_smp.planner.shape_model import ShapeModel, _Block, parse_count
 from lightning_smp.planner.timing import transformer_flops
+from lightning_smp.sizes import UNITS, parse_bytes
 
 
 def _parser() -> Any:

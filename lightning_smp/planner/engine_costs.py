@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.nn import Module
 
+from lightning_smp.planner.timed import agreed_runs, slowest, sync
+
 #: The engines' probe: units of two sizes (a unit's fixed cost and its cost per byte are told apart by them), and a
 #: micro-batch of a few rows (the engine's work does not grow with the batch; the compute's noise would).
 PROBE_UNITS, PROBE_WIDTHS, PROBE_ROWS = 4, (64, 1024), 8
@@ -27,8 +29,6 @@ def _timed_difference(base: Callable[[], None], other: Callable[[], None], devic
     :data:`PROBE_ROUNDS` rounds every rank runs ``base`` and then ``other`` the same number of times, each stretch
     between barriers (the slowest rank's time); the median of the rounds' differences. Interleaved, so that the
     machine's drift over the rounds reaches both alike."""
-    from lightning_smp.planner.calibrate import agreed_runs, sync
-
     base()  # warm-up
     other()
     runs = agreed_runs(other, device, seconds / PROBE_ROUNDS / 2)
@@ -79,7 +79,6 @@ def engine_costs(device: torch.device, seconds: float) -> dict[str, tuple[float,
     from lightning_smp.engines import FSDP_ENGINES
     from lightning_smp.engines.base import ShardingPlan
     from lightning_smp.names import FULL_SHARD
-    from lightning_smp.planner.calibrate import slowest
 
     alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
     layout = Layout(world_size=1, degree=0, replicate=1, shard=1, requested_strategy=FULL_SHARD,

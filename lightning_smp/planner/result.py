@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning_smp.engines import FSDP_ENGINES
+from lightning_smp.links import Links
 from lightning_smp.names import NO_SYNC
-from lightning_smp.planner.links import Links
 
 #: Where the activation figure of a plan comes from.
 MEASURED, GIVEN, NOT_INCLUDED = "measured on fake tensors", "given", "not included"
