@@ -49,11 +49,8 @@ FSDP_VERSIONS: Final[tuple[FSDPVersion, ...]] = get_args(FSDPVersion)
 #: the world size and the memory budget, when the model is set up.
 AUTO: Final = "auto"
 
-#: What the micro-batches of gradient accumulation before the last one communicate:
-#: ``no_sync`` nothing (every rank holds the full, unsharded gradient until the last micro-batch reduces it),
-#: ``every_micro_batch`` a full reduction each (gradients stay sharded; ``k`` times the traffic),
-#: ``defer_all_reduce`` the reduce-scatter inside the shard group each, the cross-replica all-reduce only on the last
-#: (gradients stay sharded and cross replicas once per optimizer step; FSDP2 only).
+#: What the micro-batches of gradient accumulation before the last one communicate (each mode is described once, in
+#: :mod:`lightning_smp.accumulation`).
 GradientAccumulation = Literal["no_sync", "every_micro_batch", "defer_all_reduce"]
 GRADIENT_ACCUMULATIONS: Final[tuple[GradientAccumulation, ...]] = get_args(GradientAccumulation)
 NO_SYNC: Final[GradientAccumulation] = "no_sync"

@@ -38,6 +38,7 @@ from lightning_smp import buffers
 from lightning_smp import checkpoint as checkpoint_lib
 from lightning_smp.accounting.memory import no_sync_extra_bytes
 from lightning_smp.accounting.render import fmt_bytes
+from lightning_smp.accumulation import accumulation_mode
 from lightning_smp.checkpoint import ShardedModel
 from lightning_smp.checkpoint.after_commit import defer_until_commit
 from lightning_smp.checkpoint.atomic import remove_atomically
@@ -51,7 +52,6 @@ from lightning_smp.frontend import HybridShardFrontEnd
 from lightning_smp.launcher import HybridShardMultiProcessingLauncher, MainProcessResults
 from lightning_smp.names import (
     FULL,
-    NO_SYNC,
     SHARDED,
     STRATEGY_NAMES,
     GradientAccumulation,
@@ -344,12 +344,13 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
 
     def _warn_no_sync(self, micro_batches: int) -> None:
         """Once per fit: what accumulating under ``no_sync`` costs each rank, when nobody chose it explicitly."""
-        if self.gradient_accumulation != NO_SYNC or self.core.accumulation_arg == NO_SYNC or self.model is None:
+        mode = accumulation_mode(self.gradient_accumulation)
+        if not mode.holds_unsharded or self.core.accumulation_arg == mode.name or self.model is None:
             return
         extra = no_sync_extra_bytes(self.model)
         if extra > 0:
             rank_zero_warn(
-                f"accumulate_grad_batches={micro_batches} runs FSDP{self.fsdp_version}'s no_sync: between micro-batches"
+                f"accumulate_grad_batches={micro_batches} runs FSDP{self.fsdp_version}'s {mode.name}: between micro-batches"
                 f" every rank holds the full unsharded gradient, {fmt_bytes(extra)} ({extra} bytes) more per rank than"
                 " the sharded one. Fix: fsdp_version=2 (gradients stay sharded and cross the replicas once per"
                 " optimizer step), or gradient_accumulation='every_micro_batch' (sharded, but"

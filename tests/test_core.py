@@ -195,3 +195,22 @@ def test_no_test_module_imports_another():
                 [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
             offenders += [f"{path.name} imports {t}" for t in targets if t.split(".")[-1].startswith("test_")]
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize(("mode", "passes", "held"), [
+    pytest.param(names.NO_SYNC, (1, 1), 4000, id="no_sync"),
+    pytest.param(names.EVERY_MICRO_BATCH, (4, 4), 0, id="every_micro_batch"),
+    pytest.param(names.DEFER_ALL_REDUCE, (4, 1), 1000, id="defer_all_reduce"),
+])
+def test_each_accumulation_mode_is_described_once(mode, passes, held):
+    """One record per mode: the collective passes of a 4-micro-batch step, and what a rank holds between micro-batches
+    of a 4000-byte gradient on shard groups of 4 (nothing extra with nothing sharded)."""
+    from lightning_smp.accumulation import ACCUMULATION_MODES, accumulation_mode
+
+    assert tuple(ACCUMULATION_MODES) == names.GRADIENT_ACCUMULATIONS
+    record = accumulation_mode(mode)
+    assert record.passes(4) == passes and record.passes(1) == (1, 1)
+    assert record.held_between(4000, 4) == held and record.held_between(4000, 1) == 0
+    assert record.holds_unsharded == (mode == names.NO_SYNC)
+    with pytest.raises(ValueError, match="unknown gradient accumulation 'sometimes'"):
+        accumulation_mode("sometimes")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from torch.nn import Parameter
 
+from lightning_smp.accumulation import accumulation_mode
 from lightning_smp.names import NO_SHARD
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ def fsdp_textbook(prediction: Prediction, units: Sequence[Sequence[Parameter]], 
                   accumulation: str, precision: str) -> CommFigure:
     """:meth:`Prediction.step_textbook` of the FSDP engines: all-gathers, reduce-scatters and all-reduces per unit
     (:func:`~lightning_smp.engines.textbook.fsdp_step_textbook`), over the unit sizes of ``prediction``."""
-    from lightning_smp.engines.textbook import FSDPUnitSpec, accumulation_passes, fsdp_step_textbook
+    from lightning_smp.engines.textbook import FSDPUnitSpec, fsdp_step_textbook
 
     shard = layout.shard
     group = layout.world_size if layout.sharding_strategy == NO_SHARD else shard
@@ -102,7 +103,7 @@ def fsdp_textbook(prediction: Prediction, units: Sequence[Sequence[Parameter]], 
         sizes = prediction.unit_layout(unit, shard, group, gather)
         specs.append(FSDPUnitSpec(padded_numel=sizes.padded, is_root=index == len(units) - 1, gather_bytes=gather,
                                   reduce_bytes=reduce, reduce_numel=sizes.reduced))
-    scattered, synced = accumulation_passes(accumulation, micro_batches)
+    scattered, synced = accumulation_mode(accumulation).passes(micro_batches)
     replicas = layout.world_size if layout.sharding_strategy == NO_SHARD else layout.replicate
     # the bitmap of parameters no rank used: one byte per parameter
     return fsdp_step_textbook(specs, layout.sharding_strategy, shard, replicas, micro_batches, synced_passes=synced,

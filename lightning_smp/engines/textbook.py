@@ -22,13 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from lightning_smp.names import (
-    DEFER_ALL_REDUCE,
-    EVERY_MICRO_BATCH,
     FULL_SHARD,
     HYBRID_SHARD,
     HYBRID_SHARD_ZERO2,
     NO_SHARD,
-    NO_SYNC,
     REPLICATE_AXIS,
     SHARD_AXIS,
     SHARD_GRAD_OP,
@@ -159,18 +156,6 @@ def fsdp_step_textbook(
     return figure
 
 
-def accumulation_passes(accumulation: str, backward_passes: int) -> tuple[int, int]:
-    """``(reduce_scatter_passes, synced_passes)`` of one optimizer step of ``backward_passes`` micro-batches under a
-    gradient-accumulation mode (:data:`lightning_smp.names.GRADIENT_ACCUMULATIONS`)."""
-    if accumulation == NO_SYNC:
-        return 1, 1
-    if accumulation == EVERY_MICRO_BATCH:
-        return backward_passes, backward_passes
-    if accumulation == DEFER_ALL_REDUCE:
-        return backward_passes, 1
-    raise ValueError(f"unknown gradient accumulation {accumulation!r}")
-
-
 def ddp_step_textbook(
     grad_bytes: int, world_size: int, buckets: int = 1, replicate_axis: str = REPLICATE_AXIS, *,
     synced_passes: int = 1, used_bitmap_bytes: int = 0, shard_axis: str = SHARD_AXIS,
@@ -212,7 +197,6 @@ __all__ = [
     "OPS",
     "CommFigure",
     "FSDPUnitSpec",
-    "accumulation_passes",
     "ddp_bucket_count",
     "ddp_step_textbook",
     "fsdp_step_textbook",

@@ -22,9 +22,9 @@ from typing import Any
 
 from torch.nn import Module
 
+from lightning_smp.accumulation import accumulation_mode
 from lightning_smp.degree import resolve_layout, valid_degrees
 from lightning_smp.engines import engine_for, engine_for_layout, wrap_targets
-from lightning_smp.engines.textbook import accumulation_passes
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.links import Links, links_for
 from lightning_smp.names import HYBRID_SHARD, NO_SHARD
@@ -136,7 +136,7 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
         run = {axis: as_run(ops, link.reduce_scatter_as_all_reduce) for axis, ops in figure.items()}  # as run
         shard_s = collective_seconds(run["shard"], layout.shard, *shard_link)
         replica_s = collective_seconds(run["replicate"], replicas, *replica_link)
-        scattered, synced = accumulation_passes(mode, micro_batches)
+        scattered, synced = accumulation_mode(mode).passes(micro_batches)
         timed = step_time(figure, sharding_strategy=layout.sharding_strategy, shard=layout.shard, replicas=replicas,
                           shard_link=shard_link, replicate_link=replica_link,
                           units=len(units), micro_batches=micro_batches, reduce_scatter_passes=scattered,

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lightning_smp.accumulation import accumulation_mode
 from lightning_smp.engines import FSDP_ENGINES
 from lightning_smp.links import Links
-from lightning_smp.names import NO_SYNC
 
 #: Where the activation figure of a plan comes from.
 MEASURED, GIVEN, NOT_INCLUDED = "measured on fake tensors", "given", "not included"
@@ -135,10 +135,10 @@ def _no_fit_message(rows: Sequence[DegreePlan], budget: int, headroom: float, wo
         helps.append("CPU offload (cpu_offload=True; FSDP2: CPUOffloadPolicy())")
     helps.append(f"more devices (the model state at degree {least.degree} is {fmt_bytes(least.model_state_bytes)} per"
                  " rank and shrinks with the shard group)")
-    if mode == NO_SYNC and micro_batches > 1:
+    if accumulation_mode(mode).holds_unsharded and micro_batches > 1:
         helps.extend(f"fsdp_version={other.version} (gradient_accumulation='{other.accumulations[0]}': no unsharded"
                      " gradients between micro-batches)" for other in FSDP_ENGINES
-                     if other.version != fsdp_version and other.accumulations[0] != NO_SYNC)
+                     if other.version != fsdp_version and not accumulation_mode(other.accumulations[0]).holds_unsharded)
     return (f"no hybrid_shard_degree fits memory_budget={budget} bytes ({fmt_bytes(budget)}) with {headroom:.0%}"
             f" headroom on {world_size} rank(s): the least is {fmt_bytes(least.peak_bytes)} ({least.peak_bytes} bytes)"
             f" per rank at degree {least.degree} (activations {source}). What would help: " + "; ".join(helps) + ".")

@@ -12,8 +12,9 @@ from typing import Any
 
 from torch.nn import Parameter
 
+from lightning_smp.accumulation import accumulation_mode
 from lightning_smp.engines.prediction import Prediction, dtype_bytes
-from lightning_smp.names import DEFER_ALL_REDUCE, HYBRID_SHARD_ZERO2, NO_SHARD, NO_SYNC, SHARD_GRAD_OP
+from lightning_smp.names import HYBRID_SHARD_ZERO2, NO_SHARD, SHARD_GRAD_OP
 
 
 def textbook(units: Sequence[Sequence[Parameter]], layout: Any, prediction: Prediction, micro_batches: int,
@@ -40,10 +41,8 @@ def transient_bytes(units: Sequence[Sequence[Parameter]], root_is_last: bool, la
                     micro_batches: int, accumulation: str, precision: str) -> int:
     transient = gathered_bytes(units, root_is_last, layout, prediction, precision)
     full_grads = sum(p.numel() * p.element_size() for unit in units for p in unit if p.requires_grad)
-    if micro_batches > 1 and accumulation == NO_SYNC and layout.shard > 1:
-        transient += full_grads  # every rank holds the unsharded gradient between micro-batches
-    elif micro_batches > 1 and accumulation == DEFER_ALL_REDUCE and layout.shard > 1:
-        transient += full_grads // layout.shard  # FSDP2's partial-reduce buffer
+    if micro_batches > 1:  # what the mode holds between micro-batches: the unsharded gradient, or a partial sum
+        transient += accumulation_mode(accumulation).held_between(full_grads, layout.shard)
     return transient
 
 

@@ -36,6 +36,7 @@ from torch.nn import Module, Parameter
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from lightning_smp.accumulation import accumulation_mode
 from lightning_smp.degree import Layout
 from lightning_smp.engines.base import PlainCalls, ShardingFacts, ShardingPlan, StorageUnit
 from lightning_smp.engines.ddp.prediction import BITMAP_BYTES, DDPPrediction
@@ -206,7 +207,8 @@ class DDPEngine:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def accumulation_context(self, model: Module, accumulation: GradientAccumulation) -> AbstractContextManager[None]:
-        if accumulation != EVERY_MICRO_BATCH and isinstance(model, DistributedDataParallel):
+        # nothing is sharded: a mode that defers any reduction defers DDP's all-reduce
+        if not accumulation_mode(accumulation).all_reduce_each and isinstance(model, DistributedDataParallel):
             return cast(AbstractContextManager[None], model.no_sync())
         return nullcontext()
 
@@ -240,7 +242,7 @@ class DDPEngine:
 
     def step_textbook(self, model: Module, backward_passes: int, accumulation: GradientAccumulation,
                       root_gathered: bool = False) -> CommFigure | None:
-        from lightning_smp.engines.textbook import accumulation_passes, ddp_bucket_count, ddp_step_textbook
+        from lightning_smp.engines.textbook import ddp_bucket_count, ddp_step_textbook
 
         if not isinstance(model, DistributedDataParallel):
             return None
@@ -248,7 +250,7 @@ class DDPEngine:
         grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
         bitmap = len(trainable) * BITMAP_BYTES if model.find_unused_parameters else 0  # a DDP built elsewhere: none
         return ddp_step_textbook(grad_bytes, model.process_group.size(), ddp_bucket_count(model) or 1,
-                                 synced_passes=accumulation_passes(accumulation, backward_passes)[1],
+                                 synced_passes=accumulation_mode(accumulation).passes(backward_passes)[1],
                                  used_bitmap_bytes=bitmap)
 
 

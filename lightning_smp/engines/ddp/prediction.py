@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from torch.nn import Parameter
 
+from lightning_smp.accumulation import accumulation_mode
 from lightning_smp.degree import Layout
 from lightning_smp.engines.prediction import Held, UnitLayout
 
@@ -40,11 +41,11 @@ class DDPPrediction:
                       accumulation: str, precision: str) -> CommFigure:
         """DDP's traffic: the gradients (in the parameters' dtype: autocast leaves them in it) and the bitmap, once
         per synced pass, in one bucket per 25 MiB (DDP's default cap; the count is only the latency term)."""
-        from lightning_smp.engines.textbook import accumulation_passes, ddp_step_textbook
+        from lightning_smp.engines.textbook import ddp_step_textbook
 
         trainable = [p for unit in units for p in unit if p.requires_grad]
         grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
         buckets = max(1, -(-grad_bytes // (25 * 1024 * 1024)))
         return ddp_step_textbook(grad_bytes, layout.world_size, buckets,
-                                 synced_passes=accumulation_passes(accumulation, micro_batches)[1],
+                                 synced_passes=accumulation_mode(accumulation).passes(micro_batches)[1],
                                  used_bitmap_bytes=len(trainable) * BITMAP_BYTES)

@@ -24,6 +24,7 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_smp.accumulation import accumulation_mode
 from lightning_smp.degree import Layout
 from lightning_smp.engines import unused
 from lightning_smp.engines.base import PlainCalls, ShardingFacts, ShardingPlan, StorageUnit, replace_attribute
@@ -309,7 +310,7 @@ class FSDP1Engine:
 
     def accumulation_context(self, model: Module, accumulation: GradientAccumulation) -> AbstractContextManager[None]:
         # FSDP1's no_sync on the root: no reduce-scatter and no all-reduce; every unit keeps its unsharded gradient
-        if accumulation == NO_SYNC and isinstance(model, _fsdp()):
+        if not accumulation_mode(accumulation).reduce_scatter_each and isinstance(model, _fsdp()):
             return cast(AbstractContextManager[None], model.no_sync())
         return nullcontext()
 
@@ -410,7 +411,7 @@ class FSDP1Engine:
 
     def step_textbook(self, model: Module, backward_passes: int, accumulation: GradientAccumulation,
                       root_gathered: bool = False) -> CommFigure | None:
-        from lightning_smp.engines.textbook import accumulation_passes, fsdp_step_textbook
+        from lightning_smp.engines.textbook import fsdp_step_textbook
 
         facts = self.sharding(model)
         if facts is None:
@@ -418,7 +419,7 @@ class FSDP1Engine:
         replicas = facts.replicas
         if facts.sharding_strategy == NO_SHARD:
             replicas = _handles(model)[0].world_size
-        scattered, synced = accumulation_passes(accumulation, backward_passes)
+        scattered, synced = accumulation_mode(accumulation).passes(backward_passes)
         presences = fsdp1_unused.presences(_handles(model))  # the unused-parameter bitmap
         return fsdp_step_textbook(self.comm_units(model), facts.sharding_strategy, facts.shard_degree, replicas,
                                   backward_passes, synced_passes=synced, reduce_scatter_passes=scattered,

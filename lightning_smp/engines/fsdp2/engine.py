@@ -23,6 +23,7 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_smp.accumulation import accumulation_mode
 from lightning_smp.degree import Layout
 from lightning_smp.engines import unused
 from lightning_smp.engines.base import PlainCalls, ShardingFacts, ShardingPlan, StorageUnit, replace_attribute
@@ -226,9 +227,10 @@ class FSDP2Engine:
     # ------------------------------------------------------------------ gradient accumulation
 
     def accumulation_context(self, model: Module, accumulation: GradientAccumulation) -> AbstractContextManager[None]:
-        if accumulation == EVERY_MICRO_BATCH:
+        mode = accumulation_mode(accumulation)
+        if mode.all_reduce_each:
             return nullcontext()
-        return self._reducing_off(model, all_reduce_only=accumulation == DEFER_ALL_REDUCE)
+        return self._reducing_off(model, all_reduce_only=mode.reduce_scatter_each)
 
     def _reducing_off(self, model: Module, all_reduce_only: bool) -> AbstractContextManager[None]:
         return fsdp2_accumulation.reducing_off(model, all_reduce_only)
@@ -260,12 +262,12 @@ class FSDP2Engine:
 
     def step_textbook(self, model: Module, backward_passes: int, accumulation: GradientAccumulation,
                       root_gathered: bool = False) -> CommFigure | None:
-        from lightning_smp.engines.textbook import accumulation_passes, fsdp_step_textbook
+        from lightning_smp.engines.textbook import fsdp_step_textbook
 
         facts = self.sharding(model)
         if facts is None:
             return None
-        scattered, synced = accumulation_passes(accumulation, backward_passes)
+        scattered, synced = accumulation_mode(accumulation).passes(backward_passes)
         presences = fsdp2_groups.presences(model)  # the unused-parameter bitmap
         return fsdp_step_textbook(self.comm_units(model), facts.sharding_strategy, facts.shard_degree, facts.replicas,
                                   backward_passes, synced_passes=synced, reduce_scatter_passes=scattered,
