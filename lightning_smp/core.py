@@ -4,8 +4,9 @@
 The core takes explicit inputs (the user's arguments, the number of nodes and devices, the root device, the
 module) and knows neither Lightning's Trainer nor Fabric. In order:
 
-1. :meth:`HybridShardCore.from_arguments`: static checks of the arguments, before anything is built, the same on
-   every rank;
+1. :meth:`HybridShardCore.from_options`: the options checked once by
+   :meth:`~lightning_smp.config.options.StrategyOptions.from_arguments` (before anything is built, the same on every
+   rank), and against the engine when ``fsdp_version`` names it already;
 2. :meth:`~HybridShardCore.configure`: when the front end is created (before any process starts), the configuration
    is resolved once from every source, the engine chosen and the arguments checked against it, and the layout
    resolved for the world size, so that a bad degree fails there;
@@ -15,16 +16,13 @@ module) and knows neither Lightning's Trainer nor Fabric. In order:
 
 With ``hybrid_shard_degree="auto"``, step 2 leaves the layout open and :meth:`~HybridShardCore.choose_degree` settles
 it from the model, on every rank, between steps 3 and 4.
-
-Above 300 lines for a reason: these steps are the one implementation both front ends call, each with its argument
-checks and its rank-agreement rules; split up, every front end would have to call the parts in the right order.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -33,21 +31,9 @@ from torch.nn import Module
 from lightning_smp import buffers, unit_order
 from lightning_smp.checkpoint import CheckpointRun, ShardedModel
 from lightning_smp.collectives import Collectives
-from lightning_smp.config import (
-    SMPConfig,
-    check_async_save,
-    check_fsdp_version,
-    check_links,
-    check_memory_budget,
-    resolve_config,
-)
-from lightning_smp.degree import (
-    Layout,
-    check_degree_setting,
-    check_sharding_strategy,
-    reconcile_degree,
-    resolve_strategy_layout,
-)
+from lightning_smp.config import SMPConfig, resolve_config
+from lightning_smp.config.options import ASYNC_FULL, StrategyOptions
+from lightning_smp.degree import Layout, resolve_strategy_layout
 from lightning_smp.engines import (
     Engine,
     ShardingPlan,
@@ -60,35 +46,16 @@ from lightning_smp.engines import (
     scalars,
 )
 from lightning_smp.errors import HybridShardConfigError
-from lightning_smp.mesh import build_device_mesh, check_device_mesh, process_group_degree
-from lightning_smp.names import (
-    AUTO,
-    GRADIENT_ACCUMULATIONS,
-    SHARDED,
-    STATE_DICT_TYPES,
-    GradientAccumulation,
-    ProcessStartMethod,
-    ShardingStrategyName,
-    StartMethod,
-    StateDictType,
-)
+from lightning_smp.mesh import build_device_mesh
+from lightning_smp.names import AUTO, SHARDED, GradientAccumulation
 from lightning_smp.replicas import broadcast_across_replicas, broadcast_before_wrapping
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
 
-    from lightning.fabric.plugins.environments import ClusterEnvironment
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_smp.planner import Plan
-
-_Launcher = TypeVar("_Launcher")
-
-_ASYNC_FULL = (
-    "async_save=True writes sharded checkpoints in the background, but state_dict_type={state_dict_type!r} assembles"
-    " one full file on rank 0. Fix: use state_dict_type='sharded' (convert afterwards with python -m"
-    " lightning_smp.checkpoint consolidate), or async_save=False."
-)
 
 
 @dataclass(frozen=True)
@@ -116,40 +83,22 @@ class HybridShardCore:
     """The front-end-independent state of one hybrid-sharding strategy (see the module docstring for its order).
 
     Attributes:
-        requested_strategy: the sharding strategy the user asked for.
-        degree_arg: the degree given as an argument (or implied by ``device_mesh``/``process_group``), else ``None``.
-        fsdp_version_arg: the ``fsdp_version`` argument, else ``None`` (the configuration sources decide).
-        accumulation_arg: the ``gradient_accumulation`` argument, else ``None`` (the engine's default).
-        state_dict_type: the checkpoint format.
+        options: what the user asked for, checked (:class:`~lightning_smp.config.options.StrategyOptions`); the SMP
+            keys among them are the highest configuration source.
         engine_options: the user's own engine arguments (``auto_wrap_policy`` and the ``**kwargs``), before a front
             end adds its defaults.
-        mixed_precision_arg, cpu_offload_arg: those arguments as the user gave them.
-        user_mesh: a ``DeviceMesh`` the user passed (used as is), and ``mesh_shape_arg`` a tuple they passed.
-        memory_budget_arg: the ``memory_budget`` argument in bytes, else ``None`` (the configuration sources, then
-            the device's free memory); ``chosen``: the planner's :class:`~lightning_smp.planner.Plan` once
-            ``hybrid_shard_degree="auto"`` has been resolved by :meth:`choose_degree`.
-        async_save_arg: the ``async_save`` argument, else ``None`` (the configuration sources decide).
-        links_arg: the ``links`` argument (a preset, a JSON file or ``"calibrate"``), else ``None``.
-        broadcast_buffers: DDP's switch: global rank 0's buffers to every rank by DDP's rule (:mod:`.buffers`).
+        mixed_precision, cpu_offload: those arguments as the user gave them.
+        chosen: the planner's :class:`~lightning_smp.planner.Plan` once ``hybrid_shard_degree="auto"`` has been
+            resolved by :meth:`choose_degree`.
         settled: what :meth:`configure` settled (:class:`Settled`: the configuration, layout and engine), replaced
             whole when "auto" chooses or a module sharded by another engine arrives; built: what
             :meth:`build_mesh` built (:class:`Built`); checkpoint_run: who writes this run's checkpoints.
     """
 
-    requested_strategy: ShardingStrategyName
-    degree_arg: int | str | None
-    fsdp_version_arg: int | None
-    accumulation_arg: GradientAccumulation | None
-    state_dict_type: StateDictType
+    options: StrategyOptions
     engine_options: dict[str, Any]
-    mixed_precision_arg: Any = None
-    cpu_offload_arg: Any = None
-    user_mesh: DeviceMesh | None = None
-    mesh_shape_arg: tuple[int, ...] | None = None
-    memory_budget_arg: int | None = None
-    async_save_arg: bool | None = None
-    links_arg: str | None = None
-    broadcast_buffers: bool = True
+    mixed_precision: Any = None
+    cpu_offload: Any = None
     chosen: Plan | None = None
     settled: Settled | None = None
     built: Built | None = None
@@ -161,84 +110,24 @@ class HybridShardCore:
     # ------------------------------------------------------------------ 1. static checks
 
     @classmethod
-    def from_arguments(
-        cls,
-        *,
-        sharding_strategy: Any,
-        hybrid_shard_degree: Any,
-        device_mesh: Any,
-        fsdp_version: Any,
-        gradient_accumulation: Any,
-        state_dict_type: Any,
-        mixed_precision: Any,
-        cpu_offload: Any,
-        auto_wrap_policy: Any,
-        kwargs: dict[str, Any],
-        memory_budget: Any = None,
-        async_save: Any = None,
-        links: Any = None,
-        broadcast_buffers: Any = True,
-    ) -> HybridShardCore:
-        """Check the arguments that need no world size and no process; raise :class:`HybridShardConfigError`."""
-        requested = check_sharding_strategy(sharding_strategy)
-        version = None if fsdp_version is None else check_fsdp_version(fsdp_version)
-        if gradient_accumulation is not None and gradient_accumulation not in GRADIENT_ACCUMULATIONS:
-            raise HybridShardConfigError(
-                f"gradient_accumulation={gradient_accumulation!r} is not supported. Valid values: "
-                + ", ".join(repr(g) for g in GRADIENT_ACCUMULATIONS) + "."
-            )
-        if state_dict_type not in STATE_DICT_TYPES:
-            raise HybridShardConfigError(
-                f"state_dict_type={state_dict_type!r} is not supported. Valid values: "
-                + ", ".join(repr(t) for t in STATE_DICT_TYPES) + "."
-            )
-        degree = None if hybrid_shard_degree is None else check_degree_setting(hybrid_shard_degree)
-        budget = check_memory_budget(memory_budget)
-        links = check_links(links)
-        background = None if async_save is None else check_async_save(async_save)
-        if background and state_dict_type != SHARDED:
-            raise HybridShardConfigError(_ASYNC_FULL.format(state_dict_type=state_dict_type))
-        if not isinstance(broadcast_buffers, bool):
-            raise HybridShardConfigError(
-                f"broadcast_buffers={broadcast_buffers!r} is not a bool. Fix: True (DDP's default: every"
-                " rank gets global rank 0's buffers before each forward that follows a synced training forward) or"
-                " False (each rank keeps its own)."
-            )
-        user_mesh, mesh_degree = check_device_mesh(device_mesh)
-        if device_mesh is not None and kwargs.get("process_group") is not None:
-            raise HybridShardConfigError(
-                "device_mesh and process_group were both given; they are mutually exclusive. Fix: pass only one."
-            )
-        fixed = "device_mesh" if device_mesh is not None else "process_group" if kwargs.get("process_group") else None
-        if degree == AUTO and fixed:
-            raise HybridShardConfigError(
-                f"hybrid_shard_degree='auto' and {fixed} were both given: a {fixed} fixes the shard group, so there"
-                f" is nothing to choose. Fix: drop {fixed}, or pass the degree it implies."
-            )
-        if degree != AUTO:  # (with "auto", neither was given: checked above)
-            number = reconcile_degree("device_mesh", mesh_degree, cast("int | None", degree))
-            degree = reconcile_degree("process_group", process_group_degree(kwargs.get("process_group")), number)
-        core = cls(
-            requested_strategy=requested, degree_arg=degree, fsdp_version_arg=version,
-            accumulation_arg=gradient_accumulation, state_dict_type=state_dict_type,
-            engine_options={**kwargs, **({"auto_wrap_policy": auto_wrap_policy} if auto_wrap_policy else {})},
-            mixed_precision_arg=mixed_precision, cpu_offload_arg=cpu_offload, user_mesh=user_mesh,
-            mesh_shape_arg=tuple(device_mesh) if isinstance(device_mesh, (tuple, list)) else None,
-            memory_budget_arg=budget, async_save_arg=background, links_arg=links,
-            broadcast_buffers=broadcast_buffers,
-        )
-        if version is not None:
+    def from_options(cls, options: StrategyOptions, *, engine_options: Mapping[str, Any], mixed_precision: Any = None,
+                     cpu_offload: Any = None) -> HybridShardCore:
+        """The core of checked ``options``; when an ``fsdp_version`` argument names the engine already, the engine
+        arguments are checked against it now (:class:`HybridShardConfigError`)."""
+        core = cls(options, dict(engine_options), mixed_precision, cpu_offload)
+        if options.smp.get("fsdp_version") is not None:
             core.check_engine()  # the engine is known already: refuse its wrong arguments now
         return core
 
     def check_engine(self, engine: Engine | None = None) -> None:
         """Static checks of the arguments against ``engine`` (by default the one in effect)."""
         engine = engine or self.engine
-        engine.check_options(options_for(engine, self.engine_options), self.mixed_precision_arg, self.cpu_offload_arg)
-        if self.accumulation_arg is not None and self.accumulation_arg not in engine.accumulations:
+        engine.check_options(options_for(engine, self.engine_options), self.mixed_precision, self.cpu_offload)
+        accumulation = self.options.gradient_accumulation
+        if accumulation is not None and accumulation not in engine.capabilities.accumulations:
             raise HybridShardConfigError(
-                f"gradient_accumulation={self.accumulation_arg!r} needs fsdp_version=2; fsdp_version="
-                f"{engine.version} implements " + ", ".join(repr(g) for g in engine.accumulations)
+                f"gradient_accumulation={accumulation!r} needs fsdp_version=2; fsdp_version="
+                f"{engine.version} implements " + ", ".join(repr(g) for g in engine.capabilities.accumulations)
                 + ". Fix: pass fsdp_version=2, or one of those."
             )
 
@@ -246,26 +135,16 @@ class HybridShardCore:
 
     def resolve_config(self) -> SMPConfig:
         """Every configuration source merged, the arguments on top (see :mod:`lightning_smp.config`)."""
-        explicit: dict[str, Any] = {}
-        if self.degree_arg is not None:
-            explicit["hybrid_shard_degree"] = self.degree_arg
-        if self.fsdp_version_arg is not None:
-            explicit["fsdp_version"] = self.fsdp_version_arg
-        if self.memory_budget_arg is not None:
-            explicit["memory_budget"] = self.memory_budget_arg
-        if self.async_save_arg is not None:
-            explicit["async_save"] = self.async_save_arg
-        if self.links_arg is not None:
-            explicit["links"] = self.links_arg
-        return resolve_config(explicit or None)
+        return resolve_config(dict(self.options.smp) or None)
 
     def configure(self, num_nodes: int, devices: int) -> Layout | None:
         """Resolve the configuration once, choose the engine, check the arguments against it and resolve the layout
         for ``num_nodes x devices`` ranks (``None`` while ``hybrid_shard_degree="auto"`` waits for the model). Call
         it before any process starts."""
         config = self.resolve_config()
-        if config.async_save and self.state_dict_type != SHARDED:
-            raise HybridShardConfigError(_ASYNC_FULL.format(state_dict_type=self.state_dict_type))
+        if config.async_save and self.options.state_dict_type != SHARDED:
+            # a lower source asked for background saves: the same refusal as for the argument
+            raise HybridShardConfigError(ASYNC_FULL.format(state_dict_type=self.options.state_dict_type))
         self.check_engine(engine_for(config.fsdp_version))
         self.settled = Settled(config, None, engine_for(config.fsdp_version))
         self._set_layout(None if self.auto_pending else self.resolve_layout(num_nodes, devices))
@@ -276,7 +155,7 @@ class HybridShardCore:
         (:func:`~lightning_smp.engines.engine_for_layout`), else the engine of ``fsdp_version``."""
         config = self.config
         engine = engine_for_layout(config.fsdp_version, layout, options=self.engine_options,
-                                   mixed_precision=self.mixed_precision_arg, cpu_offload=self.cpu_offload_arg)
+                                   mixed_precision=self.mixed_precision, cpu_offload=self.cpu_offload)
         self.settled = Settled(config, layout, engine)
 
     def _set_engine(self, engine: Engine) -> None:
@@ -298,7 +177,7 @@ class HybridShardCore:
         """The engine in effect: before :meth:`configure`, the one ``fsdp_version`` names."""
         if self.settled is not None:
             return self.settled.engine
-        return engine_for(self.fsdp_version_arg or 1)
+        return engine_for(self.options.smp.get("fsdp_version") or 1)
 
     @property
     def device_mesh(self) -> DeviceMesh | None:
@@ -306,15 +185,15 @@ class HybridShardCore:
         return self.built.mesh if self.built is not None else None
 
     def resolve_layout(self, num_nodes: int, devices: int) -> Layout:
-        given = tuple(self.user_mesh.shape) if self.user_mesh is not None else self.mesh_shape_arg
         degree = self.hybrid_shard_degree
         if degree == AUTO:
             raise HybridShardConfigError(
                 "hybrid_shard_degree='auto' is chosen from the model when it is set up (Trainer.fit/validate/test/"
                 "predict, fabric.setup_module); the layout is not known before."
             )
-        return resolve_strategy_layout(num_nodes, devices, int(degree), self.requested_strategy, mesh_shape=given,
-                                       user_mesh=self.user_mesh is not None)
+        return resolve_strategy_layout(num_nodes, devices, int(degree), self.options.sharding_strategy_name,
+                                       mesh_shape=self.options.mesh_shape,
+                                       user_mesh=self.options.user_mesh is not None)
 
     @property
     def configured_degree(self) -> int | str:
@@ -343,7 +222,8 @@ class HybridShardCore:
     @property
     def gradient_accumulation(self) -> GradientAccumulation:
         # the default of the engine fsdp_version selects, also where the DDP engine runs (which takes every mode)
-        return self.accumulation_arg or engine_for(self.config.fsdp_version).accumulations[0]
+        return (self.options.gradient_accumulation
+                or engine_for(self.config.fsdp_version).capabilities.default_accumulation)
 
     # ------------------------------------------------------------------ 3. the mesh, once the process group exists
 
@@ -362,8 +242,8 @@ class HybridShardCore:
             )
         if self.engine_options.get("process_group") is not None:
             self.built = Built(None, layout, device_type)
-        elif self.user_mesh is not None:
-            self.built = Built(self.user_mesh, layout, device_type)
+        elif self.options.user_mesh is not None:
+            self.built = Built(self.options.user_mesh, layout, device_type)
         elif self.built is None or (self.built.layout, self.built.device_type) != (layout, device_type):
             # fit, then validate/test in the same processes: building again would create new process groups
             self.built = Built(build_device_mesh(layout, device_type), layout, device_type)
@@ -383,19 +263,19 @@ class HybridShardCore:
 
         if self.chosen is not None:
             return self.chosen
-        if self.engine.is_sharded(module) or self.engine.holds_shards(module):
+        if self.engine.has_wrapped(module) or self.engine.parameters_sharded(module):
             raise HybridShardConfigError(
                 "hybrid_shard_degree='auto' plans from the model before it is sharded, but this model is sharded"
                 " already (by configure_model or by hand). Fix: build the layers in configure_model without sharding"
                 " them (the strategy shards them), or pass a number as hybrid_shard_degree."
             )
-        offload = self.cpu_offload_arg
+        offload = self.cpu_offload
         config = self.config
         chosen = plan_on_every_rank(
             module, configured_budget=config.memory_budget, configured_links=config.links, device=device,
             local_ranks=devices, world_size=num_nodes * devices, devices_per_node=devices,
             fsdp_version=config.fsdp_version, auto_wrap_policy=self.engine_options.get("auto_wrap_policy"),
-            optimizer=optimizer, sharding_strategy=self.requested_strategy, precision=precision,
+            optimizer=optimizer, sharding_strategy=self.options.sharding_strategy_name, precision=precision,
             micro_batches=micro_batches, accumulation=self.gradient_accumulation, example_input=example_input,
             checkpoint=checkpoint, training=training,
             cpu_offload=offloads_parameters(offload),
@@ -415,14 +295,14 @@ class HybridShardCore:
         if self.layout is None:
             raise HybridShardConfigError("the layout is not known yet: the strategy has not been configured.")
         mesh = self.device_mesh
-        if mesh is not None and self.user_mesh is None:
+        if mesh is not None and self.options.user_mesh is None:
             mesh = self.engine.mesh_for(mesh, self.layout)
-        if own_offload_config(self.cpu_offload_arg):
-            cpu_offload = self.cpu_offload_arg  # FSDP2's own config, kept as the user gave it
+        if own_offload_config(self.cpu_offload):
+            cpu_offload = self.cpu_offload  # FSDP2's own config, kept as the user gave it
         return ShardingPlan(layout=self.layout, device=device, mesh=mesh, mixed_precision=mixed_precision,
                             cpu_offload=cpu_offload, options=options_for(self.engine, options), precision=precision,
                             steps_inside_a_step=steps_inside_a_step,
-                            broadcast_buffers=self.broadcast_buffers)
+                            broadcast_buffers=self.options.broadcast_buffers)
 
     # ------------------------------------------------------------------ 4. sharding the module
 
@@ -443,16 +323,16 @@ class HybridShardCore:
         if other is not None and other is not self.engine:
             # sharded by hand in configure_model (fully_shard, or a DDP of the user's own): that engine runs it
             self._set_engine(other)
-            if self.device_mesh is not None and self.user_mesh is None and self.layout is not None:
+            if self.device_mesh is not None and self.options.user_mesh is None and self.layout is not None:
                 plan = replace(plan, mesh=other.mesh_for(self.device_mesh, self.layout))
         engine, device = self.engine, plan.device
-        first = engine.checkpoint_activations_first and not engine.is_sharded(module)
+        first = engine.capabilities.checkpoint_activations_first and not engine.has_wrapped(module)
         if first:
             checkpoint_activations(module)
         # parameters the engine already manages were synced when they were sharded; their local views differ in
         # size between ranks and must not be broadcast
-        synced = engine.holds_shards(module)
-        if engine.is_sharded(module):
+        synced = engine.parameters_sharded(module)
+        if engine.has_wrapped(module):
             on_already_sharded(module)
             module = engine.complete(module, plan)
         else:
@@ -466,7 +346,7 @@ class HybridShardCore:
             broadcast_across_replicas(module, self.device_mesh, device)
         if not first:
             checkpoint_activations(module)
-        if plan.broadcast_buffers and not engine.syncs_buffers_itself:  # DDP's broadcast_buffers, on every engine
+        if plan.broadcast_buffers and not engine.capabilities.syncs_buffers_itself:  # DDP's broadcast_buffers, on every engine
             buffers.install(module, device)
         unit_order.install(module, engine.units(module), device)  # LIGHTNING_SMP_CHECK_UNIT_ORDER=1 only
         return module
@@ -503,19 +383,4 @@ class HybridShardCore:
             )
 
 
-def choose_launcher(start_method: StartMethod, cluster_environment: ClusterEnvironment | None, *,
-                    script: Callable[[ClusterEnvironment], _Launcher],
-                    in_process: Callable[[ProcessStartMethod], _Launcher], owner: str, creator: str) -> _Launcher:
-    """The launcher of a run, one rule for both front ends: the script launcher (``script``, the front end's
-    ``_SubprocessScriptLauncher``) for ``start_method="popen"`` and for processes something else started (torchrun,
-    SLURM: unlike Lightning's FSDP strategies, there too, because that launcher caps their threads), else
-    ``in_process``, the front end's launcher of forked or spawned ranks. ``owner`` and ``creator`` name the strategy
-    and what creates it, for the error without a cluster environment."""
-    if cluster_environment is None:
-        raise HybridShardConfigError(f"{owner} has no cluster environment: create it through {creator}.")
-    if start_method == "popen" or cluster_environment.creates_processes_externally:
-        return script(cluster_environment)
-    return in_process(start_method)
-
-
-__all__ = ["HybridShardCore", "choose_launcher"]
+__all__ = ["Built", "HybridShardCore", "Settled"]

@@ -15,15 +15,11 @@ same arguments and checks (before any process starts), every configuration sourc
 ``fabric.no_backward_sync(model)`` follows ``gradient_accumulation`` (FSDP2: only the cross-replica all-reduce is
 deferred, gradients stay sharded); an optimizer step after a backward that never reduced its gradients is refused
 (:class:`~lightning_smp.errors.GradientSyncError`).
-
-Above 300 lines for a reason: one strategy class whose methods override Fabric's ``FSDPStrategy`` (each delegating to
-the core or the checkpoint helpers), its precision plugin and backward-sync control, and the mapping between a Fabric
-state dict and the checkpoint format, which belong to Fabric alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -36,64 +32,33 @@ from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision
 from lightning.fabric.strategies import FSDPStrategy
-from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE
-from lightning.fabric.utilities.load import _move_state_into
-from lightning.fabric.utilities.types import _Stateful
 from torch import Tensor
+from torch.distributed.fsdp import CPUOffload, MixedPrecision
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_smp import buffers
 from lightning_smp import checkpoint as checkpoint_lib
-from lightning_smp.autocast import autocast_context
-from lightning_smp.checkpoint import FABRIC_KEYS
-from lightning_smp.checkpoint.local import background_module_state, background_optimizer_state
+from lightning_smp.checkpoint.fabric_state import fabric_checkpoint, load_raw, restore_fabric_state, split_state
 from lightning_smp.checkpoint.saving import check_storage_options
 from lightning_smp.collectives import Collectives
-from lightning_smp.core import HybridShardCore, choose_launcher
-from lightning_smp.engines import Engine, ShardingPlan, engine_of, own_offload_config
+from lightning_smp.engines import ShardingPlan, engine_of, own_offload_config
+from lightning_smp.engines.base import Training
 from lightning_smp.errors import GradientSyncError, HybridShardConfigError, UnsupportedOptionError
-from lightning_smp.forking import check_fork_safety, check_start_method, check_start_method_name, rank_errors_retyped
-from lightning_smp.frontend import HybridShardFrontEnd
-from lightning_smp.names import (
-    STRATEGY_NAMES,
-    GradientAccumulation,
-    ProcessStartMethod,
-    ShardingStrategyName,
-    StartMethod,
-    StateDictType,
-)
+from lightning_smp.frontend import HybridShardFrontEnd, with_options
+from lightning_smp.launcher import FabricWaitingLauncher, choose_launcher
+from lightning_smp.names import STRATEGY_NAMES
 from lightning_smp.optimizers import discard_on_zero_grad
-from lightning_smp.precision import mixed_precision_config, scaler_for
+from lightning_smp.precision import HybridShardFabricPrecision
 
-
-class HybridShardFabricPrecision(FSDPPrecision):
-    """Fabric's ``FSDPPrecision`` that autocasts on the strategy's device type (Fabric's hard-codes ``"cuda"``),
-    for ``16-mixed`` scales the loss with a scaler for that device type, and for ``*-mixed`` reduces FSDP1's gradients
-    in fp32 with the batch left to autocast (:func:`lightning_smp.precision.mixed_precision_config`)."""
-
-    device_type: str = "cpu"
-
-    @classmethod
-    def from_plugin(cls, plugin: FSDPPrecision, device_type: str) -> HybridShardFabricPrecision:
-        upgraded = cls(plugin.precision)  # type: ignore[arg-type]  # an FSDPPrecision's precision is one of its own
-        upgraded.device_type = device_type
-        upgraded.scaler = scaler_for(upgraded.scaler, device_type)
-        return upgraded
-
-    @override
-    def forward_context(self) -> AbstractContextManager:
-        return autocast_context(self.precision, self.device_type) or super().forward_context()
-
-    @property
-    @override
-    def mixed_precision_config(self) -> Any:
-        return mixed_precision_config(self.precision, super().mixed_precision_config)
+#: what ``auto_wrap_policy`` and ``activation_checkpointing_policy`` take, as Lightning's FSDP strategies type it
+#: (importable, so that the constructor's hints resolve at run time: LightningCLI, ``typing.get_type_hints``)
+_POLICY = set[type[Module]] | Any | ModuleWrapPolicy
 
 
 class _HybridBackwardSyncControl(_BackwardSyncControl):
@@ -108,7 +73,7 @@ class _HybridBackwardSyncControl(_BackwardSyncControl):
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
         if not enabled:
             return nullcontext()
-        if not isinstance(module, Module) or not self.strategy.engine.is_sharded(module):
+        if not isinstance(module, Module) or not self.strategy.engine.has_wrapped(module):
             # as Lightning's FSDPStrategy: a module that is not sharded would silently reduce on every backward
             raise UnsupportedOptionError(
                 "Blocking backward sync is only possible if the module passed to `no_backward_sync` is the model that"
@@ -128,53 +93,25 @@ class _HybridBackwardSyncControl(_BackwardSyncControl):
             self.active = False
 
 
-class _WaitingLauncher(_MultiProcessingLauncher):
-    """Fabric's fork/spawn launcher, whose ranks take the outcome of a background checkpoint save before they end: a
-    failed last save raises there, on every rank, and ``fabric.launch`` raises it (the process would wait for the
-    writing thread anyway, but a rank that ends through ``os._exit`` runs no exit handler that could report it)."""
-
-    _strategy: HybridShardFSDPStrategy
-
-    def __init__(self, strategy: HybridShardFSDPStrategy, start_method: ProcessStartMethod) -> None:
-        check_start_method(start_method)  # the Trainer's launcher's checks and error types, before any process starts
-        super().__init__(strategy, start_method=start_method)
-
-    @override
-    def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
-        check_fork_safety(self._strategy.root_device.type, self._start_method)
-        with rank_errors_retyped():
-            return super().launch(function, *args, **kwargs)
-
-    def _wrapping_function(self, process_idx: int, function: Callable, args: Any, kwargs: Any, return_queue: Any,
-                           global_states: Any = None) -> None:
-        strategy = self._strategy
-
-        def run(*run_args: Any, **run_kwargs: Any) -> Any:
-            try:
-                results = function(*run_args, **run_kwargs)
-            except BaseException:
-                strategy.end_checkpoint_after_error()
-                raise
-            strategy.wait_for_checkpoint()
-            return results
-
-        super()._wrapping_function(process_idx, run, args, kwargs, return_queue, global_states)
-
-
+@with_options
 class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
-    r"""Hybrid sharding (SMP's ``hybrid_shard_degree``) for Lightning Fabric.
-
-    Takes the arguments of :class:`lightning_smp.HybridShardFSDPStrategy` (see it for each) that apply to Fabric:
-    ``hybrid_shard_degree``, ``fsdp_version``, ``gradient_accumulation``, ``sharding_strategy``, ``state_dict_type``
-    (``"sharded"`` by default), ``device_mesh``, ``start_method`` (``None``: ``"fork"`` in a notebook, else
-    ``"popen"``, Fabric's script launcher), ``auto_wrap_policy``, ``activation_checkpointing_policy``,
-    ``cpu_offload``, ``mixed_precision``, ``process_group_backend``, ``timeout``, ``async_save``,
-    ``broadcast_buffers`` and the engine's ``**kwargs``.
+    r"""Hybrid sharding (SMP's ``hybrid_shard_degree``) for Lightning Fabric: the options of
+    :class:`lightning_smp.HybridShardFSDPStrategy`, declared once for both (:mod:`lightning_smp.config.options`).
 
     With ``async_save=True``, ``fabric.save`` returns once the state is copied off the training tensors; a failed
     background write raises on every rank at the next ``optimizer.step()``, the next save or load, or at
     :meth:`wait_for_checkpoint` (call it before the end of the program to see a failure of the last save; the
     process waits for the write in any case).
+
+    Arguments:
+        accelerator, parallel_devices, cluster_environment: as for every Fabric strategy; Fabric normally fills
+            them in.
+        precision: an :class:`FSDPPrecision` (``Fabric(precision=...)`` builds one); it is upgraded to
+            :class:`~lightning_smp.precision.HybridShardFabricPrecision`, which autocasts on the root device's type.
+        process_group_backend, timeout, cpu_offload, mixed_precision, auto_wrap_policy, activation_checkpointing,
+            activation_checkpointing_policy: as for :class:`lightning_smp.HybridShardFSDPStrategy`.
+        (every option of lightning_smp.config.options, documented here when the class is created)
+        \**kwargs: passed to the engine, as for :class:`lightning_smp.HybridShardFSDPStrategy`.
     """
 
     _created_by = "Fabric"
@@ -188,34 +125,17 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         precision: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        cpu_offload: Any = None,
-        mixed_precision: Any = None,
-        auto_wrap_policy: Any = None,
-        activation_checkpointing: Any = None,
-        activation_checkpointing_policy: Any = None,
-        sharding_strategy: Any | ShardingStrategyName = "HYBRID_SHARD",
-        state_dict_type: StateDictType = "sharded",
-        device_mesh: Any = None,
-        hybrid_shard_degree: int | str | None = None,
-        start_method: StartMethod | None = None,
-        fsdp_version: int | None = None,
-        gradient_accumulation: GradientAccumulation | None = None,
-        memory_budget: int | str | None = None,
-        async_save: bool | None = None,
-        links: str | None = None,
-        broadcast_buffers: bool = True,
+        cpu_offload: bool | CPUOffload | None = None,
+        mixed_precision: MixedPrecision | None = None,
+        auto_wrap_policy: _POLICY | None = None,
+        activation_checkpointing: type[Module] | list[type[Module]] | None = None,
+        activation_checkpointing_policy: _POLICY | None = None,
+        *args: Any,
         **kwargs: Any,
     ) -> None:
-        # static checks, before anything is built: the same on every rank (and the Trainer strategy's)
-        self.core = HybridShardCore.from_arguments(
-            sharding_strategy=sharding_strategy, hybrid_shard_degree=hybrid_shard_degree, device_mesh=device_mesh,
-            fsdp_version=fsdp_version, gradient_accumulation=gradient_accumulation, state_dict_type=state_dict_type,
-            mixed_precision=mixed_precision, cpu_offload=cpu_offload, auto_wrap_policy=auto_wrap_policy,
-            kwargs=kwargs, memory_budget=memory_budget, async_save=async_save, links=links,
-            broadcast_buffers=broadcast_buffers,
-        )
-        self._start_method: StartMethod = check_start_method_name(start_method) or (
-            "fork" if _IS_INTERACTIVE else "popen")
+        # the options out of kwargs and checked, before anything is built: the Trainer strategy's one call
+        kwargs = self._take_options(args, kwargs, auto_wrap_policy=auto_wrap_policy, mixed_precision=mixed_precision,
+                                    cpu_offload=cpu_offload)
         # FULL_SHARD until the mesh exists (Lightning refuses hybrid strategies without one); see setup_environment
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -224,13 +144,13 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             mixed_precision=mixed_precision, auto_wrap_policy=auto_wrap_policy,
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_policy=activation_checkpointing_policy, sharding_strategy="FULL_SHARD",
-            state_dict_type=state_dict_type, device_mesh=None, **kwargs,
+            state_dict_type=self.options.state_dict_type, device_mesh=None, **kwargs,
         )
         self._backward_sync_control: _HybridBackwardSyncControl = _HybridBackwardSyncControl(self)
         # whether the latest backward ran inside no_backward_sync (its gradients are not reduced yet)
         self._unreduced = False
         self._module: Module | None = None  # the sharded root set up last, for the check before each step
-        self._module_engine: Engine | None = None  # its engine, found once
+        self._module_engine: Training | None = None  # its engine, found once
 
     # ------------------------------------------------------------------ precision
 
@@ -268,7 +188,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             self._start_method, self.cluster_environment, owner="lightning_smp.fabric.HybridShardFSDPStrategy",
             creator="Fabric",
             script=lambda cluster: _SubprocessScriptLauncher(cluster, self.num_processes, self.num_nodes),
-            in_process=lambda start_method: _WaitingLauncher(self, start_method=start_method))
+            in_process=lambda start_method: FabricWaitingLauncher(self, start_method=start_method))
 
     @override
     def setup_environment(self) -> None:
@@ -285,7 +205,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     @override
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler: Any = None,
                                     ) -> tuple[Module, list[Optimizer], Any]:
-        if self.engine.replaces_parameters:
+        if self.engine.capabilities.replaces_parameters:
             raise HybridShardConfigError(
                 f"fabric.setup(model, optimizer) with fsdp_version={self.fsdp_version}: sharding replaces the"
                 " model's parameters, so an optimizer created before would update nothing. Fix: model ="
@@ -363,7 +283,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         if engine is not None:
             engine.settle_gradients(module)
 
-    def _engine_of(self, module: Module) -> Engine | None:
+    def _engine_of(self, module: Module) -> Training | None:
         return self._module_engine if module is self._module else engine_of(module)
 
     @override
@@ -420,36 +340,10 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         ``FSDPStrategy``, the model and optimizers under the user's keys (``{"model": ..., "optimizer": ...}``).
         """
         check_storage_options(storage_options)  # first, as Lightning's FSDPStrategy
-        module_key, module, optimizer_keys, rest = _split_state(state)
+        _, module, _, _ = split_state(state)
         sharded = self._sharded(module)  # refuses a module that was not set up here, on every rank alike
-        kind = self.core.state_dict_type
-        checkpoint: dict[str, Any] = {k: _state_of(v) for k, v in rest.items()}
-        background = self._background
-        if background is not None and kind == checkpoint_lib.SHARDED:
-            # built without gathering where the engine can (lightning_smp.checkpoint.local)
-            model_state = background_module_state(sharded, background.local_state)
-        else:
-            model_state = checkpoint_lib.module_state_dict(sharded, kind)
-        if filter and module_key in filter:
-            keep = filter[module_key]
-            model_state = {k: v for k, v in model_state.items() if keep(k, v)}
-        checkpoint["state_dict"] = model_state
-        if background is not None and kind == checkpoint_lib.SHARDED:
-            checkpoint["optimizer_states"] = [
-                background_optimizer_state(sharded, state[k], i, background.local_state)
-                for i, k in enumerate(optimizer_keys)]
-        else:
-            checkpoint["optimizer_states"] = [checkpoint_lib.optimizer_state(sharded, state[k], kind)
-                                              for k in optimizer_keys]
-        if kind == checkpoint_lib.FULL:
-            checkpoint = checkpoint_lib.fabric_layout(checkpoint, module_key, optimizer_keys)
-        else:
-            # what the Trainer needs to resume from the folder (its loops then start from zero), recorded as such so
-            # that consolidating the folder gives what a full save would have written
-            added = [key for key in _FOR_THE_TRAINER if key not in checkpoint]
-            checkpoint.setdefault("lr_schedulers", [])
-            checkpoint.setdefault("pytorch-lightning_version", _lightning_version())
-            checkpoint[FABRIC_KEYS] = {"module": module_key, "optimizers": optimizer_keys, "for_the_trainer": added}
+        kind, background = self.options.state_dict_type, self._background
+        checkpoint = fabric_checkpoint(state, sharded, kind, self._local_state_check, filter)
         checkpoint_lib.save(checkpoint, path, kind=kind, collectives=Collectives.current(self.root_device),
                             run=self.core.checkpoint_run, layout=self.core.layout, storage_options=storage_options,
                             background=background, writes_data=background is None or sharded.writes_data())
@@ -474,36 +368,10 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
                 " fabric.load(path, {'model': model, 'optimizer': optimizer})."
             )
         if isinstance(state, Module):
-            return self._load_raw(Path(path), state, strict)
-        module_key, module, optimizer_keys, rest = _split_state(state)
-        remainder = checkpoint_lib.load(self._sharded(module), path, optimizers=[state[k] for k in optimizer_keys],
-                                        strict=strict, model_name=type(module).__name__,
-                                        state_keys=(module_key, optimizer_keys))
-        for key in ("state_dict", "optimizer_states", FABRIC_KEYS, *_FOR_THE_TRAINER):
-            if key not in rest:
-                remainder.pop(key, None)
-        self.core.checkpoint_run.continue_from(remainder)
-        missing = [key for key in rest if key not in remainder]
-        if missing and strict:
-            raise HybridShardConfigError(
-                f"checkpoint {str(path)!r} has no {missing[0]!r}, which the state to restore asks for. Fix: load with"
-                " strict=False, or restore only what the checkpoint holds."
-            )
-        # Fabric's own helper: load_state_dict() for stateful objects (a data loader resumes its position)
-        _move_state_into(source=remainder, destination=state, keys=set(rest))
-        remainder.pop(checkpoint_lib.RUN_KEY, None)
-        return remainder
-
-    def _load_raw(self, path: Path, module: Module, strict: bool) -> dict[str, Any]:
-        """A plain ``torch.save(model.state_dict())`` file (or a full checkpoint) into the sharded ``module``."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        if checkpoint_lib.checkpoint_kind(path) == checkpoint_lib.SHARDED or _is_lightning_file(path):
-            checkpoint_lib.load(self._sharded(module), path, strict=strict, model_name=type(module).__name__)
+            load_raw(Path(path), state, strict, self._sharded)
             return {}
-        raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        set_model_state_dict(module, raw, options=StateDictOptions(full_state_dict=True, strict=strict))
-        return {}
+        _, module, _, _ = split_state(state)
+        return restore_fabric_state(self._sharded(module), path, state, strict=strict, run=self.core.checkpoint_run)
 
     # ------------------------------------------------------------------ registration
 
@@ -518,47 +386,4 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
                 strategy_registry.register(name, cls, description=description, **init_params)
 
 
-#: Keys a Fabric checkpoint carries for the Trainer only (left out of what ``fabric.load`` returns).
-_FOR_THE_TRAINER = ("lr_schedulers", "pytorch-lightning_version")
-
-
-def _lightning_version() -> str:
-    import lightning
-
-    return lightning.__version__
-
-
-def module_key(state: Mapping[str, Any]) -> str:
-    """The key of the one module in a Fabric state dict."""
-    keys = [k for k, v in state.items() if isinstance(v, Module)]
-    if len(keys) != 1:
-        raise HybridShardConfigError(
-            f"the state holds {len(keys)} modules ({', '.join(map(repr, keys)) or 'none'}); hybrid sharding saves and"
-            " loads exactly one. Fix: put the model set up by fabric.setup_module() under one key, e.g. 'model'."
-        )
-    return keys[0]
-
-
-def _split_state(state: Mapping[str, Any]) -> tuple[str, Module, list[str], dict[str, Any]]:
-    """(the module's key, the module, the optimizers' keys in order, everything else) of a Fabric state dict."""
-    key = module_key(state)
-    optimizer_keys = [k for k, v in state.items() if isinstance(v, Optimizer)]
-    rest = {k: v for k, v in state.items() if not isinstance(v, (Module, Optimizer))}
-    return key, state[key], optimizer_keys, rest
-
-
-def _state_of(obj: Any) -> Any:
-    """What a checkpoint holds of a non-model entry of the state: ``state_dict()`` of a stateful object (Fabric's
-    contract), anything else as it is (and refused when saving if it is not a plain value)."""
-    return obj.state_dict() if isinstance(obj, _Stateful) else obj
-
-
-def _is_lightning_file(path: Path) -> bool:
-    """Whether a full checkpoint file is a Lightning one (has a ``state_dict``), not a raw module state dict."""
-    if not path.is_file():
-        return False
-    content = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return isinstance(content, dict) and "state_dict" in content and isinstance(content["state_dict"], dict)
-
-
-__all__ = ["FABRIC_KEYS", "HybridShardFSDPStrategy", "HybridShardFabricPrecision", "module_key"]
+__all__ = ["HybridShardFSDPStrategy", "HybridShardFabricPrecision"]

@@ -14,21 +14,6 @@ from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 
 from lightning_smp import errors
 from lightning_smp.errors import HybridShardConfigError, LightningSMPError
-from lightning_smp.names import START_METHODS, StartMethod
-
-
-def check_start_method_name(start_method: object) -> StartMethod | None:
-    """Check a ``start_method`` argument statically: ``None`` (automatic) or one of :data:`START_METHODS`."""
-    if start_method is None:
-        return None
-    for method in START_METHODS:  # a loop, not `in`: mypy before 1.20 does not narrow by `in`
-        if start_method == method:
-            return method
-    raise HybridShardConfigError(
-        f"start_method={start_method!r} is not supported. Valid values: None (automatic), "
-        + ", ".join(repr(m) for m in START_METHODS)
-        + "."
-    )
 
 
 def check_start_method(start_method: str) -> None:
@@ -102,4 +87,4 @@ def rank_error(rank_traceback: str) -> LightningSMPError | None:
     return found
 
 
-__all__ = ["check_fork_safety", "check_start_method", "check_start_method_name", "rank_error", "rank_errors_retyped"]
+__all__ = ["check_fork_safety", "check_start_method", "rank_error", "rank_errors_retyped"]

@@ -2,32 +2,39 @@
 
 The two strategies differ in their Lightning base class (``lightning.pytorch.strategies.FSDPStrategy`` and
 ``lightning.fabric.strategies.FSDPStrategy``) and in the hooks they override; the public properties, the start-up
-steps they share and their messages are this mixin's.
+steps they share and their messages are this mixin's, and so is how their constructors take the options
+(:func:`with_options`, :meth:`HybridShardFrontEnd._take_options`).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import typing
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 
 from lightning_smp.checkpoint import CheckpointRun
 from lightning_smp.checkpoint.background import BackgroundSaver
+from lightning_smp.checkpoint.local import LocalStateCheck
 from lightning_smp.collectives import Collectives, checkpoint_group, release_process_groups_at_exit
+from lightning_smp.config import SMPConfig
+from lightning_smp.config.options import StrategyOptions, arguments_doc, option_names, signature_parameters
 from lightning_smp.core import HybridShardCore
 from lightning_smp.degree import Layout
 from lightning_smp.engines import Engine, ShardingPlan
 from lightning_smp.engines.unused import read_outside_forward_message
 from lightning_smp.errors import HybridShardConfigError, ShardedParameterError
 from lightning_smp.mesh import group_ranks
-from lightning_smp.names import MESH_AXES, GradientAccumulation
+from lightning_smp.names import MESH_AXES, GradientAccumulation, StartMethod
 from lightning_smp.peers import RankAddress, gather_addresses, lost_peer_note
 
 log = logging.getLogger(__name__)
@@ -37,6 +44,60 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import ShardingStrategy
 
     from lightning_smp.planner import Plan
+
+#: The line of a strategy's docstring that :func:`with_options` replaces by the options' documentation.
+OPTIONS_LINE = "(every option of lightning_smp.config.options, documented here when the class is created)"
+
+_Strategy = TypeVar("_Strategy", bound="type[HybridShardFrontEnd]")
+
+
+def with_options(cls: _Strategy) -> _Strategy:
+    """Give a strategy class's constructor every option of its ``options_type`` as a typed parameter, and its
+    docstring their documentation, from their one declaration (:mod:`lightning_smp.config.options`): what IDE help,
+    ``help()``, notebooks and LightningCLI (``lightning-smp fit --help``, ``--print_config``) read.
+
+    The constructor lists Lightning's own arguments, then takes the options through ``*args``/``**kwargs``
+    (:meth:`HybridShardFrontEnd._take_options`). Options that are positional parameters of the Lightning base class
+    (``sharding_strategy``, ``state_dict_type``, ``device_mesh``) keep their place and kind there: a drop-in
+    replacement; the others are keyword-only."""
+    if "__init__" not in vars(cls):
+        # a subclass that only adds options (options_type): its own constructor, so that the parent's keeps its
+        # signature
+        parent_init = cls.__init__
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            parent_init(self, *args, **kwargs)
+
+        __init__.__signature__ = inspect.signature(parent_init)  # type: ignore[attr-defined]
+        # resolved where the parent's names are (this function's module has not imported them)
+        __init__.__annotations__ = typing.get_type_hints(parent_init)
+        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        cls.__init__ = __init__  # type: ignore[method-assign]
+    init: Any = vars(cls)["__init__"]  # the class's own constructor (a function: its signature is set below)
+    every = set(option_names(cls.options_type))
+    parameters = [p for p in inspect.signature(init).parameters.values() if p.name not in every]
+    own = [p for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    rest = [p for p in parameters if p.kind is inspect.Parameter.VAR_KEYWORD]
+    lightning = next(base for base in cls.__mro__[1:]
+                     if base.__module__.startswith("lightning.") and "__init__" in vars(base))
+    theirs = list(inspect.signature(vars(lightning)["__init__"]).parameters.values())[len(own):]
+    declared = {p.name: p for p in signature_parameters(cls.options_type)}
+    positional = []
+    for parameter in theirs:  # Lightning's positional parameters that follow the constructor's own, in order
+        if parameter.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD or parameter.name not in declared:
+            break
+        positional.append(declared.pop(parameter.name).replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    cls._positional_options = tuple(p.name for p in positional)
+    init.__signature__ = inspect.Signature([*own, *positional, *declared.values(), *rest], return_annotation=None)
+    init.__annotations__ = {**init.__annotations__, **{p.name: p.annotation for p in [*positional, *declared.values()]}}
+    doc = vars(cls).get("__doc__") or ""
+    line = next((line for line in doc.splitlines() if line.strip() == OPTIONS_LINE), None)
+    if line is None:  # (a subclass's own docstring, or none): the options as its arguments section
+        cls.__doc__ = f"{doc.rstrip()}\n\n    Arguments:\n{arguments_doc(' ' * 8, cls.options_type)}\n"
+    else:
+        indent = line[: len(line) - len(line.lstrip())]
+        cls.__doc__ = doc.replace(line, arguments_doc(indent, cls.options_type))
+    return cls
 
 
 class HybridShardFrontEnd:
@@ -56,6 +117,53 @@ class HybridShardFrontEnd:
     #: writes sharded checkpoints in the background (``async_save``); made with its process group at setup
     _background: BackgroundSaver | None = None
     node_rank: int  # Lightning's ParallelStrategy, Trainer's and Fabric's alike
+    _start_method: StartMethod
+    #: the record of the strategy's options; a subclass of the strategy may add options of its own with a subclass of
+    #: :class:`~lightning_smp.config.options.StrategyOptions` (``docs/architecture.md``, "How to add")
+    options_type: ClassVar[type[StrategyOptions]] = StrategyOptions
+    #: the options the constructor takes positionally, in Lightning's order (set by :func:`with_options`)
+    _positional_options: ClassVar[tuple[str, ...]] = ()
+
+    def _take_options(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, auto_wrap_policy: Any,
+                      mixed_precision: Any, cpu_offload: Any) -> dict[str, Any]:
+        """Both constructors' one call: the options taken out of ``args`` (Lightning's positional ones, in their
+        order: :func:`with_options`) and ``kwargs`` and checked (static checks, before anything is built, the same on
+        every rank), the core made from them; returns what is left of ``kwargs``, the engine's own arguments."""
+        name = type(self).__name__
+        if len(args) > len(self._positional_options):
+            raise TypeError(f"{name}() takes {len(self._positional_options)} more positional argument(s) after"
+                            f" activation_checkpointing_policy ({', '.join(self._positional_options)}), but"
+                            f" {len(args)} were given")
+        for key, value in zip(self._positional_options, args):
+            if key in kwargs:
+                raise TypeError(f"{name}() got multiple values for argument {key!r}")
+            kwargs[key] = value
+        names = set(option_names(self.options_type))
+        arguments = {key: kwargs.pop(key) for key in list(kwargs) if key in names}
+        options = self.options_type.from_arguments(arguments, kwargs)
+        engine_options = {**kwargs, **({"auto_wrap_policy": auto_wrap_policy} if auto_wrap_policy else {})}
+        #: what the Trainer and Fabric strategies share (configuration, layout, engine, mesh, sharding)
+        self.core = HybridShardCore.from_options(options, engine_options=engine_options,
+                                                 mixed_precision=mixed_precision, cpu_offload=cpu_offload)
+        self._start_method = options.start_method or ("fork" if _IS_INTERACTIVE else "popen")
+        return kwargs
+
+    @property
+    def options(self) -> StrategyOptions:
+        """The options as given, checked (each documented in the class docstring)."""
+        return self.core.options
+
+    @property
+    def config(self) -> SMPConfig:
+        """The SMP keys in effect (``hybrid_shard_degree``, ``fsdp_version``, ``async_save``, ...): the arguments, else
+        the other configuration sources, else the defaults (:mod:`lightning_smp.config`); resolved once, when the
+        strategy is configured."""
+        return self.core.config
+
+    @property
+    def start_method(self) -> StartMethod:
+        """How processes are started: ``"popen"``, ``"fork"``, ``"spawn"`` or ``"forkserver"``."""
+        return self._start_method
 
     @property
     def hybrid_shard_degree(self) -> int | str:
@@ -126,7 +234,8 @@ class HybridShardFrontEnd:
         from torch.distributed.fsdp import ShardingStrategy
 
         layout = self.core.layout
-        return ShardingStrategy[layout.sharding_strategy if layout is not None else self.core.requested_strategy]
+        return ShardingStrategy[layout.sharding_strategy if layout is not None else
+                                self.core.options.sharding_strategy_name]
 
     @sharding_strategy.setter
     def sharding_strategy(self, value: Any) -> None:
@@ -138,7 +247,7 @@ class HybridShardFrontEnd:
         """Before a backward of ``tensor`` or a reduction of it across ranks (``sync_dist``, ``fabric.all_reduce``):
         a value computed from parameters outside their unit's forward is itself a shard (FSDP2: a ``DTensor``),
         on every rank alike; torch would fail deep inside the backward or the collective without naming the cause."""
-        if isinstance(tensor, torch.Tensor) and self.engine.is_shard(tensor):
+        if isinstance(tensor, torch.Tensor) and self.engine.is_shard_tensor(tensor):
             raise ShardedParameterError(read_outside_forward_message())
 
     def _warn_override_once(self, layout: Layout | None) -> None:
@@ -172,6 +281,12 @@ class HybridShardFrontEnd:
     def async_save(self) -> bool:
         """Whether sharded checkpoints are written in the background (see :mod:`lightning_smp.checkpoint.background`)."""
         return self.core.async_save
+
+    @property
+    def _local_state_check(self) -> LocalStateCheck | None:
+        """The background saver's record of whether the engine's local description of the state holds (``None``
+        without ``async_save``): what a save's state comes from (:func:`~lightning_smp.checkpoint.local.model_state_to_save`)."""
+        return self._background.local_state if self._background is not None else None
 
     @property
     def checkpoint_staging_bytes(self) -> int:
@@ -283,5 +398,5 @@ class HybridShardFrontEnd:
             del options["auto_wrap_policy"]
 
 
-__all__ = ["HybridShardFrontEnd"]
+__all__ = ["OPTIONS_LINE", "HybridShardFrontEnd", "with_options"]
 

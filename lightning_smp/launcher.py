@@ -1,4 +1,6 @@
-"""Fork/spawn launcher for hybrid sharding: notebooks, and fast in-process tests.
+"""How the ranks of a run start: the rule both front ends follow (:func:`choose_launcher`), and the fork/spawn
+launchers of hybrid sharding, for notebooks and fast in-process tests (the Trainer's
+:class:`HybridShardMultiProcessingLauncher`, Fabric's :class:`FabricWaitingLauncher`).
 
 Lightning's FSDP strategy re-runs the script once per rank, which cannot work in Jupyter. Here the notebook
 process forks the ranks (as Lightning's ``ddp_notebook`` does), the ranks train, and what the notebook needs in
@@ -21,9 +23,12 @@ import tempfile
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
+from lightning.fabric.strategies.launchers.multiprocessing import (
+    _MultiProcessingLauncher as _FabricMultiProcessingLauncher,
+)
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.call import _call_callbacks_load_state_dict, _call_callbacks_state_dict
@@ -32,10 +37,12 @@ from typing_extensions import override
 
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.forking import check_fork_safety, check_start_method, rank_errors_retyped
-from lightning_smp.names import ProcessStartMethod
+from lightning_smp.names import ProcessStartMethod, StartMethod
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+    from lightning.fabric.strategies import ParallelStrategy as FabricParallelStrategy
     from lightning.pytorch.strategies import ParallelStrategy
 
     from lightning_smp.checkpoint import CheckpointRun
@@ -278,8 +285,79 @@ def _set_callback_reports(callbacks: list[Any], reports: dict[str, dict[str, Any
             setattr(callback, name, value)
 
 
+_Launcher = TypeVar("_Launcher")
+
+
+def choose_launcher(start_method: StartMethod, cluster_environment: ClusterEnvironment | None, *,
+                    script: Callable[[ClusterEnvironment], _Launcher],
+                    in_process: Callable[[ProcessStartMethod], _Launcher], owner: str, creator: str) -> _Launcher:
+    """The launcher of a run, one rule for both front ends: the script launcher (``script``, the front end's
+    ``_SubprocessScriptLauncher``) for ``start_method="popen"`` and for processes something else started (torchrun,
+    SLURM: unlike Lightning's FSDP strategies, there too, because that launcher caps their threads), else
+    ``in_process``, the front end's launcher of forked or spawned ranks. ``owner`` and ``creator`` name the strategy
+    and what creates it, for the error without a cluster environment."""
+    if cluster_environment is None:
+        raise HybridShardConfigError(f"{owner} has no cluster environment: create it through {creator}.")
+    if start_method == "popen" or cluster_environment.creates_processes_externally:
+        return script(cluster_environment)
+    return in_process(start_method)
+
+
+class WaitingStrategy(Protocol):
+    """What Fabric's launcher needs of the strategy it launches for (the strategy is not imported here: it imports
+    the launcher)."""
+
+    @property
+    def root_device(self) -> torch.device:
+        ...
+
+    def end_checkpoint_after_error(self) -> None:
+        """After the rank's function failed: wait for a background save in flight, log its own failure."""
+        ...
+
+    def wait_for_checkpoint(self) -> None:
+        """Take the outcome of the background save in flight; raise its failure."""
+        ...
+
+
+class FabricWaitingLauncher(_FabricMultiProcessingLauncher):
+    """Fabric's fork/spawn launcher, whose ranks take the outcome of a background checkpoint save before they end: a
+    failed last save raises there, on every rank, and ``fabric.launch`` raises it (the process would wait for the
+    writing thread anyway, but a rank that ends through ``os._exit`` runs no exit handler that could report it)."""
+
+    _strategy: Any  # a Fabric ParallelStrategy (the base class's type) that is also a WaitingStrategy
+
+    def __init__(self, strategy: FabricParallelStrategy, start_method: ProcessStartMethod) -> None:
+        check_start_method(start_method)  # the Trainer's launcher's checks and error types, before any process starts
+        super().__init__(strategy, start_method=start_method)
+
+    @override
+    def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        check_fork_safety(self._strategy.root_device.type, self._start_method)
+        with rank_errors_retyped():
+            return super().launch(function, *args, **kwargs)
+
+    def _wrapping_function(self, process_idx: int, function: Callable, args: Any, kwargs: Any, return_queue: Any,
+                           global_states: Any = None) -> None:
+        strategy = self._strategy
+
+        def run(*run_args: Any, **run_kwargs: Any) -> Any:
+            try:
+                results = function(*run_args, **run_kwargs)
+            except BaseException:
+                strategy.end_checkpoint_after_error()
+                raise
+            strategy.wait_for_checkpoint()
+            return results
+
+        super()._wrapping_function(process_idx, run, args, kwargs, return_queue, global_states)
+
+
 __all__ = [
+    "FabricWaitingLauncher",
     "HybridShardMultiProcessingLauncher",
     "LaunchedStrategy",
     "MainProcessResults",
+    "WaitingStrategy",
+    "choose_launcher",
 ]

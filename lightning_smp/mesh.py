@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from lightning_smp.degree import Layout
-from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.names import MESH_AXES, REPLICATE_AXIS, SHARD_AXIS, MeshAxis
 
 if TYPE_CHECKING:
@@ -72,52 +71,13 @@ def shard_group_of(mesh: DeviceMesh, rank: int) -> list[int]:
     return next(row for row in mesh.mesh.tolist() if rank in row)
 
 
-def check_device_mesh(device_mesh: Any) -> tuple[DeviceMesh | None, int | None]:
-    """Static checks of a ``device_mesh`` argument: returns (the user's mesh or None, the shard degree it implies).
-
-    Accepts ``None``, a tuple ``(replicas, shard_degree)`` or a 2-D ``DeviceMesh`` whose shard groups hold more than
-    one rank.
-    """
-    if device_mesh is None:
-        return None, None
-    if isinstance(device_mesh, (tuple, list)):
-        if len(device_mesh) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in device_mesh):
-            raise HybridShardConfigError(
-                f"device_mesh={device_mesh!r} must be a tuple (replicas, shard_degree) of two positive integers."
-                " Fix: e.g. device_mesh=(2, 4), or pass hybrid_shard_degree=4 instead."
-            )
-        return None, device_mesh[1]
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim != 2:
-        raise HybridShardConfigError(
-            f"device_mesh={device_mesh!r} must be a 2-D DeviceMesh (replicate, shard) or a tuple (replicas, shard_degree)."
-        )
-    if device_mesh.size(1) == 1:
-        raise HybridShardConfigError(
-            f"device_mesh of shape {tuple(device_mesh.shape)} has shard groups of one rank: FSDP would all-reduce over"
-            " size-1 groups and replicas would never synchronise. Fix: pass hybrid_shard_degree=1 instead."
-        )
-    return device_mesh, device_mesh.size(1)
-
-
-def process_group_degree(process_group: Any) -> int | None:
-    """The shard degree of an FSDP ``process_group`` argument (a group, or a hybrid ``(intra, inter)`` pair)."""
-    if process_group is None:
-        return None
-    intra = process_group[0] if isinstance(process_group, tuple) else process_group
-    return intra.size()
-
-
 __all__ = [
     "MESH_AXES",
     "REPLICATE_AXIS",
     "SHARD_AXIS",
     "axis_group",
     "build_device_mesh",
-    "check_device_mesh",
     "fsdp_mesh",
     "group_ranks",
-    "process_group_degree",
     "shard_group_of",
 ]

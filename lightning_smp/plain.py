@@ -52,7 +52,8 @@ from torch.nn import Module
 from lightning_smp.collectives import release_process_groups_at_exit
 from lightning_smp.config import configured_degree, load_config, set_init_config
 from lightning_smp.degree import Layout, resolve_layout
-from lightning_smp.engines import ENGINES, Engine
+from lightning_smp.engines import ENGINES
+from lightning_smp.engines.base import Wrapping
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.mesh import build_device_mesh
 from lightning_smp.names import AUTO, FULL_SHARD, HYBRID_SHARD
@@ -155,14 +156,14 @@ def _mesh_for(layout: Layout, device_type: str) -> DeviceMesh:
 class _PlainCalls:
     """:class:`~lightning_smp.engines.base.PlainCalls`: the configured degree applied to the user's own calls."""
 
-    def rewrite(self, engine: Engine, arguments: dict[str, Any]) -> Callable[[Module], None] | None:
+    def rewrite(self, engine: Wrapping, arguments: dict[str, Any]) -> Callable[[Module], None] | None:
         return _rewrite(engine, arguments)
 
-    def default_mesh(self, engine: Engine) -> DeviceMesh | None:
+    def default_mesh(self, engine: Wrapping) -> DeviceMesh | None:
         return _default_mesh(engine)
 
 
-def _default_mesh(engine: Engine) -> DeviceMesh | None:
+def _default_mesh(engine: Wrapping) -> DeviceMesh | None:
     """The mesh a ``fully_shard`` call without ``mesh=`` gets: the configured degree's (``None``: torch's default)."""
     if _SESSION is None or not (dist.is_available() and dist.is_initialized()):
         return None  # (no session: a patch left in place after shutdown() because another came after it)
@@ -185,7 +186,7 @@ def _default_mesh(engine: Engine) -> DeviceMesh | None:
     return engine.mesh_for(_mesh_for(layout, device_type), layout)
 
 
-def _rewrite(engine: Engine, arguments: dict[str, Any]) -> Callable[[Module], None] | None:
+def _rewrite(engine: Wrapping, arguments: dict[str, Any]) -> Callable[[Module], None] | None:
     """Apply the configured degree to one FSDP call's arguments in place; return a post-wrap hook or None."""
     if arguments.get("device_mesh") is not None or arguments.get("process_group") is not None:
         return None
@@ -212,7 +213,7 @@ def _rewrite(engine: Engine, arguments: dict[str, Any]) -> Callable[[Module], No
     # DDP semantics: all replicas train from global rank 0's weights, however the ranks were seeded; units the user
     # wrapped by hand before this outer call (FSDP(layer), enable_wrap/wrap) were synced by their own call, and
     # their shards differ between ranks by design: only the rest is sent
-    if broadcast_before_wrapping(module, device, is_shard=engine.is_shard):
+    if broadcast_before_wrapping(module, device, is_shard=engine.is_shard_tensor):
         return None
     return lambda wrapped: broadcast_across_replicas(wrapped, mesh, device)
 

@@ -1,4 +1,7 @@
-"""FSDP precision plugin that autocasts on the strategy's device type and clips norms over the whole model."""
+"""The precision plugins of both front ends, in one place: the Trainer's :class:`HybridShardPrecision` and Fabric's
+:class:`HybridShardFabricPrecision`, Lightning's FSDP plugins that autocast on the strategy's device type (theirs
+hard-code ``"cuda"``), reduce FSDP1's gradients in fp32 under ``*-mixed``, and (the Trainer's) clip norms over the whole
+model and check that the gradients were reduced before each step."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.fabric.plugins.precision.fsdp import FSDPPrecision as FabricFSDPPrecision
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -14,7 +18,7 @@ from typing_extensions import override
 from lightning_smp.autocast import autocast_context
 
 if TYPE_CHECKING:
-    from lightning_smp.engines import Engine
+    from lightning_smp.engines.base import Training
 
 
 def mixed_precision_config(precision: str, lightning_config: Any) -> Any:
@@ -64,7 +68,7 @@ class HybridShardPrecision(FSDPPrecision):
         super().__init__(precision, scaler)
         self.device_type: str = "cpu"
         self._fsdp_module: Module | None = None
-        self._engine: Engine | None = None
+        self._engine: Training | None = None
 
     @property
     def fsdp_module(self) -> Module | None:
@@ -119,3 +123,30 @@ class HybridShardPrecision(FSDPPrecision):
         if module is None or engine is None or engine.clip_grad_norm(module, float(clip_val), parameters) is None:
             # A model the user wrapped module by module has no single root to clip over: Lightning's refusal.
             super().clip_grad_by_norm(optimizer, clip_val)
+
+
+class HybridShardFabricPrecision(FabricFSDPPrecision):
+    """Fabric's ``FSDPPrecision`` that autocasts on the strategy's device type (Fabric's hard-codes ``"cuda"``),
+    for ``16-mixed`` scales the loss with a scaler for that device type, and for ``*-mixed`` reduces FSDP1's gradients
+    in fp32 with the batch left to autocast (:func:`lightning_smp.precision.mixed_precision_config`)."""
+
+    device_type: str = "cpu"
+
+    @classmethod
+    def from_plugin(cls, plugin: FabricFSDPPrecision, device_type: str) -> HybridShardFabricPrecision:
+        upgraded = cls(plugin.precision)  # type: ignore[arg-type]  # an FSDPPrecision's precision is one of its own
+        upgraded.device_type = device_type
+        upgraded.scaler = scaler_for(upgraded.scaler, device_type)
+        return upgraded
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        return autocast_context(self.precision, self.device_type) or super().forward_context()
+
+    @property
+    @override
+    def mixed_precision_config(self) -> Any:
+        return mixed_precision_config(self.precision, super().mixed_precision_config)
+
+
+__all__ = ["HybridShardFabricPrecision", "HybridShardPrecision", "mixed_precision_config", "scaler_for"]

@@ -13,7 +13,7 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -21,7 +21,6 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
@@ -30,6 +29,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from torch.distributed.fsdp import CPUOffload, MixedPrecision
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -42,37 +43,28 @@ from lightning_smp.accumulation import accumulation_mode
 from lightning_smp.checkpoint import ShardedModel
 from lightning_smp.checkpoint.after_commit import defer_until_commit
 from lightning_smp.checkpoint.atomic import remove_atomically
-from lightning_smp.checkpoint.local import background_module_state, background_optimizer_state
+from lightning_smp.checkpoint.local import model_state_to_save, optimizer_state_to_save
 from lightning_smp.collectives import Collectives
-from lightning_smp.core import HybridShardCore, choose_launcher
 from lightning_smp.engines import ShardingPlan, own_offload_config
 from lightning_smp.errors import CheckpointError, HybridShardConfigError, UnsupportedOptionError
-from lightning_smp.forking import check_start_method_name
-from lightning_smp.frontend import HybridShardFrontEnd
-from lightning_smp.launcher import HybridShardMultiProcessingLauncher, MainProcessResults
+from lightning_smp.frontend import HybridShardFrontEnd, with_options
+from lightning_smp.launcher import HybridShardMultiProcessingLauncher, MainProcessResults, choose_launcher
 from lightning_smp.names import (
     FULL,
-    SHARDED,
     STRATEGY_NAMES,
-    GradientAccumulation,
     ProcessStartMethod,
-    ShardingStrategyName,
-    StartMethod,
-    StateDictType,
 )
 from lightning_smp.optimizers import discard_on_zero_grad
 from lightning_smp.precision import HybridShardPrecision
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    _POLICY = set[type[Module]] | Any | ModuleWrapPolicy
+#: what ``auto_wrap_policy`` and ``activation_checkpointing_policy`` take, as Lightning's FSDP strategies type it
+#: (importable, so that the constructor's hints resolve at run time: LightningCLI, ``typing.get_type_hints``)
+_POLICY = set[type[Module]] | Any | ModuleWrapPolicy
 
 log = logging.getLogger(__name__)
 
 
+@with_options
 class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     r"""FSDP with SageMaker SMP v2's ``hybrid_shard_degree``: shard inside groups of any size, replicate across them.
 
@@ -98,57 +90,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             the root module (one FSDP unit).
         activation_checkpointing: deprecated in Lightning, use ``activation_checkpointing_policy``.
         activation_checkpointing_policy: a set of layer classes or a policy, as for ``auto_wrap_policy``.
-        sharding_strategy: ``"HYBRID_SHARD"`` (default), ``"_HYBRID_SHARD_ZERO2"``, ``"FULL_SHARD"``,
-            ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"`` (any case), or a ``ShardingStrategy``. With
-            ``hybrid_shard_degree >= 2`` anything but ``"_HYBRID_SHARD_ZERO2"`` becomes ``"HYBRID_SHARD"`` (a warning
-            names both). A shard group that spans the whole world runs ``FULL_SHARD`` (``SHARD_GRAD_OP`` for
-            ZeRO-2), which costs no all-reduce over size-1 replica groups.
-        state_dict_type: ``"sharded"`` (default) or ``"full"``. ``"sharded"``: a folder written by
-            ``torch.distributed.checkpoint``, every rank writing its shard once (replica group 0 only), nothing
-            gathered on one rank; the default because resuming is what checkpoints during training are for, and
-            it resumes exactly at any degree and world size. ``"full"``: one file assembled once on rank 0, which
-            also loads on a single device. Either loads whatever is configured; convert with
-            ``python -m lightning_smp.checkpoint consolidate SRC DST`` (see :mod:`lightning_smp.checkpoint`).
-        device_mesh: ``None`` (default: built from ``hybrid_shard_degree``), a tuple ``(replicas, shard_degree)``
-            (same as ``hybrid_shard_degree=shard_degree``), or a 2-D ``DeviceMesh`` you built yourself (used as is;
-            its second dimension is the shard group). Contradicting ``hybrid_shard_degree`` is an error.
-        hybrid_shard_degree: ``None`` (default: take it from :func:`lightning_smp.init` or the environment, else
-            ``0``), ``0`` (native FSDP: ``HYBRID_SHARD`` shards inside a node, ``FULL_SHARD`` over all ranks),
-            ``1`` (no sharding: full replicas kept in sync like DDP), any divisor ``d >= 2`` of the world size
-            (shard groups of ``d`` ranks, ``world_size / d`` replicas), or ``"auto"``: the planner chooses, when
-            the model is set up, the degree with the least predicted step time whose per-rank peak fits
-            ``memory_budget`` (see ``docs/planner.md``; :attr:`degree_plan` holds its table).
-        memory_budget: with ``hybrid_shard_degree="auto"``: what one rank's training may use, in bytes or as a
-            string (``"40GB"``, ``"400MB"``); ``None`` (default): the configuration sources, else the device's free
-            memory (on the CPU the available RAM divided by the ranks of the node).
-        links: with ``hybrid_shard_degree="auto"``: what the planner times the step on: a link preset's name, a JSON
-            file of ``Links`` (``lightning_smp.planner.save_links``), or ``"calibrate"``: measured on this job's own
-            process groups when the model is set up (a few seconds, every rank alike); ``None`` (default): the
-            configuration sources, else the default preset.
-        start_method: how processes are started. ``None`` (default): ``"fork"`` in an interactive session
-            (Jupyter, IPython), else ``"popen"`` (re-run the script per rank, like Lightning's FSDP). Also
-            ``"fork"``, ``"spawn"`` or ``"forkserver"`` (Lightning's multiprocessing launcher). Processes started
-            externally (``torchrun``, SLURM) are always used as they are. With fork/spawn, the process that calls
-            ``fit`` gets the trained weights, loop counters, metrics and callback reports back, and its
-            ``trainer.save_checkpoint`` writes one full checkpoint file; such a Trainer fits once (use a new one).
-            See :mod:`lightning_smp.launcher`.
-        fsdp_version: ``None`` (default: from the configuration sources, else 1), ``1``
-            (``FullyShardedDataParallel``, drop-in for ``FSDPStrategy``) or ``2`` (``fully_shard``: per-parameter
-            DTensor shards, and gradient accumulation that keeps gradients sharded). See ``docs/engines.md``.
-        gradient_accumulation: what the micro-batches before the last of an optimizer step communicate:
-            ``"no_sync"`` (FSDP1's default, Lightning's behaviour: nothing, but every rank holds the full unsharded
-            gradient), ``"every_micro_batch"`` (full reduction each: sharded gradients, ``k`` times the traffic) or
-            ``"defer_all_reduce"`` (FSDP2's default: reduce-scatter inside the shard group each, the cross-replica
-            all-reduce once on the last; sharded gradients and one crossing of the replicas per step).
-        async_save: ``None`` (default: from the configuration sources, else ``False``) or ``True``: every
-            ``save_checkpoint`` (``ModelCheckpoint``'s included) returns once the state is copied off the training
-            tensors and the sharded checkpoint is written in the background, committed by rename once every rank
-            has written; ``ModelCheckpoint``'s ``last`` link, its removals and the loggers wait for that commit, and
-            a failed write raises on every rank at the next training step (see ``docs/checkpoints.md``). Needs
-            ``state_dict_type="sharded"``.
-        broadcast_buffers: ``True`` (default, DDP's): every rank gets global rank 0's buffers (BatchNorm's running
-            statistics) before a forward that follows a training forward outside an accumulation window, as DDP's
-            ranks do; ``False``: each rank keeps its own, as FSDP does. See ``docs/engines.md``.
+        (every option of lightning_smp.config.options, documented here when the class is created)
         \**kwargs: passed to the engine: ``FullyShardedDataParallel`` for FSDP1 (e.g. ``process_group``,
             ``limit_all_gathers``, ``use_orig_params``, defaulting to ``True``), ``fully_shard`` for FSDP2
             (``shard_placement_fn``, ``ignored_params``; FSDP1-only arguments are refused naming their
@@ -181,30 +123,12 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         auto_wrap_policy: _POLICY | None = None,
         activation_checkpointing: type[Module] | list[type[Module]] | None = None,
         activation_checkpointing_policy: _POLICY | None = None,
-        sharding_strategy: ShardingStrategy | ShardingStrategyName = "HYBRID_SHARD",
-        state_dict_type: StateDictType = "sharded",
-        device_mesh: tuple[int, int] | DeviceMesh | None = None,
-        hybrid_shard_degree: int | str | None = None,
-        start_method: StartMethod | None = None,
-        fsdp_version: int | None = None,
-        gradient_accumulation: GradientAccumulation | None = None,
-        memory_budget: int | str | None = None,
-        async_save: bool | None = None,
-        links: str | None = None,
-        broadcast_buffers: bool = True,
+        *args: Any,
         **kwargs: Any,
     ) -> None:
-        # static checks, before anything is built: the same on every rank
-        #: what the Trainer and Fabric strategies share (configuration, layout, engine, mesh, sharding)
-        self.core = HybridShardCore.from_arguments(
-            sharding_strategy=sharding_strategy, hybrid_shard_degree=hybrid_shard_degree, device_mesh=device_mesh,
-            fsdp_version=fsdp_version, gradient_accumulation=gradient_accumulation, state_dict_type=state_dict_type,
-            mixed_precision=mixed_precision, cpu_offload=cpu_offload, auto_wrap_policy=auto_wrap_policy,
-            kwargs=kwargs, memory_budget=memory_budget, async_save=async_save, links=links,
-            broadcast_buffers=broadcast_buffers,
-        )
-        start_method = check_start_method_name(start_method)
-        self._start_method: StartMethod = start_method or ("fork" if _IS_INTERACTIVE else "popen")
+        # the options (typed keyword arguments: with_options) out of kwargs and checked, before anything is built
+        kwargs = self._take_options(args, kwargs, auto_wrap_policy=auto_wrap_policy, mixed_precision=mixed_precision,
+                                    cpu_offload=cpu_offload)
         # Lightning refuses hybrid strategies before a mesh exists, and a mesh needs the process group:
         # start as FULL_SHARD and set the real strategy in setup_environment().
         super().__init__(
@@ -221,24 +145,16 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             activation_checkpointing=activation_checkpointing,
             activation_checkpointing_policy=activation_checkpointing_policy,
             sharding_strategy="FULL_SHARD",
-            state_dict_type=state_dict_type,
+            state_dict_type=self.options.state_dict_type,
             device_mesh=None,
             **kwargs,
         )
         if own_offload_config(cpu_offload):
             # FSDP2's own config, kept as given (FSDPStrategy would make it a CPUOffload and lose its settings)
             self.cpu_offload = cpu_offload  # type: ignore[assignment]  # FSDPStrategy annotates FSDP1's type only
-        self._state_dict_type: StateDictType = state_dict_type
         self._launch_results: MainProcessResults | None = None
         self._accumulating = False  # inside block_backward_sync: the micro-batches before a window's last
         self._undo_deferral: Callable[[], None] | None = None
-
-    # ------------------------------------------------------------------ configuration
-
-    @property
-    def start_method(self) -> StartMethod:
-        """How processes are started: ``"popen"``, ``"fork"``, ``"spawn"`` or ``"forkserver"``."""
-        return self._start_method
 
     # ------------------------------------------------------------------ launch and process groups
 
@@ -301,7 +217,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
                 raise CheckpointError(f"ModelCheckpoint could not save this run: {problem}")
         module = trainer.lightning_module
         if (trainer.state.fn == TrainerFn.FITTING and module is not None and not module.automatic_optimization
-                and not self.engine.steps_inside_a_step):
+                and not self.engine.capabilities.steps_inside_a_step):
             raise UnsupportedOptionError(
                 f"automatic_optimization=False with fsdp_version={self.fsdp_version}: a Lightning step runs inside"
                 " the sharded root's forward, and FSDP1 cannot run manual_backward there (Lightning's FSDPStrategy"
@@ -345,7 +261,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     def _warn_no_sync(self, micro_batches: int) -> None:
         """Once per fit: what accumulating under ``no_sync`` costs each rank, when nobody chose it explicitly."""
         mode = accumulation_mode(self.gradient_accumulation)
-        if not mode.holds_unsharded or self.core.accumulation_arg == mode.name or self.model is None:
+        if not mode.holds_unsharded or self.options.gradient_accumulation == mode.name or self.model is None:
             return
         extra = no_sync_extra_bytes(self.model)
         if extra > 0:
@@ -549,18 +465,14 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         if self._in_launching_process():
             module = self.lightning_module
             return module.state_dict() if module is not None else {}
-        if self._background is not None and self._state_dict_type == SHARDED:
-            # a background save: built without gathering where the engine can (lightning_smp.checkpoint.local)
-            return background_module_state(self._sharded_model(), self._background.local_state)
-        return checkpoint_lib.module_state_dict(self._sharded_model(), self._state_dict_type)
+        return model_state_to_save(self._sharded_model(), self._state_dict_type, self._local_state_check)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        if self._background is not None and self._state_dict_type == SHARDED:
-            index = next(i for i, o in enumerate(self.optimizers) if _unwrap(o) is _unwrap(optimizer))
-            return background_optimizer_state(self._sharded_model(), _unwrap(optimizer), index,
-                                              self._background.local_state)
-        return checkpoint_lib.optimizer_state(self._sharded_model(), _unwrap(optimizer), self._state_dict_type)
+        # its place among the run's optimizers names its part of a background save's check
+        index = next((i for i, o in enumerate(self.optimizers) if _unwrap(o) is _unwrap(optimizer)), len(self.optimizers))
+        return optimizer_state_to_save(self._sharded_model(), _unwrap(optimizer), index, self._state_dict_type,
+                                       self._local_state_check)
 
     # ------------------------------------------------------------------ registration
 

@@ -337,12 +337,12 @@ def test_plain_fully_shard_refuses_auto_on_every_rank():
 
 def _core_choice(rank: int, world_size: int, widths: list[int], broken_rank: int | None) -> str:
     """``core.choose_degree`` on ``world_size`` ranks, each with its own model width: what each rank raised."""
+    from lightning_smp.config.options import StrategyOptions
     from lightning_smp.core import HybridShardCore
 
-    core = HybridShardCore.from_arguments(
-        sharding_strategy="HYBRID_SHARD", hybrid_shard_degree="auto", device_mesh=None, fsdp_version=1,
-        gradient_accumulation=None, state_dict_type="sharded", mixed_precision=None, cpu_offload=None,
-        auto_wrap_policy=None, kwargs={}, memory_budget=200_000)
+    options = StrategyOptions.from_arguments(
+        {"hybrid_shard_degree": "auto", "fsdp_version": 1, "memory_budget": 200_000}, engine_options={})
+    core = HybridShardCore.from_options(options, engine_options={})
     core.configure(1, world_size)
     model = torch.nn.Sequential(torch.nn.Linear(widths[rank], widths[rank]), torch.nn.Linear(widths[rank], 4))
     bad_input = torch.zeros(2, 3) if rank == broken_rank else torch.zeros(2, widths[rank])  # 3 columns cannot pass

@@ -66,7 +66,7 @@ def test_example_config_parses_to_the_documented_layout(name, tmp_path):
 def test_broadcast_buffers_from_the_command_line(value, tmp_path):
     override = f"--trainer.strategy.init_args.broadcast_buffers={str(value).lower()}"
     cli = _cli("--config", str(CONFIGS / "hybrid_class_path.yaml"), override, tmp_path=tmp_path)
-    assert cli.trainer.strategy.core.broadcast_buffers is value
+    assert cli.trainer.strategy.options.broadcast_buffers is value
 
 
 @pytest.mark.parametrize(
@@ -172,6 +172,25 @@ def test_print_config_shows_the_resolved_degree(capsys):
                        "--trainer.strategy.init_args.hybrid_shard_degree=1", "--print_config=skip_default")
     assert printed["smp"] == {"hybrid_shard_degree": 1}
     assert printed["trainer"]["strategy"]["init_args"]["hybrid_shard_degree"] == 1
+
+
+def test_every_option_is_in_the_cli_help_and_the_printed_config(capsys):
+    """The options are declared once (lightning_smp.config.options) and reach the CLI through each strategy's
+    signature and docstring: --print_config shows every one under init_args, and the strategy's help documents each
+    (its declared doc's first words)."""
+    from lightning_smp.config.options import declarations
+
+    declared = declarations()
+    printed = _printed(capsys, "--config", str(CONFIGS / "hybrid_class_path.yaml"), "--print_config")
+    init_args = printed["trainer"]["strategy"]["init_args"]
+    assert {name for name, *_ in declared} <= set(init_args)
+    assert init_args["hybrid_shard_degree"] == 2 and init_args["broadcast_buffers"] is True
+    with pytest.raises(SystemExit):
+        main(["fit", "--trainer.strategy.help", "lightning_smp.HybridShardFSDPStrategy"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name, _, _, doc in declared:
+        assert f"--trainer.strategy.{name} " in text
+        assert " ".join(doc.split()[:6]) in text, name
 
 
 @pytest.mark.timeout(PROCESS_TIMEOUT)

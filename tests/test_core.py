@@ -12,7 +12,8 @@ import lightning_smp
 from lightning_smp import names
 from lightning_smp.collectives import Collectives
 from lightning_smp.config import KNOWN_KEYS, SMPConfig, SMPSection
-from lightning_smp.engines import ENGINES, Engine, FSDP1Engine, engine_of
+from lightning_smp.engines import ENGINES, Engine, engine_of
+from lightning_smp.engines.base import Accounting, Capabilities, PlainAPI, StateDicts, Training, Wrapping
 from lightning_smp.errors import (
     CheckpointError,
     GradientSyncError,
@@ -112,14 +113,31 @@ def test_an_error_raised_in_a_rank_comes_back_as_the_same_type(error):
     assert rank_error("Traceback ...\nValueError: not ours") is None
 
 
-def test_the_fsdp1_engine_implements_the_interface():
-    engine = FSDP1Engine()
-    assert isinstance(engine, Engine)
-    assert any(isinstance(e, FSDP1Engine) for e in ENGINES)
-    members = {name for name in dir(Engine) if not name.startswith("_")}
-    assert members <= set(dir(engine))
+ROLES = [Wrapping, Training, StateDicts, PlainAPI]
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=lambda engine: engine.name)
+def test_every_registered_engine_plays_every_role(engine):
+    """Each role's members, with the protocol's parameters in its order, on every engine in the registry; the roles
+    together are the interface, and none is listed in two."""
+    import inspect
+
+    assert isinstance(engine, Engine) and isinstance(engine.capabilities, Capabilities)
+    assert engine.capabilities.default_accumulation in names.GRADIENT_ACCUMULATIONS
+    assert set(engine.capabilities.accumulations) <= set(names.GRADIENT_ACCUMULATIONS)
+    members = {role: [name for name in vars(role) if not name.startswith("_") and callable(vars(role)[name])]
+               for role in ROLES}
+    listed = [name for names_ in members.values() for name in names_]
+    assert len(listed) == len(set(listed)) and len(listed) >= 20
+    for role, role_members in members.items():
+        assert isinstance(engine, role)
+        for name in role_members:
+            wanted = list(inspect.signature(getattr(role, name)).parameters)
+            assert list(inspect.signature(getattr(engine, name)).parameters) == wanted[1:], (role.__name__, name)
+    assert isinstance(engine, Accounting)  # every engine shipped also reads back what it holds
     plain = torch.nn.Linear(2, 2)
-    assert engine_of(plain) is None and not engine.is_sharded(plain) and engine.sharding(plain) is None
+    assert engine_of(plain) is None and not engine.has_wrapped(plain) and not engine.parameters_sharded(plain)
+    assert engine.sharding(plain) is None and not engine.is_shard_tensor(plain.weight)
 
 
 def test_collectives_in_one_process_return_their_input():

@@ -68,7 +68,7 @@ def test_the_strategy_reports_the_engine_that_runs_and_the_version_configured(tm
     cpu_trainer(one, tmp_path, WORLD)
     assert (one.engine.name, one.fsdp_version) == ("ddp", version)
     # the accumulation default stays the configured engine's (without shards, defer_all_reduce is DDP's no_sync)
-    assert one.gradient_accumulation == engine_for(version).accumulations[0]
+    assert one.gradient_accumulation == engine_for(version).capabilities.accumulations[0]
     two = HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=version, start_method="fork")
     cpu_trainer(two, tmp_path, WORLD)
     assert (two.engine.name, two.fsdp_version) == (f"fsdp{version}", version)

@@ -8,9 +8,9 @@ import pytest
 from torch.distributed.fsdp import ShardingStrategy
 
 from lightning_smp import HybridShardConfigError, resolve_layout, valid_degrees
+from lightning_smp.config.options import check_device_mesh
 from lightning_smp.degree import check_degree, check_sharding_strategy, reconcile_degree, resolve_strategy_layout
 from lightning_smp.engines.fsdp1.flat import flat_param_numel, local_shard_numel
-from lightning_smp.mesh import check_device_mesh
 from lightning_smp.names import (
     FULL_SHARD,
     HYBRID_SHARD,

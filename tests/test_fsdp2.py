@@ -328,7 +328,7 @@ class ShardsItself(TinyModel):
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        if not FSDP2Engine().is_sharded(self.net[0]):
+        if not FSDP2Engine().has_wrapped(self.net[0]):
             torch.manual_seed(100 + self.global_rank)  # different weights per rank: replicas must still agree
             self.net[0].reset_parameters()
             fully_shard(self.net[0])

@@ -16,9 +16,9 @@ import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-import lightning_smp.strategy as strategy_module
 from lightning_smp import CheckpointError, HybridShardConfigError, HybridShardFSDPStrategy
-from lightning_smp.forking import check_fork_safety, check_start_method_name
+from lightning_smp.config.options import check_start_method_name
+from lightning_smp.forking import check_fork_safety
 from lightning_smp.launcher import HybridShardMultiProcessingLauncher, _callback_reports, _set_callback_reports
 from lightning_smp.names import SHARDED, START_METHODS
 from tests.helpers import FRONT_ENDS, PROCESS_TIMEOUT, RankRecorder, TinyModel, cpu_trainer, make_loader, state_digest
@@ -40,7 +40,9 @@ def _fork_hybrid(**kwargs: Any) -> HybridShardFSDPStrategy:
 def _set_interactive(monkeypatch: pytest.MonkeyPatch, value: bool) -> None:
     import lightning.pytorch.trainer.connectors.accelerator_connector as connector
 
-    monkeypatch.setattr(strategy_module, "_IS_INTERACTIVE", value)
+    import lightning_smp.frontend as frontend
+
+    monkeypatch.setattr(frontend, "_IS_INTERACTIVE", value)
     monkeypatch.setattr(connector, "_IS_INTERACTIVE", value)
 
 

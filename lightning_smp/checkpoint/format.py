@@ -75,11 +75,11 @@ def trainer_layout(checkpoint: dict[str, Any], module_key: str | None = None,
         out[OPTIMIZERS_KEY] = [out.pop(k) for k in present]
     # what the Trainer needs to resume from a Fabric checkpoint (its loops then start from zero)
     out.setdefault("lr_schedulers", [])
-    out.setdefault("pytorch-lightning_version", _lightning_version())
+    out.setdefault("pytorch-lightning_version", lightning_version())
     return out
 
 
-def _lightning_version() -> str:
+def lightning_version() -> str:
     import lightning
 
     return lightning.__version__
@@ -95,5 +95,6 @@ __all__ = [
     "RUN_KEY",
     "checkpoint_kind",
     "fabric_layout",
+    "lightning_version",
     "trainer_layout",
 ]

@@ -2,7 +2,7 @@
 
 Building torch's sharded state dicts is collective work for some engines (FSDP1 gathers every flat parameter to cut
 it per parameter): a background save would block on it. An engine may describe the same state from what each rank
-holds (``Engine.local_model_state``/``local_optimizer_state``; FSDP1 does, see
+holds (``StateDicts.local_model_state``/``local_optimizer_state``; FSDP1 does, see
 :mod:`lightning_smp.engines.fsdp1.state`). The first background save of a run checks that description against
 torch's, key by key and value by value (:func:`differences`); only if every rank agrees is it used from then on,
 otherwise the run keeps torch's state dicts and says so once.
@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 
 from lightning_smp.checkpoint.state_dict import ShardedModel, module_state_dict, optimizer_state
 from lightning_smp.engines.chunks import TensorChunks
-from lightning_smp.names import SHARDED
+from lightning_smp.names import SHARDED, StateDictType
 
 
 class LocalStateCheck:
@@ -43,6 +43,24 @@ def background_optimizer_state(model: ShardedModel, optimizer: Optimizer, index:
     return _checked(model, check, f"optimizer_{index}",
                     lambda: model.engine.local_optimizer_state(model.module, optimizer),
                     lambda: optimizer_state(model, optimizer, SHARDED))
+
+
+def model_state_to_save(model: ShardedModel, kind: StateDictType, check: LocalStateCheck | None) -> dict[str, Any]:
+    """The model state a save of ``kind`` writes, the one choice of both front ends: under a background saver
+    (``check``, its :class:`LocalStateCheck`) a sharded state described from this rank's shards where the engine can
+    (nothing gathered), else torch's state dict of ``kind``. Collective."""
+    if check is not None and kind == SHARDED:
+        return background_module_state(model, check)
+    return module_state_dict(model, kind)
+
+
+def optimizer_state_to_save(model: ShardedModel, optimizer: Optimizer, index: int, kind: StateDictType,
+                            check: LocalStateCheck | None) -> dict[str, Any]:
+    """The state of ``optimizer`` (the ``index``-th of the run) a save of ``kind`` writes; as
+    :func:`model_state_to_save`. Collective."""
+    if check is not None and kind == SHARDED:
+        return background_optimizer_state(model, optimizer, index, check)
+    return optimizer_state(model, optimizer, kind)
 
 
 def _checked(model: ShardedModel, check: LocalStateCheck, part: str, local_of: Callable[[], dict[str, Any] | None],
@@ -112,4 +130,11 @@ def _flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return [(prefix[:-1], obj)]
 
 
-__all__ = ["LocalStateCheck", "background_module_state", "background_optimizer_state", "differences"]
+__all__ = [
+    "LocalStateCheck",
+    "background_module_state",
+    "background_optimizer_state",
+    "differences",
+    "model_state_to_save",
+    "optimizer_state_to_save",
+]

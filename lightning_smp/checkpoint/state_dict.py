@@ -14,7 +14,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_smp.collectives import Collectives
-from lightning_smp.engines import Engine
+from lightning_smp.engines.base import StateDicts
 from lightning_smp.mesh import axis_group, group_ranks, shard_group_of
 from lightning_smp.names import FULL, REPLICATE_AXIS, SHARD_AXIS, StateDictType
 
@@ -36,7 +36,7 @@ class ShardedModel:
     """
 
     module: Module
-    engine: Engine
+    engine: StateDicts
     mesh: DeviceMesh | None
     collectives: Collectives
 

@@ -1,13 +1,17 @@
 """The value of an SMP config: :class:`SMPConfig` (SMP v2's keys, those implemented here with SMP's defaults), the
 rule of every key (its type, when it is an error, the fix) and :func:`check_config`, which applies them to one
-source's dict. Where the dicts come from and how they merge: :mod:`lightning_smp.config.sources`."""
+source's dict. Where the dicts come from and how they merge: :mod:`lightning_smp.config.sources`.
+
+An implemented key is declared once, as a field of :class:`SMPConfig` made by :func:`smp_key`: its type, its default
+when no source sets it, its check and its documentation. Every configuration source reads it from there, and both
+strategies take it as an argument (:mod:`lightning_smp.config.options`)."""
 
 from __future__ import annotations
 
 import difflib
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields, make_dataclass
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Literal, get_type_hints
 
 from lightning_smp.degree import check_degree_setting
@@ -17,87 +21,9 @@ from lightning_smp.names import FSDP_VERSIONS
 from lightning_smp.sizes import parse_bytes
 
 
-@dataclass
-class SMPConfig:
-    """SMP v2's configuration keys: those this library implements with SMP's defaults, the others ``None`` (not set).
-
-    A key this library does not implement may only hold a value that changes nothing (``tensor_parallel_degree: 1``,
-    with a warning); any other value is refused by :func:`check_config`, so a resolved config never holds one.
-
-    Attributes:
-        hybrid_shard_degree: 0 (native FSDP), 1 (no sharding, DDP-like) or the number of consecutive ranks
-            that shard the model together; see :mod:`lightning_smp.degree`.
-            ``"auto"``: the planner chooses it when the model is set up (:mod:`lightning_smp.planner`).
-        fsdp_version: this library's key (SMP has none): 1 shards with ``FullyShardedDataParallel``, 2 with
-            ``fully_shard`` (see :mod:`lightning_smp.engines`).
-        memory_budget: this library's key: what one rank's training may use when ``hybrid_shard_degree`` is
-            ``"auto"``, in bytes (given as an int or a string such as ``"40GB"``); ``None``: the device's free memory
-            (on the CPU, the available RAM divided by the ranks of the node).
-        links: this library's key: what the planner of ``hybrid_shard_degree="auto"`` times the step on: a link
-            preset name (``lightning_smp.planner.LINK_PRESETS``), a JSON file written by
-            ``lightning_smp.planner.save_links``, or ``"calibrate"`` (measured on the job's own process groups when
-            the model is set up, every rank alike); ``None``: the default preset.
-        async_save: this library's key: write sharded checkpoints in the background (training goes on once the
-            state is copied off the training tensors); committed by rename once every rank has written, and
-            ``ModelCheckpoint``'s links, removals and logger notifications wait for that commit. See
-            ``docs/checkpoints.md``.
-        tensor_parallel_degree, context_parallel_degree, expert_parallel_degree: SMP's other parallelisms; only 1.
-        sm_activation_offloading: SMP's activation offloading; only ``false``.
-        activation_loading_horizon, fsdp_cache_flush_warnings, allow_empty_shards, random_seed: accepted and
-            ignored, with a warning.
-    """
-
-    hybrid_shard_degree: int | str = 0
-    fsdp_version: int = 1
-    memory_budget: int | str | None = None
-    links: str | None = None
-    async_save: bool = False
-    tensor_parallel_degree: int | None = None
-    context_parallel_degree: int | None = None
-    expert_parallel_degree: int | None = None
-    sm_activation_offloading: bool | None = None
-    activation_loading_horizon: int | None = None
-    fsdp_cache_flush_warnings: bool | None = None
-    allow_empty_shards: bool | None = None
-    random_seed: int | None = None
-
-
-def _optional_fields(cls: type, name: str, doc: str, types: Mapping[str, Any] | None = None) -> type:
-    """``cls`` with every field optional and ``None`` by default: a section in which a key left out is not set.
-    ``types`` narrows fields for the parser (OmegaConf, which merges :class:`SMPConfig`, knows no ``Literal``)."""
-    hints = {**get_type_hints(cls), **(types or {})}
-    section = make_dataclass(name, [(f.name, hints[f.name] | None, None) for f in fields(cls)])
-    section.__doc__ = doc
-    section.__module__ = __name__
-    return section
-
-
-#: The type of the LightningCLI ``smp:`` section: :class:`SMPConfig`'s keys and types, each optional, so that
-#: jsonargparse checks names and types and a key left out is taken from the lower sources.
-SMPSection = _optional_fields(
-    SMPConfig, "SMPSection",
-    "SMP v2 config keys for the LightningCLI `smp:` section (see SMPConfig); a key left out is not set here.",
-    {"hybrid_shard_degree": int | Literal["auto"]},
-)
-
-
-def _check_hybrid_shard_degree(value: Any, where: str) -> int | str:
-    try:
-        return check_degree_setting(value)
-    except HybridShardConfigError as err:
-        raise HybridShardConfigError(f"{where}: {err}") from None
-
-
 def check_memory_budget(value: Any, parameter: str = "memory_budget") -> int | None:
     """``value`` in bytes (``None`` stays ``None``: the device's free memory is used)."""
     return None if value is None else parse_bytes(value, parameter)
-
-
-def _check_memory_budget(value: Any, where: str) -> int | None:
-    try:
-        return check_memory_budget(value)
-    except HybridShardConfigError as err:
-        raise HybridShardConfigError(f"{where}: {err}") from None
 
 
 #: The ``links`` value that measures the links on the running job.
@@ -121,13 +47,6 @@ def check_links(value: Any, parameter: str = "links") -> str | None:
     return value
 
 
-def _check_links(value: Any, where: str) -> str | None:
-    try:
-        return check_links(value)
-    except HybridShardConfigError as err:
-        raise HybridShardConfigError(f"{where}: {err}") from None
-
-
 def check_fsdp_version(value: Any, parameter: str = "fsdp_version") -> int:
     """``value`` as an ``int`` if it names an engine: 1 (``FullyShardedDataParallel``) or 2 (``fully_shard``)."""
     if isinstance(value, bool) or not isinstance(value, int) or value not in FSDP_VERSIONS:
@@ -136,13 +55,6 @@ def check_fsdp_version(value: Any, parameter: str = "fsdp_version") -> int:
             " (1: FullyShardedDataParallel, 2: fully_shard). Fix: pass 1 or 2."
         )
     return int(value)
-
-
-def _check_fsdp_version(value: Any, where: str) -> int:
-    try:
-        return check_fsdp_version(value)
-    except HybridShardConfigError as err:
-        raise HybridShardConfigError(f"{where}: {err}") from None
 
 
 def check_async_save(value: Any, parameter: str = "async_save") -> bool:
@@ -154,22 +66,83 @@ def check_async_save(value: Any, parameter: str = "async_save") -> bool:
     return value
 
 
-def _check_async_save(value: Any, where: str) -> bool:
-    try:
-        return check_async_save(value)
-    except HybridShardConfigError as err:
-        raise HybridShardConfigError(f"{where}: {err}") from None
+def smp_key(default: Any, *, check: Callable[[Any], Any], doc: str, parsed_as: Any = None) -> Any:
+    """A field of :class:`SMPConfig` that this library implements: ``default`` when no source sets it, ``check``
+    (returns the value normalised, raises :class:`HybridShardConfigError` naming the key), ``doc`` (what its values
+    mean, for the strategies' and the CLI's documentation), ``parsed_as`` (a narrower type for the command line's
+    parser than the field's, which OmegaConf must be able to merge)."""
+    return field(default=default, metadata={"check": check, "doc": doc, "parsed_as": parsed_as})
 
 
-#: The implemented keys and their checks (return the normalised value; raise ``HybridShardConfigError`` naming
-#: ``where``).
-IMPLEMENTED_KEYS: dict[str, Callable[[Any, str], Any]] = {
-    "hybrid_shard_degree": _check_hybrid_shard_degree,
-    "fsdp_version": _check_fsdp_version,
-    "memory_budget": _check_memory_budget,
-    "links": _check_links,
-    "async_save": _check_async_save,
-}
+@dataclass
+class SMPConfig:
+    """SMP v2's configuration keys: those this library implements with SMP's defaults, the others ``None`` (not set).
+
+    A key this library does not implement may only hold a value that changes nothing (``tensor_parallel_degree: 1``,
+    with a warning); any other value is refused by :func:`check_config`, so a resolved config never holds one. What
+    each key means: :data:`KEY_DOCS` (each implemented key's declaration, and the rules of the others).
+    """
+
+    hybrid_shard_degree: int | str = smp_key(
+        0, check=check_degree_setting, parsed_as=int | Literal["auto"],
+        doc="``0`` (native FSDP: ``HYBRID_SHARD`` shards inside a node, ``FULL_SHARD`` over all ranks), ``1`` (no"
+            " sharding: full replicas kept in sync like DDP), any divisor ``d >= 2`` of the world size (shard groups of"
+            " ``d`` consecutive ranks, ``world_size / d`` replicas), or ``\"auto\"``: the planner chooses, when the"
+            " model is set up, the degree with the least predicted step time whose per-rank peak fits"
+            " ``memory_budget`` (see ``docs/planner.md``; the strategy's ``degree_plan`` holds its table).")
+    fsdp_version: int = smp_key(
+        1, check=check_fsdp_version,
+        doc="this library's key (SMP has none): ``1`` (``FullyShardedDataParallel``, drop-in for ``FSDPStrategy``)"
+            " or ``2`` (``fully_shard``: per-parameter DTensor shards, and gradient accumulation that keeps gradients"
+            " sharded). A layout that shards nothing runs on the DDP engine whichever it is. See ``docs/engines.md``.")
+    memory_budget: int | str | None = smp_key(
+        None, check=check_memory_budget,
+        doc="this library's key: with ``hybrid_shard_degree=\"auto\"``, what one rank's training may use, in bytes"
+            " or as a string (``\"40GB\"``, ``\"400MB\"``); unset: the device's free memory (on the CPU the"
+            " available RAM divided by the ranks of the node).")
+    links: str | None = smp_key(
+        None, check=check_links,
+        doc="this library's key: with ``hybrid_shard_degree=\"auto\"``, what the planner times the step on: a link"
+            " preset's name (``lightning_smp.planner.LINK_PRESETS``), a JSON file of ``Links``"
+            " (``lightning_smp.planner.save_links``), or ``\"calibrate\"``: measured on this job's own process"
+            " groups when the model is set up (a few seconds, every rank alike); unset: the default preset.")
+    async_save: bool = smp_key(
+        False, check=check_async_save,
+        doc="this library's key: ``True`` writes sharded checkpoints in the background: every ``save_checkpoint``"
+            " (``ModelCheckpoint``'s included) returns once the state is copied off the training tensors, the"
+            " checkpoint is committed by rename once every rank has written, ``ModelCheckpoint``'s ``last`` link, its"
+            " removals and the loggers wait for that commit, and a failed write raises on every rank at the next"
+            " training step (see ``docs/checkpoints.md``). Needs ``state_dict_type=\"sharded\"``.")
+    tensor_parallel_degree: int | None = None
+    context_parallel_degree: int | None = None
+    expert_parallel_degree: int | None = None
+    sm_activation_offloading: bool | None = None
+    activation_loading_horizon: int | None = None
+    fsdp_cache_flush_warnings: bool | None = None
+    allow_empty_shards: bool | None = None
+    random_seed: int | None = None
+
+
+#: The implemented keys (those declared with :func:`smp_key`), in declaration order.
+IMPLEMENTED = tuple(f for f in fields(SMPConfig) if "check" in f.metadata)
+#: The implemented keys and their checks (return the normalised value; raise ``HybridShardConfigError`` naming the
+#: key).
+IMPLEMENTED_KEYS: dict[str, Callable[[Any], Any]] = {f.name: f.metadata["check"] for f in IMPLEMENTED}
+
+
+def _optional_fields(cls: type, name: str, doc: str) -> type:
+    """``cls`` with every field optional and ``None`` by default: a section in which a key left out is not set, each
+    field of the type the command line parses (OmegaConf, which merges :class:`SMPConfig`, knows no ``Literal``)."""
+    hints = get_type_hints(cls)
+    section = make_dataclass(name, [(f.name, (f.metadata.get("parsed_as") or hints[f.name]) | None, None)
+                                    for f in fields(cls)])
+    section.__doc__ = doc
+    section.__module__ = __name__
+    return section
+
+
+#: The type of the LightningCLI ``smp:`` section: :class:`SMPConfig`'s keys and types, each optional, so that
+#: jsonargparse checks names and types and a key left out is taken from the lower sources.
 
 
 @dataclass(frozen=True)
@@ -228,6 +201,26 @@ if set(KNOWN_KEYS) != {f.name for f in fields(SMPConfig)}:  # one list of keys: 
     raise RuntimeError("lightning_smp.config: SMPConfig's fields and the key rules differ")
 
 
+def _key_docs() -> dict[str, str]:
+    docs = {f.name: f"{f.metadata['doc']} Unset: ``{f.default!r}``." for f in IMPLEMENTED}
+    for key, rule in UNIMPLEMENTED_KEYS.items():
+        docs[key] = (f"SMP's key, not implemented here ({rule.why}): a value that changes nothing is ignored with a"
+                     " warning, any other is refused.")
+    return docs
+
+
+#: What every key means, for the CLI's help and the documentation.
+KEY_DOCS: dict[str, str] = _key_docs()
+
+#: The type of the LightningCLI ``smp:`` section: :class:`SMPConfig`'s keys and types, each optional, so that
+#: jsonargparse checks names and types and a key left out is taken from the lower sources.
+SMPSection = _optional_fields(
+    SMPConfig, "SMPSection",
+    "SMP v2 config keys for the LightningCLI `smp:` section; a key left out is not set here.\n\nAttributes:\n"
+    + "".join(f"    {key}: {doc}\n" for key, doc in KEY_DOCS.items()),
+)
+
+
 def _type_name(value: Any) -> str:
     return "boolean" if isinstance(value, bool) else type(value).__name__
 
@@ -268,7 +261,10 @@ def check_config(values: Any, where: str) -> dict[str, Any]:
     checked: dict[str, Any] = {}
     for key, value in values.items():
         if key in IMPLEMENTED_KEYS:
-            checked[key] = IMPLEMENTED_KEYS[key](value, where)
+            try:
+                checked[key] = IMPLEMENTED_KEYS[key](value)
+            except HybridShardConfigError as err:
+                raise HybridShardConfigError(f"{where}: {err}") from None
         elif key in UNIMPLEMENTED_KEYS:
             _check_unimplemented(key, value, where)
         else:
@@ -282,7 +278,9 @@ def check_config(values: Any, where: str) -> dict[str, Any]:
 
 __all__ = [
     "CALIBRATE",
+    "IMPLEMENTED",
     "IMPLEMENTED_KEYS",
+    "KEY_DOCS",
     "KNOWN_KEYS",
     "UNIMPLEMENTED_KEYS",
     "SMPConfig",
@@ -292,4 +290,5 @@ __all__ = [
     "check_fsdp_version",
     "check_links",
     "check_memory_budget",
+    "smp_key",
 ]

@@ -29,7 +29,7 @@ ENGINES: tuple[Engine, ...] = (*FSDP_ENGINES, DDP_ENGINE)
 
 def engine_of(model: Module) -> Engine | None:
     """The engine that sharded ``model``, or ``None`` for a plain or DDP model."""
-    return next((engine for engine in ENGINES if engine.is_sharded(model)), None)
+    return next((engine for engine in ENGINES if engine.has_wrapped(model)), None)
 
 
 def own_offload_config(value: Any) -> bool:

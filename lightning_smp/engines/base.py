@@ -96,32 +96,38 @@ class ShardingFacts:
     groups: Mapping[str, ProcessGroup]
 
 
-@runtime_checkable
-class Engine(Protocol):
-    """One FSDP implementation, as the rest of the package needs it.
+@dataclass(frozen=True)
+class Capabilities:
+    """How an engine differs from the others, as one record (the front ends and the core read it; ``docs/engines.md``
+    tabulates it).
 
-    Implementations: :class:`~lightning_smp.engines.fsdp1.engine.FSDP1Engine` (``FullyShardedDataParallel``),
-    :class:`~lightning_smp.engines.fsdp2.engine.FSDP2Engine` (``fully_shard``) and :class:`~lightning_smp.engines.ddp.engine.DDPEngine`
-    (``DistributedDataParallel``, for layouts with nothing sharded); each also takes the optional
-    :class:`Accounting` role.
+    Attributes:
+        accumulations: the gradient-accumulation modes it implements (:mod:`lightning_smp.accumulation`), its
+            default first.
+        checkpoint_activations_first: activation checkpointing is applied before sharding (else after, on the
+            wrapped model).
+        steps_inside_a_step: backward passes and optimizer steps can run inside a Lightning step (manual
+            optimization).
+        replaces_parameters: wrapping replaces the module's parameter objects (an optimizer built before would
+            update nothing).
+        syncs_buffers_itself: its wrapper runs DDP's buffer rule before forwards itself (else
+            :mod:`lightning_smp.buffers` does).
     """
 
-    #: a short name for logs and records (``"fsdp1"``)
-    name: str
-    #: the ``fsdp_version`` that selects it
-    version: int
-    #: the gradient-accumulation modes it implements, the default first
     accumulations: tuple[GradientAccumulation, ...]
-    #: whether activation checkpointing is applied before sharding (else after, on the wrapped model)
     checkpoint_activations_first: bool
-    #: whether backward passes and optimizer steps can run inside a Lightning step (manual optimization)
     steps_inside_a_step: bool
-    #: whether wrapping replaces the module's parameter objects (an optimizer built before would update nothing)
     replaces_parameters: bool
-    #: whether its wrapper runs DDP's buffer rule before forwards itself (else :mod:`lightning_smp.buffers` does)
     syncs_buffers_itself: bool
-    #: its layout rules over parameter shapes, for the planner (:mod:`~lightning_smp.engines.prediction`)
-    prediction: Prediction
+
+    @property
+    def default_accumulation(self) -> GradientAccumulation:
+        return self.accumulations[0]
+
+
+@runtime_checkable
+class Wrapping(Protocol):
+    """Sharding a module, and recognising what sharding made (the core, the planner's probe, ``init()``'s patches)."""
 
     def check_options(self, options: Mapping[str, Any], mixed_precision: Any, cpu_offload: Any) -> None:
         """Refuse, with :class:`~lightning_smp.errors.UnsupportedOptionError`, arguments this engine does not take,
@@ -140,13 +146,37 @@ class Engine(Protocol):
         """A model the user sharded (in part) in ``configure_model``, made ready to train as ``plan`` says."""
         ...
 
+    def wrap_context(self, plan: ShardingPlan) -> AbstractContextManager[None]:
+        """A context in which modules the user shards by hand (``configure_model``) get ``plan``'s settings."""
+        ...
+
+    def units(self, module: Module) -> list[tuple[str, Module]]:
+        """The sharded units of ``module`` (qualified name, module), in ``named_modules`` order."""
+        ...
+
+    def has_wrapped(self, module: Module) -> bool:
+        """Whether this engine wrapped ``module`` or any part of it (a unit below it, or the root itself)."""
+        ...
+
+    def parameters_sharded(self, module: Module) -> bool:
+        """Whether ``module``'s parameters already are this engine's shards (their sizes then differ between ranks,
+        and they were synced when they were sharded)."""
+        ...
+
+    def is_shard_tensor(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is one of this engine's shards (of a unit wrapped already), not a full tensor; also a
+        value computed from one (FSDP2: a ``DTensor``)."""
+        ...
+
+
+@runtime_checkable
+class Training(Protocol):
+    """What a step needs of the engine: the front ends' hooks and the precision plugins, once per micro-batch or
+    optimizer step."""
+
     def call_through_root(self, root: Module, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` (a step of the module that is itself the sharded root) so that the root's forward hooks
         run once around it; a root that wraps the module (FSDP1) calls it directly."""
-        ...
-
-    def wrap_context(self, plan: ShardingPlan) -> AbstractContextManager[None]:
-        """A context in which modules the user shards by hand (``configure_model``) get ``plan``'s settings."""
         ...
 
     def prepare_backward(self, model: Module, output: Any) -> None:
@@ -154,21 +184,37 @@ class Engine(Protocol):
         may run several): whatever the engine must know of it (DDP: the outputs its reducer starts from)."""
         ...
 
-    def units(self, module: Module) -> list[tuple[str, Module]]:
-        """The sharded units of ``module`` (qualified name, module), in ``named_modules`` order."""
+    def accumulation_context(self, model: Module, accumulation: GradientAccumulation) -> AbstractContextManager[None]:
+        """The context every micro-batch but the last of an optimizer step runs in, as the mode's record says
+        (:mod:`lightning_smp.accumulation`); leaving it restores full synchronisation, so that the last micro-batch
+        always reduces (and the optimizer never sees missing gradients)."""
         ...
 
-    def is_sharded(self, module: Module) -> bool:
-        """Whether any part of ``module`` is already sharded by this engine."""
+    def settle_gradients(self, model: Module) -> None:
+        """Before an optimizer step, on every rank (it may be a collective): raise
+        :class:`~lightning_smp.errors.GradientSyncError` when the last backward ran with gradient reduction still
+        turned off (the gradients would be missing or unreduced, silently); then leave each ``.grad`` as DDP would,
+        ``None`` for a parameter that no rank gave a gradient since the last step."""
         ...
 
-    def holds_shards(self, module: Module) -> bool:
-        """Whether ``module``'s parameters are already this engine's shards (sizes then differ between ranks)."""
+    def discard_unreduced_gradients(self, model: Module) -> None:
+        """Forget gradients accumulated for a later reduction and held outside ``.grad`` (``optimizer.zero_grad()``
+        in the middle of an accumulation window discards them, as it does under DDP)."""
         ...
 
-    def is_shard(self, parameter: torch.Tensor) -> bool:
-        """Whether ``parameter`` is this engine's shard (of a unit wrapped already), not a full tensor."""
+    def clip_grad_norm(self, model: Module, max_norm: float,
+                       parameters: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Clip the gradients of ``parameters`` (an optimizer's, as Lightning and DDP clip; ``None``: the whole model)
+        to ``max_norm``, the norm taken over all their shards, each counted once, and return that norm; ``None``,
+        clipping nothing, when ``model`` has no single root to clip over. Collective: same ``parameters`` on every
+        rank."""
         ...
+
+
+@runtime_checkable
+class StateDicts(Protocol):
+    """Full and local state dicts of a model the engine sharded (the checkpoint code; sharded state dicts go through
+    ``torch.distributed.checkpoint.state_dict``, which every engine supports)."""
 
     def full_model_state(self, model: Module, device: torch.device) -> dict[str, Any]:
         """The unsharded model state, gathered inside this rank's shard group. Collective over that group."""
@@ -201,36 +247,37 @@ class Engine(Protocol):
         :meth:`local_model_state`; ``None`` where that is not needed or not possible."""
         ...
 
-    def clip_grad_norm(self, model: Module, max_norm: float,
-                       parameters: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
-        """Clip the gradients of ``parameters`` (an optimizer's, as Lightning and DDP clip; ``None``: the whole model)
-        to ``max_norm``, the norm taken over all their shards, each counted once, and return that norm; ``None``,
-        clipping nothing, when ``model`` has no single root to clip over. Collective: same ``parameters`` on every
-        rank."""
-        ...
 
-    def accumulation_context(self, model: Module, accumulation: GradientAccumulation) -> AbstractContextManager[None]:
-        """The context every micro-batch but the last of an optimizer step runs in; leaving it restores full
-        synchronisation, so that the last micro-batch always reduces (and the optimizer never sees missing
-        gradients)."""
-        ...
-
-    def settle_gradients(self, model: Module) -> None:
-        """Before an optimizer step, on every rank (it may be a collective): raise
-        :class:`~lightning_smp.errors.GradientSyncError` when the last backward ran with gradient reduction still
-        turned off (the gradients would be missing or unreduced, silently); then leave each ``.grad`` as DDP would,
-        ``None`` for a parameter that no rank gave a gradient since the last step."""
-        ...
-
-    def discard_unreduced_gradients(self, model: Module) -> None:
-        """Forget gradients accumulated for a later reduction and held outside ``.grad`` (``optimizer.zero_grad()``
-        in the middle of an accumulation window discards them, as it does under DDP)."""
-        ...
+@runtime_checkable
+class PlainAPI(Protocol):
+    """:func:`lightning_smp.init`'s plain-PyTorch mode: the user's own calls of the engine's API."""
 
     def patch_plain_calls(self, calls: PlainCalls) -> Callable[[], None]:
-        """Make the user's own calls of this engine's API (:func:`lightning_smp.init`'s plain-PyTorch mode) take the
-        configured degree through ``calls``; return a function that undoes it."""
+        """Make the user's own calls of this engine's API take the configured degree through ``calls``; return a
+        function that undoes it."""
         ...
+
+
+@runtime_checkable
+class Engine(Wrapping, Training, StateDicts, PlainAPI, Protocol):
+    """One implementation of data parallelism, as the rest of the package needs it: its identity, its
+    :class:`Capabilities`, its layout rules for the planner, and four roles, each caller typed with the one it uses
+    (:class:`Wrapping`, :class:`Training`, :class:`StateDicts`, :class:`PlainAPI`).
+
+    Implementations: :class:`~lightning_smp.engines.fsdp1.engine.FSDP1Engine` (``FullyShardedDataParallel``),
+    :class:`~lightning_smp.engines.fsdp2.engine.FSDP2Engine` (``fully_shard``) and
+    :class:`~lightning_smp.engines.ddp.engine.DDPEngine` (``DistributedDataParallel``, for layouts with nothing
+    sharded); each also takes the optional :class:`Accounting` role.
+    """
+
+    #: a short name for logs and records (``"fsdp1"``)
+    name: str
+    #: the ``fsdp_version`` that selects it (0: chosen by the layout, never by ``fsdp_version``)
+    version: int
+    #: how it differs from the others
+    capabilities: Capabilities
+    #: its layout rules over parameter shapes, for the planner (:mod:`~lightning_smp.engines.prediction`)
+    prediction: Prediction
 
 
 @runtime_checkable
@@ -266,14 +313,14 @@ class Accounting(Protocol):
 
 class PlainCalls(Protocol):
     """What :func:`lightning_smp.init` does to the user's own wrapping calls; each engine's
-    :meth:`Engine.patch_plain_calls` calls it from the hook its API offers."""
+    :meth:`PlainAPI.patch_plain_calls` calls it from the hook its API offers."""
 
-    def rewrite(self, engine: Engine, arguments: dict[str, Any]) -> Callable[[Module], None] | None:
+    def rewrite(self, engine: Wrapping, arguments: dict[str, Any]) -> Callable[[Module], None] | None:
         """Apply the configured degree to one wrapper constructor's ``arguments`` in place; return a hook to run on
         the wrapped module, or ``None``."""
         ...
 
-    def default_mesh(self, engine: Engine) -> DeviceMesh | None:
+    def default_mesh(self, engine: Wrapping) -> DeviceMesh | None:
         """The mesh a sharding call that passes none gets (``None``: the engine's own default)."""
         ...
 
@@ -297,4 +344,17 @@ def replace_attribute(owner: Any, name: str, replacement: Any, what: str) -> Cal
     return restore
 
 
-__all__ = ["Accounting", "Engine", "PlainCalls", "ShardingFacts", "ShardingPlan", "StorageUnit", "replace_attribute"]
+__all__ = [
+    "Accounting",
+    "Capabilities",
+    "Engine",
+    "PlainAPI",
+    "PlainCalls",
+    "ShardingFacts",
+    "ShardingPlan",
+    "StateDicts",
+    "StorageUnit",
+    "Training",
+    "Wrapping",
+    "replace_attribute",
+]

@@ -136,9 +136,9 @@ def _no_fit_message(rows: Sequence[DegreePlan], budget: int, headroom: float, wo
     helps.append(f"more devices (the model state at degree {least.degree} is {fmt_bytes(least.model_state_bytes)} per"
                  " rank and shrinks with the shard group)")
     if accumulation_mode(mode).holds_unsharded and micro_batches > 1:
-        helps.extend(f"fsdp_version={other.version} (gradient_accumulation='{other.accumulations[0]}': no unsharded"
+        helps.extend(f"fsdp_version={other.version} (gradient_accumulation='{other.capabilities.accumulations[0]}': no unsharded"
                      " gradients between micro-batches)" for other in FSDP_ENGINES
-                     if other.version != fsdp_version and not accumulation_mode(other.accumulations[0]).holds_unsharded)
+                     if other.version != fsdp_version and not accumulation_mode(other.capabilities.accumulations[0]).holds_unsharded)
     return (f"no hybrid_shard_degree fits memory_budget={budget} bytes ({fmt_bytes(budget)}) with {headroom:.0%}"
             f" headroom on {world_size} rank(s): the least is {fmt_bytes(least.peak_bytes)} ({least.peak_bytes} bytes)"
             f" per rank at degree {least.degree} (activations {source}). What would help: " + "; ".join(helps) + ".")

@@ -153,7 +153,7 @@ def test_hybrid_shard_configuration(sharding_strategy):
     device_mesh = (2, 2)
     strategy = FSDPStrategy(sharding_strategy=sharding_strategy, device_mesh=device_mesh)
     assert strategy.sharding_strategy.name == sharding_strategy
-    assert strategy.core.mesh_shape_arg == device_mesh
+    assert strategy.options.mesh_shape == device_mesh
 
     # ADAPTED match: ours says "device_mesh and process_group were both given; they are mutually exclusive"
     with pytest.raises(ValueError, match="device_mesh and process_group .* mutually exclusive"):
@@ -499,4 +499,4 @@ def test_device_mesh_type_annotation():
     args = parser.parse_args(["--device_mesh=[1, 4]"])
     # ADAPTED: the hint is `Any`, so jsonargparse gives the list [1, 4]; ours takes it as the (replicas,
     # shard_degree) pair (1, 4)
-    assert FSDPStrategy(device_mesh=args.device_mesh).core.mesh_shape_arg == (1, 4)
+    assert FSDPStrategy(device_mesh=args.device_mesh).options.mesh_shape == (1, 4)

@@ -38,7 +38,7 @@ from torch.optim import Optimizer
 
 from lightning_smp.accumulation import accumulation_mode
 from lightning_smp.degree import Layout
-from lightning_smp.engines.base import PlainCalls, ShardingFacts, ShardingPlan, StorageUnit
+from lightning_smp.engines.base import Capabilities, PlainCalls, ShardingFacts, ShardingPlan, StorageUnit
 from lightning_smp.engines.ddp.prediction import BITMAP_BYTES, DDPPrediction
 from lightning_smp.engines.prediction import Prediction
 from lightning_smp.errors import GradientSyncError
@@ -101,14 +101,17 @@ class DDPEngine:
 
     name = "ddp"
     version = 0  # chosen by the layout (no sharding), never by fsdp_version
-    # every mode an FSDP engine takes, so that switching to this engine never refuses what was accepted: without
-    # shards, deferring the all-reduce to the last micro-batch *is* DDP's no_sync
-    accumulations: tuple[GradientAccumulation, ...] = (NO_SYNC, EVERY_MICRO_BATCH, DEFER_ALL_REDUCE)
-    # after wrapping, as Lightning's FSDPStrategy orders it (the parameters stay the same objects, DDP's hooks hold)
-    checkpoint_activations_first = False
-    steps_inside_a_step = True  # Lightning's manual optimization: see prepare_backward
-    replaces_parameters = False
-    syncs_buffers_itself = True  # DistributedDataParallel with broadcast_buffers
+    capabilities = Capabilities(
+        # every mode an FSDP engine takes, so that switching to this engine never refuses what was accepted: without
+        # shards, deferring the all-reduce to the last micro-batch *is* DDP's no_sync
+        accumulations=(NO_SYNC, EVERY_MICRO_BATCH, DEFER_ALL_REDUCE),
+        # after wrapping, as Lightning's FSDPStrategy orders it (the parameters stay the same objects, DDP's hooks
+        # hold)
+        checkpoint_activations_first=False,
+        steps_inside_a_step=True,  # Lightning's manual optimization: see prepare_backward
+        replaces_parameters=False,
+        syncs_buffers_itself=True,  # DistributedDataParallel with broadcast_buffers
+    )
     prediction: Prediction = DDPPrediction()
 
     def check_options(self, options: Mapping[str, Any], mixed_precision: Any, cpu_offload: Any) -> None:
@@ -160,13 +163,13 @@ class DDPEngine:
     def units(self, module: Module) -> list[tuple[str, Module]]:
         return []  # nothing is sharded
 
-    def is_sharded(self, module: Module) -> bool:
+    def has_wrapped(self, module: Module) -> bool:
         return isinstance(module, DistributedDataParallel)
 
-    def holds_shards(self, module: Module) -> bool:
+    def parameters_sharded(self, module: Module) -> bool:
         return False
 
-    def is_shard(self, parameter: torch.Tensor) -> bool:
+    def is_shard_tensor(self, tensor: torch.Tensor) -> bool:
         return False
 
     # ------------------------------------------------------------------ state dicts

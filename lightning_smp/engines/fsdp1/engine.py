@@ -27,7 +27,14 @@ from torch.optim import Optimizer
 from lightning_smp.accumulation import accumulation_mode
 from lightning_smp.degree import Layout
 from lightning_smp.engines import unused
-from lightning_smp.engines.base import PlainCalls, ShardingFacts, ShardingPlan, StorageUnit, replace_attribute
+from lightning_smp.engines.base import (
+    Capabilities,
+    PlainCalls,
+    ShardingFacts,
+    ShardingPlan,
+    StorageUnit,
+    replace_attribute,
+)
 from lightning_smp.engines.fsdp1 import clip, left_out
 from lightning_smp.engines.fsdp1 import unused as fsdp1_unused
 from lightning_smp.engines.fsdp1.prediction import FSDP1Prediction
@@ -138,15 +145,17 @@ class FSDP1Engine:
 
     name = "fsdp1"
     version = 1
-    # no_sync first: Lightning's behaviour, kept as the default for drop-in compatibility with FSDPStrategy
-    accumulations: tuple[GradientAccumulation, ...] = (NO_SYNC, EVERY_MICRO_BATCH)
-    checkpoint_activations_first = False  # Lightning's FSDPStrategy wraps first, then checkpoints
-    # a Lightning step runs inside the root's forward (Lightning's redirection), where FSDP1 cannot run a backward
-    steps_inside_a_step = False
-    # FullyShardedDataParallel's flat parameters are new objects, but Lightning's setup_module_and_optimizers
-    # rebuilds the optimizer's references to them (use_orig_params=True keeps the original ones)
-    replaces_parameters = False
-    syncs_buffers_itself = False  # FSDP never syncs buffers
+    capabilities = Capabilities(
+        # no_sync first: Lightning's behaviour, kept as the default for drop-in compatibility with FSDPStrategy
+        accumulations=(NO_SYNC, EVERY_MICRO_BATCH),
+        checkpoint_activations_first=False,  # Lightning's FSDPStrategy wraps first, then checkpoints
+        # a Lightning step runs inside the root's forward (Lightning's redirection), where FSDP1 cannot run a backward
+        steps_inside_a_step=False,
+        # FullyShardedDataParallel's flat parameters are new objects, but Lightning's setup_module_and_optimizers
+        # rebuilds the optimizer's references to them (use_orig_params=True keeps the original ones)
+        replaces_parameters=False,
+        syncs_buffers_itself=False,  # FSDP never syncs buffers
+    )
     prediction: Prediction = FSDP1Prediction()
 
     def check_options(self, options: Mapping[str, Any], mixed_precision: Any, cpu_offload: Any) -> None:
@@ -217,17 +226,17 @@ class FSDP1Engine:
 
         return [(clean_tensor_name(name), m) for name, m in module.named_modules() if isinstance(m, _fsdp())]
 
-    def is_sharded(self, module: Module) -> bool:
+    def has_wrapped(self, module: Module) -> bool:
         return isinstance(module, _fsdp()) or any(isinstance(m, _fsdp()) for m in module.modules())
 
-    def holds_shards(self, module: Module) -> bool:
-        return any(self.is_shard(p) for p in module.parameters())
+    def parameters_sharded(self, module: Module) -> bool:
+        return any(self.is_shard_tensor(p) for p in module.parameters())
 
-    def is_shard(self, parameter: torch.Tensor) -> bool:
+    def is_shard_tensor(self, tensor: torch.Tensor) -> bool:
         # a FlatParameter, or (use_orig_params) one of its original parameters' views
         from torch.distributed.fsdp._common_utils import _is_fsdp_flattened
 
-        return bool(_is_fsdp_flattened(parameter))
+        return bool(_is_fsdp_flattened(tensor))
 
     # ------------------------------------------------------------------ state dicts
 

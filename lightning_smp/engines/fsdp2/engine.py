@@ -26,7 +26,14 @@ from torch.optim import Optimizer
 from lightning_smp.accumulation import accumulation_mode
 from lightning_smp.degree import Layout
 from lightning_smp.engines import unused
-from lightning_smp.engines.base import PlainCalls, ShardingFacts, ShardingPlan, StorageUnit, replace_attribute
+from lightning_smp.engines.base import (
+    Capabilities,
+    PlainCalls,
+    ShardingFacts,
+    ShardingPlan,
+    StorageUnit,
+    replace_attribute,
+)
 from lightning_smp.engines.fsdp2 import accumulation as fsdp2_accumulation
 from lightning_smp.engines.fsdp2 import groups as fsdp2_groups
 from lightning_smp.engines.fsdp2 import options as fsdp2_options
@@ -63,13 +70,15 @@ class FSDP2Engine:
 
     name = "fsdp2"
     version = 2
-    # deferred first: sharded gradients and one crossing of the replicas per optimizer step, whatever k is
-    accumulations: tuple[GradientAccumulation, ...] = (DEFER_ALL_REDUCE, EVERY_MICRO_BATCH, NO_SYNC)
-    # torchtitan's order: checkpoint wrappers inside, then fully_shard (hooks see the wrapped layers)
-    checkpoint_activations_first = True
-    steps_inside_a_step = True  # with every parameter in a unit below the root (see fsdp2_wrap.shard_root)
-    replaces_parameters = True  # fully_shard swaps each parameter for a DTensor shard
-    syncs_buffers_itself = False  # FSDP never syncs buffers
+    capabilities = Capabilities(
+        # deferred first: sharded gradients and one crossing of the replicas per optimizer step, whatever k is
+        accumulations=(DEFER_ALL_REDUCE, EVERY_MICRO_BATCH, NO_SYNC),
+        # torchtitan's order: checkpoint wrappers inside, then fully_shard (hooks see the wrapped layers)
+        checkpoint_activations_first=True,
+        steps_inside_a_step=True,  # with every parameter in a unit below the root (see wrap.shard_root)
+        replaces_parameters=True,  # fully_shard swaps each parameter for a DTensor shard
+        syncs_buffers_itself=False,  # FSDP never syncs buffers
+    )
     prediction: Prediction = FSDP2Prediction()
 
     # ------------------------------------------------------------------ options
@@ -140,7 +149,7 @@ class FSDP2Engine:
         return [(fsdp2_state_dicts.clean_fqn(name), m) for name, m in module.named_modules()
                 if isinstance(m, fsdp_module_cls())]
 
-    def is_sharded(self, module: Module) -> bool:
+    def has_wrapped(self, module: Module) -> bool:
         return bool(fsdp_modules(module))
 
     def call_through_root(self, root: Module, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -173,13 +182,13 @@ class FSDP2Engine:
         finally:
             root.forward = original_forward
 
-    def holds_shards(self, module: Module) -> bool:
-        return any(self.is_shard(p) for p in module.parameters())
+    def parameters_sharded(self, module: Module) -> bool:
+        return any(self.is_shard_tensor(p) for p in module.parameters())
 
-    def is_shard(self, parameter: torch.Tensor) -> bool:
+    def is_shard_tensor(self, tensor: torch.Tensor) -> bool:
         from torch.distributed.tensor import DTensor
 
-        return isinstance(parameter, DTensor)
+        return isinstance(tensor, DTensor)
 
     # ------------------------------------------------------------------ state dicts
 

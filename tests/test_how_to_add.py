@@ -1,0 +1,134 @@
+"""The steps of ``docs/architecture.md``, "How to add", followed as written: an option, an accumulation mode (an engine:
+``tests/test_ddp_engine.py::test_a_fourth_engine_needs_only_its_class_and_its_registration``). Each test makes only
+the edit the steps name (here as a subclass or a registration, where the steps edit a source file) and then checks
+every place the steps say the new thing reaches."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+
+import pytest
+import torch
+
+import lightning_smp
+from lightning_smp import HybridShardConfigError
+from lightning_smp.config.options import StrategyOptions, option
+from lightning_smp.frontend import with_options
+
+
+def _check_delay(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise HybridShardConfigError(f"reduce_delay={value!r} is not a number of steps >= 0. Fix: pass 0, 1, 2, ...")
+    return value
+
+
+# step 1 of "an option": one field, with its type, default, check and documentation
+@dataclasses.dataclass(frozen=True)
+class DelayOptions(StrategyOptions):
+    reduce_delay: int = option(0, check=_check_delay, doc="steps to wait before the first reduction (a test option).")
+
+
+@with_options
+class DelayStrategy(lightning_smp.HybridShardFSDPStrategy):
+    """The Trainer strategy with one option more."""
+
+    options_type = DelayOptions
+
+
+def test_a_new_option_is_one_field():
+    # the constructor's signature, typed, with its default: what IDEs, help() and LightningCLI read
+    parameter = inspect.signature(DelayStrategy.__init__).parameters["reduce_delay"]
+    assert parameter.kind is inspect.Parameter.KEYWORD_ONLY and parameter.default == 0
+    assert typing.get_type_hints(DelayStrategy.__init__)["reduce_delay"] is int
+    assert "reduce_delay: steps to wait before the first reduction" in DelayStrategy.__doc__
+    # its check, before anything is built, and its value where the code reads it
+    with pytest.raises(HybridShardConfigError, match=r"reduce_delay=-1 is not a number of steps"):
+        DelayStrategy(reduce_delay=-1)
+    strategy = DelayStrategy(hybrid_shard_degree=2, reduce_delay=3)
+    assert strategy.options.reduce_delay == 3 and strategy.core.options is strategy.options
+    assert strategy.config.hybrid_shard_degree == 2  # (an SMP key: strategy.config, resolved from every source)
+    # every other option and Lightning's own arguments are as they were, and the parent class is untouched
+    parent = inspect.signature(lightning_smp.HybridShardFSDPStrategy.__init__).parameters
+    assert "reduce_delay" not in parent
+    assert list(inspect.signature(DelayStrategy.__init__).parameters) == [*parent][:-1] + ["reduce_delay", "kwargs"]
+    assert DelayStrategy(None, None, None, None, None, None, None, None, None, None, None, None, "FULL_SHARD",
+                         "full").options.state_dict_type == "full"
+
+
+def test_a_new_option_reaches_the_cli(capsys):
+    from lightning_smp.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "examples/configs/hybrid_class_path.yaml",
+              "--trainer.strategy.class_path", "tests.test_how_to_add.DelayStrategy",
+              "--trainer.strategy.init_args.reduce_delay", "2", "--print_config"])
+    import yaml
+
+    init_args = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]["init_args"]
+    assert init_args["reduce_delay"] == 2 and init_args["hybrid_shard_degree"] == 2
+
+
+def test_a_new_accumulation_mode_is_one_record(monkeypatch):
+    """Steps of "an accumulation mode": its name (``names.GradientAccumulation``), its record
+    (``accumulation.ACCUMULATION_MODES``), and the engines that implement it list it in their capabilities. The
+    planner's figures, the textbook and the engine's accumulation context then follow the record: here a second name
+    for what ``defer_all_reduce`` does."""
+    import lightning_smp.accumulation as accumulation
+    import lightning_smp.config.options as options
+    from lightning_smp import names
+    from lightning_smp.degree import resolve_layout
+    from lightning_smp.engines import FSDP2Engine, engine_for
+    from lightning_smp.planner.step import transient_bytes
+
+    alias = "reduce_scatter_each"
+    record = dataclasses.replace(accumulation.ACCUMULATION_MODES[names.DEFER_ALL_REDUCE], name=alias)
+    monkeypatch.setattr(options, "GRADIENT_ACCUMULATIONS", (*names.GRADIENT_ACCUMULATIONS, alias))
+    monkeypatch.setattr(accumulation, "ACCUMULATION_MODES", {**accumulation.ACCUMULATION_MODES, alias: record})
+    engine = engine_for(2)
+    capabilities = engine.capabilities
+    monkeypatch.setattr(engine, "capabilities",
+                        dataclasses.replace(capabilities, accumulations=(*capabilities.accumulations, alias)))
+
+    strategy = lightning_smp.HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=2,
+                                                     gradient_accumulation=alias)
+    assert strategy.options.gradient_accumulation == alias
+    with pytest.raises(HybridShardConfigError, match=f"gradient_accumulation='{alias}' needs fsdp_version=2"):
+        lightning_smp.HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=1, gradient_accumulation=alias)
+    units = [[torch.nn.Parameter(torch.zeros(64, 64))], [torch.nn.Parameter(torch.zeros(64))]]
+    layout = resolve_layout(8, 2)
+    for reader in (lambda mode: engine.prediction.step_textbook(units, layout, 4, mode, "32-true"),
+                   lambda mode: transient_bytes(units, False, layout, engine.prediction, 4, mode, "32-true")):
+        assert reader(alias) == reader(names.DEFER_ALL_REDUCE) != reader(names.NO_SYNC)
+    assert isinstance(engine, FSDP2Engine)
+
+
+def test_a_new_accumulation_mode_reaches_the_engine(monkeypatch):
+    """The FSDP2 engine's accumulation context reads the record: the alias turns off the all-reduce only, as
+    ``defer_all_reduce`` does (on a one-rank process group, in this process)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import lightning_smp.accumulation as accumulation
+    from lightning_smp import names
+    from lightning_smp.engines import engine_for
+    from lightning_smp.engines.fsdp2.groups import fsdp_modules
+    from lightning_smp.testing import free_port
+
+    alias = "reduce_scatter_each"
+    record = dataclasses.replace(accumulation.ACCUMULATION_MODES[names.DEFER_ALL_REDUCE], name=alias)
+    monkeypatch.setattr(accumulation, "ACCUMULATION_MODES", {**accumulation.ACCUMULATION_MODES, alias: record})
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    engine = engine_for(2)
+
+    def flags(mode: str) -> list[tuple[bool, bool]]:
+        with engine.accumulation_context(model, mode):
+            return [(m._get_fsdp_state()._fsdp_param_group.reduce_grads,
+                     m._get_fsdp_state()._fsdp_param_group.all_reduce_grads) for m in fsdp_modules(model)]
+
+    assert flags(alias) == flags(names.DEFER_ALL_REDUCE) == [(True, False), (True, False)]
+    assert flags(names.NO_SYNC) == [(False, False), (False, False)]  # no reduction at all
