@@ -20,6 +20,7 @@ it from the model, on every rank, between steps 3 and 4.
 
 from __future__ import annotations
 
+import importlib.util
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
@@ -32,6 +33,7 @@ from lightning_smp import buffers, unit_order
 from lightning_smp.checkpoint import CheckpointRun, ShardedModel
 from lightning_smp.collectives import Collectives
 from lightning_smp.config import SMPConfig, resolve_config
+from lightning_smp.config.fault_tolerance import FaultTolerance, check_fault_tolerant_layout
 from lightning_smp.config.options import ASYNC_FULL, StrategyOptions
 from lightning_smp.degree import Layout, resolve_strategy_layout
 from lightning_smp.engines import (
@@ -66,6 +68,12 @@ class Settled:
     config: SMPConfig
     layout: Layout | None
     engine: Engine
+
+    @property
+    def fault_tolerance(self) -> FaultTolerance | None:
+        """The ``fault_tolerance`` option in effect (merged from every source), checked; ``None``: off."""
+        values = self.config.fault_tolerance
+        return None if values is None else FaultTolerance.from_mapping(values)
 
 
 @dataclass(frozen=True)
@@ -148,6 +156,15 @@ class HybridShardCore:
         self.check_engine(engine_for(config.fsdp_version))
         self.settled = Settled(config, None, engine_for(config.fsdp_version))
         self._set_layout(None if self.auto_pending else self.resolve_layout(num_nodes, devices))
+        settings = self.settled.fault_tolerance  # (checked whole here, once every source is merged)
+        if settings is not None:
+            if importlib.util.find_spec("torchft") is None:
+                raise HybridShardConfigError(
+                    "fault_tolerance needs torchft, which is not installed. Fix: pip install 'lightning-smp[ft]'."
+                )
+            fixed = ("device_mesh" if self.options.device_mesh is not None else
+                     "process_group" if self.engine_options.get("process_group") is not None else None)
+            check_fault_tolerant_layout(settings, self.layout, self.engine.name, fixed_by=fixed, auto=self.auto)
         return self.layout
 
     def _set_layout(self, layout: Layout | None) -> None:
@@ -199,6 +216,11 @@ class HybridShardCore:
     def configured_degree(self) -> int | str:
         """The degree as configured: a number, or ``"auto"``."""
         return self.config.hybrid_shard_degree
+
+    @property
+    def fault_tolerance(self) -> FaultTolerance | None:
+        """The ``fault_tolerance`` option in effect, once :meth:`configure` has merged every source; ``None``: off."""
+        return self.settled.fault_tolerance if self.settled is not None else None
 
     @property
     def async_save(self) -> bool:

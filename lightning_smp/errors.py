@@ -60,5 +60,11 @@ class UnitOrderError(LightningSMPError, RuntimeError):
     check that ``LIGHTNING_SMP_CHECK_UNIT_ORDER=1`` turns on."""
 
 
-__all__ = ["CheckpointError", "CheckpointPathError", "GradientSyncError", "HybridShardConfigError", "LightningSMPError",
+
+class FaultToleranceError(LightningSMPError, RuntimeError):
+    """Fault-tolerant replica groups that cannot go on safely: a group that would start from its own initialisation
+    while the job has trained before (no live peer to heal from, no checkpoint given), or a peer's state that does not
+    fit this group's model. Raised on every rank of the group, before any step."""
+
+__all__ = ["CheckpointError", "CheckpointPathError", "FaultToleranceError", "GradientSyncError", "HybridShardConfigError", "LightningSMPError",
            "ShardedParameterError", "UnitOrderError", "UnsupportedOptionError"]

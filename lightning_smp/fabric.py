@@ -35,6 +35,7 @@ from lightning.fabric.strategies import FSDPStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.load import _move_state_into
 from torch import Tensor
 from torch.distributed.fsdp import CPUOffload, MixedPrecision
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -44,7 +45,13 @@ from typing_extensions import override
 
 from lightning_smp import buffers
 from lightning_smp import checkpoint as checkpoint_lib
-from lightning_smp.checkpoint.fabric_state import fabric_checkpoint, load_raw, restore_fabric_state, split_state
+from lightning_smp.checkpoint.fabric_state import (
+    fabric_checkpoint,
+    load_raw,
+    restore_fabric_state,
+    split_state,
+    state_of,
+)
 from lightning_smp.checkpoint.saving import check_storage_options
 from lightning_smp.collectives import Collectives
 from lightning_smp.engines import ShardingPlan, engine_of, own_offload_config
@@ -151,6 +158,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         self._unreduced = False
         self._module: Module | None = None  # the sharded root set up last, for the check before each step
         self._module_engine: Training | None = None  # its engine, found once
+        self._optimizers: list[Optimizer] = []  # those set up here (healing copies their state)
+        self._healing_state: dict[str, Any] = {}  # the loop's own state healing copies (fault_tolerant_state)
+        self._settled = False  # (fault_tolerance) whether the group's gradients were settled since the last backward
 
     # ------------------------------------------------------------------ precision
 
@@ -215,12 +225,26 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         self._choose(module, optimizers)
         module, optimizers, scheduler = super().setup_module_and_optimizers(module, optimizers, scheduler)
         for optimizer in optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]:
-            discard_on_zero_grad(optimizer, self._discard_window)
+            self._own_optimizer(optimizer)
         return module, optimizers, scheduler
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        return discard_on_zero_grad(super().setup_optimizer(optimizer), self._discard_window)
+        return self._own_optimizer(super().setup_optimizer(optimizer))
+
+    def _own_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """An optimizer set up here: ``zero_grad`` discards a window; with ``fault_tolerance`` it steps only when every
+        group commits, and healing copies its state."""
+        self._optimizers.append(optimizer)
+        return self._gate_steps(discard_on_zero_grad(optimizer, self._discard_window))
+
+    def fault_tolerant_state(self, state: dict[str, Any]) -> None:
+        """With ``fault_tolerance``: what else a healing group copies from a live peer, beside the module and the
+        optimizers set up here: the loop's own state, as for ``fabric.save`` (schedulers and stateful data loaders by
+        their ``state_dict()``, plain values such as the iteration counter). A peer's values are put into ``state``
+        in place (objects with ``load_state_dict()`` restored, other entries replaced) at the healing group's first
+        step, before ``optimizer.step()`` returns. Call it once, after ``fabric.setup_module``."""
+        self._healing_state = state
 
     def _discard_window(self) -> None:
         """A loop's ``zero_grad`` in the middle of an accumulation window drops all of it, as under DDP."""
@@ -239,7 +263,16 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         self._choose(module, [])
         module = self._shard(module, self._fsdp_kwargs)
         self._module, self._module_engine = module, engine_of(module)
+        self._track_for_healing(module, lambda: list(self._optimizers), extra=self._loop_state,
+                                load_extra=self._load_loop_state)
         return module
+
+    def _loop_state(self) -> dict[str, Any]:
+        return {key: state_of(value) for key, value in self._healing_state.items()
+                if not isinstance(value, (Module, Optimizer))}
+
+    def _load_loop_state(self, state: dict[str, Any]) -> None:
+        _move_state_into(source=dict(state), destination=self._healing_state, keys=set(state))
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
@@ -254,6 +287,8 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         sharded = module if module is not None else self._module
         if sharded is not None and self._engine_of(sharded) is not None:
             self.core.before_backward(sharded)
+        self._begin_replica_step()
+        self._settled = False
         super().backward(tensor, module, *args, **kwargs)
         self._unreduced = self._backward_sync_control.active
         if sharded is not None and self._engine_of(sharded) is not None:
@@ -273,10 +308,18 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
                 " would silently do nothing or let the replicas drift apart. Fix: run the last micro-batch's backward"
                 " outside no_backward_sync, e.g. `with fabric.no_backward_sync(model, enabled=is_accumulating):`."
             )
-        if self._module is not None:
-            self._check_synced(self._module)
+        self._settle(optimizer)
         self._poll_checkpoint(Collectives.current(self.root_device))  # a background save's failure surfaces here
         return super().optimizer_step(optimizer, **kwargs)
+
+    def _settle(self, optimizer: Any) -> None:
+        """Before a step: the engine's check and DDP's ``.grad`` rule inside the group, then (``fault_tolerance``)
+        the average across groups. With ``fault_tolerance`` also before clipping, and then the group's part once per
+        backward (the average is once per optimizer step: :meth:`ReplicaGroups.reduce`)."""
+        if self._module is not None and not (self._replicas is not None and self._settled):
+            self._check_synced(self._module)
+            self._settled = True
+        self._reduce_across_groups(optimizer)
 
     def _check_synced(self, module: Module) -> None:
         engine = self._engine_of(module)
@@ -297,6 +340,8 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
                 f"norm_type={norm_type!r}: lightning_smp clips by the 2-norm only. Fix: norm_type=2.0."
             )
         self.precision.unscale_gradients(optimizer)
+        if self._replicas is not None:
+            self._settle(optimizer)  # the norm of the gradients averaged across groups, as DDP's
         total = None
         if engine is not None:  # (the module is checked first: the optimizer's parameters are read only then)
             total = engine.clip_grad_norm(module, float(max_norm), list(self.precision.main_params(optimizer)))
@@ -344,6 +389,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         sharded = self._sharded(module)  # refuses a module that was not set up here, on every rank alike
         kind, background = self.options.state_dict_type, self._background
         checkpoint = fabric_checkpoint(state, sharded, kind, self._local_state_check, filter)
+        if not self._writes_checkpoints():
+            return  # fault_tolerance: every group holds the same state, one live group writes it
+        checkpoint.update(self._replica_checkpoint_state())
         checkpoint_lib.save(checkpoint, path, kind=kind, collectives=Collectives.current(self.root_device),
                             run=self.core.checkpoint_run, layout=self.core.layout, storage_options=storage_options,
                             background=background, writes_data=background is None or sharded.writes_data())
@@ -371,7 +419,10 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             load_raw(Path(path), state, strict, self._sharded)
             return {}
         _, module, _, _ = split_state(state)
-        return restore_fabric_state(self._sharded(module), path, state, strict=strict, run=self.core.checkpoint_run)
+        remainder = restore_fabric_state(self._sharded(module), path, state, strict=strict,
+                                         run=self.core.checkpoint_run)
+        self._resume_replica_groups(remainder)  # (the replica groups' step, never returned to the loop)
+        return remainder
 
     # ------------------------------------------------------------------ registration
 

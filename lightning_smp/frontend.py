@@ -21,9 +21,11 @@ from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setu
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
+from torch.optim import Optimizer
 
 from lightning_smp.checkpoint import CheckpointRun
 from lightning_smp.checkpoint.background import BackgroundSaver
+from lightning_smp.checkpoint.format import REPLICA_GROUPS_KEY
 from lightning_smp.checkpoint.local import LocalStateCheck
 from lightning_smp.collectives import Collectives, checkpoint_group, release_process_groups_at_exit
 from lightning_smp.config import SMPConfig
@@ -33,8 +35,11 @@ from lightning_smp.degree import Layout
 from lightning_smp.engines import Engine, ShardingPlan
 from lightning_smp.engines.unused import read_outside_forward_message
 from lightning_smp.errors import HybridShardConfigError, ShardedParameterError
+from lightning_smp.fault_tolerance.session import ReplicaGroups, group_store
+from lightning_smp.fault_tolerance.state import TrackedState
 from lightning_smp.mesh import group_ranks
 from lightning_smp.names import MESH_AXES, GradientAccumulation, StartMethod
+from lightning_smp.optimizers import step_when_committed
 from lightning_smp.peers import RankAddress, gather_addresses, lost_peer_note
 
 log = logging.getLogger(__name__)
@@ -116,6 +121,8 @@ class HybridShardFrontEnd:
     _peers: list[RankAddress] | None = None
     #: writes sharded checkpoints in the background (``async_save``); made with its process group at setup
     _background: BackgroundSaver | None = None
+    #: this rank's part in fault-tolerant replica groups (``fault_tolerance``), joined at setup
+    _replicas: ReplicaGroups | None = None
     node_rank: int  # Lightning's ParallelStrategy, Trainer's and Fabric's alike
     _start_method: StartMethod
     #: the record of the strategy's options; a subclass of the strategy may add options of its own with a subclass of
@@ -275,7 +282,84 @@ class HybridShardFrontEnd:
         if layout is None:
             return None
         rank_zero_info(f"{type(self).__name__}: {layout.describe()}")
+        self._join_replica_groups(device_type)
         return layout
+
+    # ------------------------------------------------------------------ fault-tolerant replica groups
+
+    @property
+    def replica_groups(self) -> ReplicaGroups | None:
+        """This rank's part in fault-tolerant replica groups (``fault_tolerance``), once setup has joined them;
+        ``None`` without the option."""
+        return self._replicas
+
+    @property
+    def step_committed(self) -> bool:
+        """Whether the last optimizer step was committed by every replica group (always ``True`` without
+        ``fault_tolerance``). A hand-written loop steps its schedulers and counters only when it is."""
+        return self._replicas is None or self._replicas.last_committed is not False
+
+    def _join_replica_groups(self, device_type: str) -> None:
+        """Join the replica groups once this group's process group exists (``fault_tolerance``)."""
+        settings = self.core.fault_tolerance
+        if settings is not None and self._replicas is None:
+            device = self.root_device  # type: ignore[attr-defined]  # Lightning's ParallelStrategy
+            self._replicas = ReplicaGroups(settings, device, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                                           store=group_store())
+
+    def _begin_replica_step(self) -> None:
+        """Before a backward: the first of an optimizer step asks for the quorum of live groups."""
+        if self._replicas is not None:
+            self._replicas.begin_step()
+
+    def _reduce_across_groups(self, optimizer: Any) -> None:
+        """After the group's own reduction (the engine's ``settle_gradients``), before clipping and the step: the
+        gradients of ``optimizer``'s parameters averaged across the live groups."""
+        if self._replicas is not None:
+            self._replicas.reduce([p for group in optimizer.param_groups for p in group["params"]])
+
+    def _commit_step(self, optimizer: Any) -> bool:
+        """The vote of :func:`~lightning_smp.optimizers.step_when_committed`: step only if every group commits."""
+        return self._replicas is None or self._replicas.commit()
+
+    def _gate_steps(self, optimizer: Any) -> Any:
+        """``optimizer`` stepping only when every replica group commits (``fault_tolerance``), else as it is."""
+        if self.core.fault_tolerance is None:
+            return optimizer
+        return step_when_committed(optimizer, self._commit_step)
+
+    def _track_for_healing(self, module: Module, optimizers: Callable[[], Sequence[Optimizer]],
+                           extra: Callable[[], dict[str, Any]] = dict,
+                           load_extra: Callable[[dict[str, Any]], None] = lambda state: None) -> None:
+        """What this rank sends a healing group, and receives when this group heals."""
+        if self._replicas is not None:
+            self._replicas.track(TrackedState.of(module, optimizers, extra, load_extra))
+
+    def _replica_checkpoint_state(self) -> dict[str, Any]:
+        """What a persistent checkpoint records of the replica groups (torchft's step), to resume from."""
+        return {REPLICA_GROUPS_KEY: self._replicas.state_dict()} if self._replicas is not None else {}
+
+    def _resume_replica_groups(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint's record of the replica groups' step, back into torchft (a checkpoint of a run without
+        ``fault_tolerance`` has none: the step stays)."""
+        state = checkpoint.pop(REPLICA_GROUPS_KEY, None)
+        if self._replicas is not None and state is not None:
+            self._replicas.load_state_dict(state)
+
+    def _writes_checkpoints(self) -> bool:
+        """Whether this group writes the job's persistent checkpoints (all groups hold the same state: one writes)."""
+        return self._replicas is None or self._replicas.writes_checkpoints()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Lightning's split of the data over the ranks, and with ``fault_tolerance`` over every rank of every group:
+        group ``g``'s rank ``r`` reads part ``g x hybrid_shard_degree + r`` of ``groups x hybrid_shard_degree``."""
+        kwargs = dict(super().distributed_sampler_kwargs or {})  # type: ignore[misc]  # the Lightning base class's
+        settings = self.core.fault_tolerance
+        if settings is None or not kwargs:
+            return kwargs
+        world = int(kwargs["num_replicas"])
+        return {**kwargs, "num_replicas": settings.groups * world, "rank": settings.group * world + int(kwargs["rank"])}
 
     @property
     def async_save(self) -> bool:

@@ -1,4 +1,5 @@
-"""``optimizer.zero_grad()`` that also discards what the engine holds outside ``.grad``, for both front ends.
+"""What both front ends change in the user's optimizers: ``zero_grad()`` that also discards what the engine holds
+outside ``.grad``, and (fault-tolerant replica groups) ``step()`` that steps only when every group commits.
 
 DDP accumulates in ``.grad`` alone, so ``zero_grad()`` drops everything a window gathered. Under this library two
 things live outside ``.grad``: FSDP2's deferred all-reduce keeps each group's sum of the window's micro-batches, and
@@ -11,13 +12,22 @@ is where the discard goes.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable
-from typing import Any, SupportsIndex
+from typing import Any, SupportsIndex, cast
 
+import torch
 from torch.optim import Optimizer
+
+from lightning_smp.errors import UnsupportedOptionError
 
 _MARK = "_discards_unreduced_gradients"
 _DISCARD = "_lightning_smp_discard"
+_GATE_MARK = "_steps_when_committed"
+_GATE = "_lightning_smp_commit"
+#: each gated scheduler's vote (see skip_uncommitted_steps)
+_SCHEDULER_GATES: weakref.WeakKeyDictionary[Any, Callable[[], bool]] = weakref.WeakKeyDictionary()
 
 
 def discard_on_zero_grad(optimizer: Optimizer, discard: Callable[[], None]) -> Optimizer:
@@ -50,10 +60,97 @@ def discard_on_zero_grad(optimizer: Optimizer, discard: Callable[[], None]) -> O
     return optimizer
 
 
-def _rebuilt(cls: type[Optimizer], state: Any) -> Optimizer:
-    optimizer = cls.__new__(cls)
-    optimizer.__setstate__(state)
+def step_when_committed(optimizer: Optimizer, commit: Callable[[Optimizer], bool]) -> Optimizer:
+    """Make ``optimizer.step()`` step only when ``commit(optimizer)`` says so (every replica group voted to commit);
+    otherwise the step's gradients are dropped and nothing the optimizer holds changes. A closure (Lightning's
+    automatic optimization runs the forward and backward inside ``step``) runs first, and the vote after it.
+    Returns ``optimizer`` (its class changed in place, as :func:`discard_on_zero_grad` does, for the same reason)."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise UnsupportedOptionError(
+            "fault_tolerance with LBFGS: it evaluates its closure several times inside one step, and a step across"
+            " replica groups is voted on once. Fix: an optimizer that evaluates the closure once (SGD, Adam, ...)."
+        )
+    setattr(optimizer, _GATE, commit)
+    base = type(optimizer)
+    if getattr(base, _GATE_MARK, False):
+        return optimizer
+
+    def step(opt: Optimizer, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        inner = getattr(opt, "_optimizer", opt)
+        own = getattr(inner, _GATE, None)
+        if own is None:
+            return base.step(opt, closure, **kwargs)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if own(inner):
+            base.step(opt, **kwargs)
+        else:
+            base.zero_grad(opt, set_to_none=True)  # the step's gradients, dropped in every group alike
+        return loss
+
+    def __reduce_ex__(opt: Optimizer, protocol: SupportsIndex) -> Any:  # noqa: N807
+        return _rebuilt, (base, opt.__getstate__())
+
+    namespace = {"step": step, "__reduce_ex__": __reduce_ex__, _GATE_MARK: True, "__module__": base.__module__,
+                 "__qualname__": base.__qualname__}
+    optimizer.__class__ = type(base.__name__, (base,), namespace)
+    _rewrap_scheduler_patch(optimizer)
     return optimizer
 
 
-__all__ = ["discard_on_zero_grad"]
+def _rewrap_scheduler_patch(optimizer: Optimizer) -> None:
+    """A learning-rate scheduler created before (Lightning's ``configure_optimizers``) patched ``optimizer.step`` on
+    the instance with a wrapper of the class's step *as it was* (to note that the optimizer stepped): it would call
+    around the new class. The same wrapper again, over the class's step as it is now."""
+    patched = optimizer.__dict__.get("step")
+    if patched is None or not getattr(patched, "_wrapped_by_lr_sched", False):
+        return
+    owner = weakref.ref(optimizer)
+    func = type(optimizer).step
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = owner()
+        opt._opt_called = True  # type: ignore[union-attr]  # what the scheduler's own wrapper notes
+        return func(cast(Optimizer, opt), *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
+
+
+def skip_uncommitted_steps(scheduler: Any, committed: Callable[[], bool]) -> Any:
+    """Make ``scheduler.step()`` do nothing right after an optimizer step that the replica groups did not commit
+    (``committed()`` is false): the learning rate follows committed steps only. Returns ``scheduler`` (its class
+    changed in place; the vote is kept beside it, not on it: a scheduler's ``state_dict()`` is its ``__dict__``)."""
+    _SCHEDULER_GATES[scheduler] = committed
+    base = type(scheduler)
+    if getattr(base, _GATE_MARK, False):
+        return scheduler
+
+    def step(sched: Any, *args: Any, **kwargs: Any) -> Any:
+        own = _SCHEDULER_GATES.get(sched)
+        if own is not None and not own():
+            return None
+        return base.step(sched, *args, **kwargs)
+
+    def __reduce_ex__(sched: Any, protocol: SupportsIndex) -> Any:  # noqa: N807
+        return _rebuilt, (base, sched.__dict__)
+
+    namespace = {"step": step, "__reduce_ex__": __reduce_ex__, _GATE_MARK: True, "__module__": base.__module__,
+                 "__qualname__": base.__qualname__}
+    scheduler.__class__ = type(base.__name__, (base,), namespace)
+    return scheduler
+
+
+def _rebuilt(cls: Any, state: Any) -> Any:
+    rebuilt = cls.__new__(cls)
+    if hasattr(rebuilt, "__setstate__"):
+        rebuilt.__setstate__(state)
+    else:  # (a scheduler: its state is its __dict__)
+        rebuilt.__dict__.update(state)
+    return rebuilt
+
+
+__all__ = ["discard_on_zero_grad", "skip_uncommitted_steps", "step_when_committed"]

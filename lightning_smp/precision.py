@@ -5,6 +5,7 @@ model and check that the gradients were reduced before each step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,8 @@ class HybridShardPrecision(FSDPPrecision):
         self.device_type: str = "cpu"
         self._fsdp_module: Module | None = None
         self._engine: Training | None = None
+        #: ``fault_tolerance``: the average across replica groups of an optimizer's gradients, set by the strategy
+        self.reduce_across_groups: Callable[[Optimizer], None] | None = None
 
     @property
     def fsdp_module(self) -> Module | None:
@@ -112,6 +115,8 @@ class HybridShardPrecision(FSDPPrecision):
         module, engine = self._fsdp_module, self._engine
         if module is not None and engine is not None:
             engine.settle_gradients(module)
+        if self.reduce_across_groups is not None:  # after the group's own reduction, before clipping
+            self.reduce_across_groups(optimizer)
         super()._after_closure(model, optimizer)
 
     @override

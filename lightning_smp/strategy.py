@@ -43,10 +43,12 @@ from lightning_smp.accumulation import accumulation_mode
 from lightning_smp.checkpoint import ShardedModel
 from lightning_smp.checkpoint.after_commit import defer_until_commit
 from lightning_smp.checkpoint.atomic import remove_atomically
+from lightning_smp.checkpoint.format import REPLICA_GROUPS_KEY
 from lightning_smp.checkpoint.local import model_state_to_save, optimizer_state_to_save
 from lightning_smp.collectives import Collectives
 from lightning_smp.engines import ShardingPlan, own_offload_config
 from lightning_smp.errors import CheckpointError, HybridShardConfigError, UnsupportedOptionError
+from lightning_smp.fault_tolerance.trainer_state import load_loop_state, loop_state, uncount_step
 from lightning_smp.frontend import HybridShardFrontEnd, with_options
 from lightning_smp.launcher import HybridShardMultiProcessingLauncher, MainProcessResults, choose_launcher
 from lightning_smp.names import (
@@ -54,7 +56,7 @@ from lightning_smp.names import (
     STRATEGY_NAMES,
     ProcessStartMethod,
 )
-from lightning_smp.optimizers import discard_on_zero_grad
+from lightning_smp.optimizers import discard_on_zero_grad, skip_uncommitted_steps
 from lightning_smp.precision import HybridShardPrecision
 
 #: what ``auto_wrap_policy`` and ``activation_checkpointing_policy`` take, as Lightning's FSDP strategies type it
@@ -241,6 +243,8 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             )
         super().setup(trainer)
         self.precision_plugin.fsdp_module = self.model
+        if self._replicas is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._set_up_replica_groups(trainer)
         if self._background is not None and self._undo_deferral is None:
             self._undo_deferral = defer_until_commit(trainer, self._background)
         if trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches > 1:
@@ -250,8 +254,31 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         for optimizer in self.optimizers:
-            discard_on_zero_grad(optimizer, self._discard_window)
+            self._gate_steps(discard_on_zero_grad(optimizer, self._discard_window))
         self.optimizers = self.optimizers  # Lightning's wrappers again, over the changed classes
+
+    def _set_up_replica_groups(self, trainer: pl.Trainer) -> None:
+        """``fault_tolerance``: the gradients averaged across groups before clipping and each step, step-interval
+        schedulers that skip an uncommitted step, and what healing copies (the model's shards, the optimizers, the
+        schedulers, the loop's counters and data position)."""
+        self.precision_plugin.reduce_across_groups = self._reduce_across_groups
+        configs = self.lr_scheduler_configs
+        for config in configs:
+            if config.interval == "step":
+                skip_uncommitted_steps(config.scheduler, lambda: self.step_committed)
+        if self.model is not None:
+            self._track_for_healing(self.model, lambda: [_unwrap(o) for o in self.optimizers],
+                                    extra=lambda: loop_state(trainer, configs),
+                                    load_extra=lambda state: load_loop_state(trainer, configs, state))
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None,
+                       **kwargs: Any) -> Any:
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        module = self.lightning_module
+        if not self.step_committed and module is not None:
+            uncount_step(module.trainer)  # (global_step stays: the step did not happen)
+        return result
 
     def _discard_window(self) -> None:
         """``zero_grad`` in the middle of an accumulation window (manual optimization, a hook) drops all of it."""
@@ -298,6 +325,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             module = self.lightning_module
             if module is not None and not module.automatic_optimization:
                 self.engine.prepare_backward(self.model, closure_loss)
+        self._begin_replica_step()
         loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         if self.model is not None:
             self.core.after_backward(self.model, reduced=not self._accumulating)
@@ -398,6 +426,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         kind, background, writes_data = self._state_dict_type, self._background, True
+        if not self._writes_checkpoints():
+            return  # fault_tolerance: every group holds the same state, one live group writes it
+        checkpoint = {**checkpoint, **self._replica_checkpoint_state()}
         if self._launch_results is not None and self._launch_results.in_main_process:
             # the ranks that held the shards have ended: one full file, with the optimizer state they sent back
             checkpoint, kind, background = self._launch_results.complete_checkpoint(checkpoint), FULL, None
@@ -414,7 +445,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         # of the way first (Lightning's CheckpointIO deletes a sharded folder file by file under its name; saves do
         # not go through the CheckpointIO either)
         def remove() -> None:
-            if self.is_global_zero:  # one rank removes, as in Lightning
+            if self.is_global_zero and self._writes_checkpoints():  # one rank removes, as in Lightning
                 remove_atomically(Path(filepath))
 
         if self._background is not None:
@@ -442,6 +473,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         if self._undo_deferral is not None:
             self._undo_deferral()
             self._undo_deferral = None
+        if self._replicas is not None:
+            self._replicas.shutdown()
+            self._replicas = None
         super().teardown()
 
     @override
@@ -458,6 +492,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         if fitting:
             # resuming continues the run that wrote the checkpoint: its own files may be overwritten again
             self.checkpoint_run.continue_from(checkpoint)
+            # replica groups: torchft's step from the checkpoint (one without fault_tolerance: its global step)
+            checkpoint.setdefault(REPLICA_GROUPS_KEY, {"step": checkpoint.get("global_step", 0), "batches_committed": 0})
+            self._resume_replica_groups(checkpoint)
         return checkpoint
 
     @override

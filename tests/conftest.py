@@ -22,7 +22,8 @@ if HUGGING_FACE.is_dir():
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
              "PL_GLOBAL_SEED")
 #: every place an SMP config can come from: none leaks in from the machine or out to the next test
-_SMP_ENV = (smp_config.ENV_CONFIG, smp_config.ENV_SAGEMAKER, smp_config.ENV_CLI, smp_config.ENV_INIT)
+_SMP_ENV = (smp_config.ENV_CONFIG, smp_config.ENV_SAGEMAKER, smp_config.ENV_CLI, smp_config.ENV_INIT,
+            "TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS")
 
 
 def _reset_smp_sources() -> None:

@@ -210,8 +210,8 @@ def test_unknown_key_suggests_the_right_one(source, expected):
         else:
             set_cli_config(bad)
     assert str(err.value).startswith(expected)
-    assert "Known keys: hybrid_shard_degree, fsdp_version, memory_budget, links, async_save, tensor_parallel_degree" in str(
-        err.value)
+    assert ("Known keys: hybrid_shard_degree, fsdp_version, memory_budget, links, async_save, fault_tolerance,"
+            " tensor_parallel_degree") in str(err.value)
 
 
 def test_unknown_key_without_close_match_lists_known_keys():

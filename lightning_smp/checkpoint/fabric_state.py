@@ -46,7 +46,7 @@ def split_state(state: Mapping[str, Any]) -> tuple[str, Module, list[str], dict[
     return key, state[key], optimizer_keys, rest
 
 
-def _state_of(obj: Any) -> Any:
+def state_of(obj: Any) -> Any:
     """What a checkpoint holds of a non-model entry of the state: ``state_dict()`` of a stateful object (Fabric's
     contract), anything else as it is (and refused when saving if it is not a plain value)."""
     return obj.state_dict() if isinstance(obj, _Stateful) else obj
@@ -61,7 +61,7 @@ def fabric_checkpoint(state: Mapping[str, Any], model: ShardedModel, kind: State
     ``"full"`` (the model and optimizers under the user's keys). ``check``: a background saver's (the state is then
     described from each rank's shards where the engine can); ``filter``: Fabric's, by state key. Collective."""
     key, _, optimizer_keys, rest = split_state(state)
-    checkpoint: dict[str, Any] = {k: _state_of(v) for k, v in rest.items()}
+    checkpoint: dict[str, Any] = {k: state_of(v) for k, v in rest.items()}
     model_state = model_state_to_save(model, kind, check)
     if filter and key in filter:
         keep = filter[key]
@@ -122,4 +122,12 @@ def _is_lightning_file(path: Path) -> bool:
     return isinstance(content, dict) and "state_dict" in content and isinstance(content["state_dict"], dict)
 
 
-__all__ = ["FOR_THE_TRAINER", "fabric_checkpoint", "load_raw", "module_key", "restore_fabric_state", "split_state"]
+__all__ = [
+    "FOR_THE_TRAINER",
+    "fabric_checkpoint",
+    "load_raw",
+    "module_key",
+    "restore_fabric_state",
+    "split_state",
+    "state_of",
+]

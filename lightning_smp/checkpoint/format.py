@@ -20,6 +20,8 @@ FORMAT_VERSION = 1
 DCP_METADATA = ".metadata"
 #: Where a checkpoint written by Fabric records which of the user's state keys held the module and the optimizers.
 FABRIC_KEYS = "lightning_smp_fabric"
+#: Where a checkpoint of fault-tolerant replica groups records torchft's step (a run without them ignores it).
+REPLICA_GROUPS_KEY = "lightning_smp_replica_groups"
 #: The Trainer's keys of the model and the optimizer states (Lightning's ``dump_checkpoint`` layout).
 MODEL_KEY, OPTIMIZERS_KEY = "state_dict", "optimizer_states"
 
@@ -92,6 +94,7 @@ __all__ = [
     "META_FILENAME",
     "MODEL_KEY",
     "OPTIMIZERS_KEY",
+    "REPLICA_GROUPS_KEY",
     "RUN_KEY",
     "checkpoint_kind",
     "fabric_layout",

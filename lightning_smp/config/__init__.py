@@ -8,7 +8,8 @@ that dict from every place a job may put it, checks it, and merges the sources w
    YAML that is ``trainer.strategy.init_args.hybrid_shard_degree``);
 2. the ``smp:`` section of a LightningCLI config / command line (``lightning-smp``, ``--smp.hybrid_shard_degree``);
 3. :func:`lightning_smp.init(config) <lightning_smp.plain.init>` (a dict or a JSON/YAML file);
-4. the environment: ``LIGHTNING_SMP_CONFIG`` (a JSON/YAML file path or an inline JSON string), then SageMaker's
+4. the environment: ``LIGHTNING_SMP_CONFIG`` (a JSON/YAML file path or an inline JSON string), then torchft's own
+   ``TORCHFT_LIGHTHOUSE``/``REPLICA_GROUP_ID``/``NUM_REPLICA_GROUPS`` (``fault_tolerance`` only), then SageMaker's
    ``SM_HP_MP_PARAMETERS`` (the JSON SageMaker sets from ``distribution={"smdistributed": {"modelparallel":
    {"parameters": {...}}}}``), so an SMP job runs unchanged;
 5. the default, ``hybrid_shard_degree=0`` (native FSDP behaviour).

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Literal, get_type_hints
 
+from lightning_smp.config.fault_tolerance import check_fault_tolerance
 from lightning_smp.degree import check_degree_setting
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.links import links_for
@@ -113,6 +114,14 @@ class SMPConfig:
             " checkpoint is committed by rename once every rank has written, ``ModelCheckpoint``'s ``last`` link, its"
             " removals and the loggers wait for that commit, and a failed write raises on every rank at the next"
             " training step (see ``docs/checkpoints.md``). Needs ``state_dict_type=\"sharded\"``.")
+    fault_tolerance: dict[str, Any] | None = smp_key(
+        None, check=check_fault_tolerance,
+        doc="this library's key: replica groups that survive a node (torchft): a mapping with ``lighthouse``"
+            " (``host:port``), ``group`` (this group's id) and ``groups`` (how many), and optionally ``min_groups``,"
+            " ``timeout``, ``quorum_timeout`` and ``host`` (:class:`lightning_smp.config.fault_tolerance."
+            "FaultTolerance`); each group of ``hybrid_shard_degree`` ranks is its own job. torchft's"
+            " ``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID`` and ``NUM_REPLICA_GROUPS`` set it too. Needs the"
+            " ``ft`` extra (``pip install lightning-smp[ft]``). See ``docs/fault-tolerance.md``.")
     tensor_parallel_degree: int | None = None
     context_parallel_degree: int | None = None
     expert_parallel_degree: int | None = None

@@ -13,6 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, cast
 
+from lightning_smp.config.fault_tolerance import ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, torchft_environment
 from lightning_smp.config.keys import SMPConfig, _type_name, check_config
 from lightning_smp.errors import HybridShardConfigError
 
@@ -30,6 +31,8 @@ CLI_SOURCE = "LightningCLI `smp:` section"
 INIT_SOURCE = "lightning_smp.init(config)"
 EXPLICIT_SOURCE = "HybridShardFSDPStrategy(hybrid_shard_degree=...)"
 DEFAULT_SOURCE = "default"
+#: torchft's own variables, a source of ``fault_tolerance`` (:func:`~lightning_smp.config.fault_tolerance.torchft_environment`)
+TORCHFT_SOURCE = f"environment variables {ENV_LIGHTHOUSE}, {ENV_GROUP}, {ENV_GROUPS}"
 
 def _parse_text(text: str, where: str, yaml_ok: bool) -> Any:
     if not yaml_ok:
@@ -101,7 +104,12 @@ def config_layers(explicit: dict[str, Any] | None = None) -> list[tuple[str, dic
     Every source is checked, including those a higher one overrides: a broken setting is never ignored.
     """
     layers: list[tuple[str, dict[str, Any]]] = [(DEFAULT_SOURCE, asdict(SMPConfig()))]
-    for name in (ENV_SAGEMAKER, ENV_CONFIG, ENV_INIT, ENV_CLI):
+    torchft = torchft_environment()
+    for name in (ENV_SAGEMAKER, TORCHFT_SOURCE, ENV_CONFIG, ENV_INIT, ENV_CLI):
+        if name == TORCHFT_SOURCE:
+            if torchft is not None:
+                layers.append((TORCHFT_SOURCE, check_config({"fault_tolerance": torchft}, TORCHFT_SOURCE)))
+            continue
         raw = os.environ.get(name, "")
         if not raw.strip():
             continue
@@ -173,6 +181,7 @@ __all__ = [
     "ENV_SAGEMAKER",
     "EXPLICIT_SOURCE",
     "INIT_SOURCE",
+    "TORCHFT_SOURCE",
     "config_layers",
     "config_source",
     "configured_degree",

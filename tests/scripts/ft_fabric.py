@@ -1,0 +1,100 @@
+"""One replica group of a fault-tolerant Fabric run (``fault_tolerance``), started by ``torchrun`` with
+``hybrid_shard_degree`` ranks: every committed step writes one line per rank to ``--out`` (torchft's step, the wall
+time, a digest of this rank's shards and optimizer state, the loop's own counter), so that a test compares groups
+step by step. ``--steps``: committed steps to reach; ``--pause``: seconds per step (a slow step, for kills)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from lightning_smp.fabric import HybridShardFSDPStrategy
+from lightning_smp.fault_tolerance.state import local, optimizer_local_state
+
+
+def digest(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    state = optimizer_local_state(optimizer)["state"]
+    return [value for _, entry in sorted(state.items()) for _, value in sorted(entry.items())
+            if isinstance(value, torch.Tensor)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--group", type=int, required=True)
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--pause", type=float, default=0.0)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--degree", type=int, default=2)
+    parser.add_argument("--checkpoint", default=None, help="a folder to save to every 3 committed steps")
+    parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
+    parser.add_argument("--no_ft", action="store_true", help="the same run without fault_tolerance")
+    args = parser.parse_args()
+
+    fault_tolerance = None if args.no_ft else {"lighthouse": args.lighthouse, "group": args.group,
+                                                "groups": args.groups, "timeout": 10.0, "quorum_timeout": 30.0}
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=args.degree, fsdp_version=2,
+                                       fault_tolerance=fault_tolerance)
+    fabric = L.Fabric(accelerator="cpu", devices=args.degree, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(1234)  # (every group starts alike; replicas start from rank 0's weights anyway)
+    model = fabric.setup_module(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "iteration": 0}
+    strategy.fault_tolerant_state(state)
+    if args.resume:
+        fabric.load(args.resume, state)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = out / f"group{args.group}_rank{fabric.global_rank}.jsonl"
+    replicas = strategy.replica_groups
+
+    def step() -> int:  # torchft's committed steps (without fault_tolerance: the loop's own counter)
+        return replicas.step if replicas is not None else state["iteration"]
+
+    while step() < args.steps:
+        for micro in range(args.accumulate):
+            # this group's data for this step: the same wherever and whenever the step runs
+            generator = torch.Generator().manual_seed(10_000 * step() + 100 * args.group
+                                                      + 10 * fabric.global_rank + micro)
+            batch = torch.randn(8, 16, generator=generator)
+            with fabric.no_backward_sync(model, enabled=micro < args.accumulate - 1):
+                fabric.backward(model(batch).square().mean())
+        optimizer.step()
+        committed = strategy.step_committed
+        if committed:
+            scheduler.step()
+            state["iteration"] += 1
+        optimizer.zero_grad()
+        if committed:
+            tensors = [local(p) for p in model.parameters()]
+            line = {"step": step(), "time": time.time(), "model": digest(tensors),
+                    "optimizer": digest(optimizer_tensors(optimizer)), "iteration": state["iteration"],
+                    "lr": scheduler.get_last_lr()[0], "healed_at": replicas.healed_at if replicas else None,
+                    "pid": os.getpid()}
+            with record.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+            if args.checkpoint and step() % 3 == 0:
+                fabric.save(Path(args.checkpoint) / f"step{step()}", state)
+        time.sleep(args.pause)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""One replica group of a fault-tolerant Trainer run (``fault_tolerance``), started by ``torchrun`` with
+``hybrid_shard_degree`` ranks: every committed optimizer step writes one line per rank to ``--out`` (torchft's step,
+``global_step``, the wall time, digests of this rank's shards and optimizer state, the learning rate, the index of
+the first sample of the batch), so that a test compares groups step by step."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_smp import HybridShardFSDPStrategy
+from lightning_smp.fault_tolerance.state import local
+from tests.scripts.ft_fabric import digest, optimizer_tensors
+
+
+class Model(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+    def training_step(self, batch, batch_idx):
+        index, x = batch
+        self.first_sample = int(index[0])
+        return self.net(x).square().mean()
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Record(L.Callback):
+    def __init__(self, out: Path, group: int, pause: float) -> None:
+        self.out, self.group, self.pause = out, group, pause
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        strategy = trainer.strategy
+        if strategy.step_committed and not trainer.fit_loop._should_accumulate():
+            optimizer = trainer.optimizers[0]
+            line = {"step": strategy.replica_groups.step, "global_step": trainer.global_step, "time": time.time(),
+                    "model": digest([local(p) for p in module.parameters()]),
+                    "optimizer": digest(optimizer_tensors(optimizer)), "lr": optimizer.param_groups[0]["lr"],
+                    "sample": module.first_sample, "batch_idx": trainer.fit_loop.epoch_loop.batch_idx,
+                    "healed_at": strategy.replica_groups.healed_at}
+            with (self.out / f"group{self.group}_rank{trainer.global_rank}.jsonl").open("a") as f:
+                f.write(json.dumps(line) + "\n")
+        time.sleep(self.pause)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--group", type=int, required=True)
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--pause", type=float, default=0.0)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--degree", type=int, default=2)
+    parser.add_argument("--fsdp_version", type=int, default=2)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    torch.manual_seed(1234)
+    samples = 4096
+    data = TensorDataset(torch.arange(samples), torch.randn(samples, 16, generator=torch.Generator().manual_seed(0)))
+    strategy = HybridShardFSDPStrategy(
+        hybrid_shard_degree=args.degree, fsdp_version=args.fsdp_version,
+        fault_tolerance={"lighthouse": args.lighthouse, "group": args.group, "groups": args.groups, "timeout": 10.0,
+                         "quorum_timeout": 30.0})
+    trainer = L.Trainer(accelerator="cpu", devices=args.degree, strategy=strategy, max_steps=args.steps,
+                        accumulate_grad_batches=args.accumulate, enable_checkpointing=False, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Record(out, args.group, args.pause)])
+    trainer.fit(Model(), DataLoader(data, batch_size=8))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,325 @@
+"""Fault-tolerant replica groups (``fault_tolerance``, on torchft): the option from every source and its checks; the
+step gate and what healing copies, in this process; and real runs on loopback, each replica group its own
+``torchrun`` job of 2 ranks beside a lighthouse: groups that train bit-equal, a group SIGKILLed while the other
+trains (the survivor commits its next step within the heartbeat timeout + 5 s, and none of its processes exits), the
+group started again (it heals from the live peer and is bit-equal to it from its first committed step on, optimizer,
+scheduler, counters and data position included), a group that finds no live peer (refused), and checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_smp
+from lightning_smp import HybridShardConfigError
+from lightning_smp.config import resolve_config
+from lightning_smp.config.fault_tolerance import ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, FaultTolerance
+from lightning_smp.errors import FaultToleranceError, UnsupportedOptionError
+
+REPO = Path(__file__).resolve().parents[1]
+FABRIC_SCRIPT = [str(REPO / "tests" / "scripts" / "ft_fabric.py")]
+TRAINER_SCRIPT = [str(REPO / "tests" / "scripts" / "ft_trainer.py")]
+HEARTBEAT = 2.0
+SETTINGS = {"lighthouse": "127.0.0.1:29510", "group": 0, "groups": 2}
+
+torchft = pytest.importorskip("torchft")
+
+
+# ---------------------------------------------------------------------------------------------- the option
+
+
+@pytest.fixture
+def torchft_env(monkeypatch):
+    for name in (ENV_LIGHTHOUSE, ENV_GROUP, ENV_GROUPS):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_the_option_merges_from_every_source_key_by_key(torchft_env, tmp_path):
+    # torchft's own variables name the lighthouse and the group; a config file adds the group count; the argument
+    # (highest) a timeout
+    torchft_env.setenv(ENV_LIGHTHOUSE, "10.0.0.1:29510")
+    torchft_env.setenv(ENV_GROUP, "1")
+    config = tmp_path / "smp.json"
+    config.write_text('{"fault_tolerance": {"groups": 3, "min_groups": 2}}')
+    torchft_env.setenv("LIGHTNING_SMP_CONFIG", str(config))
+    merged = resolve_config({"fault_tolerance": {"timeout": 5.0}}).fault_tolerance
+    assert FaultTolerance.from_mapping(merged) == FaultTolerance("10.0.0.1:29510", 1, 3, min_groups=2, timeout=5.0)
+    torchft_env.setenv(ENV_GROUPS, "4")  # torchft's variable, below the config file
+    assert resolve_config().fault_tolerance["groups"] == 3
+    lightning_smp.init({"fault_tolerance": {"groups": 5}})  # init() above the environment
+    assert resolve_config().fault_tolerance["groups"] == 5
+
+
+@pytest.mark.parametrize(("value", "match"), [
+    pytest.param({"lighthouse": "h:1", "group": 0}, "lacks groups", id="missing"),
+    pytest.param({**SETTINGS, "group": 2}, "group=2 is not one of the 2 groups", id="group_out_of_range"),
+    pytest.param({**SETTINGS, "min_groups": 3}, "min_groups=3 is more than groups=2", id="min_groups"),
+    pytest.param({**SETTINGS, "timeout": -1}, "timeout=-1 is not a positive number", id="timeout"),
+    pytest.param({**SETTINGS, "heartbeat": 1}, "unknown key 'heartbeat'", id="unknown_key"),
+    pytest.param({**SETTINGS, "group": "0"}, "group='0' \\(str\\) is not int", id="type"),
+    pytest.param("10.0.0.1:29510", "is not a mapping", id="not_a_mapping"),
+])
+def test_a_bad_fault_tolerance_names_the_key_and_the_fix(value, match):
+    with pytest.raises(HybridShardConfigError, match=match):
+        FaultTolerance.from_mapping(value) if isinstance(value, dict) else resolve_config({"fault_tolerance": value})
+
+
+@pytest.mark.parametrize(("kwargs", "devices", "match"), [
+    pytest.param({"hybrid_shard_degree": 2, "fsdp_version": 1}, 2, "not on fsdp1.*Fix: pass fsdp_version=2",
+                 id="fsdp1"),
+    pytest.param({"hybrid_shard_degree": 2, "fsdp_version": 2}, 4, "this job has 4 ranks and hybrid_shard_degree=2",
+                 id="two_groups_in_one_job"),
+    pytest.param({"hybrid_shard_degree": "auto", "fsdp_version": 2}, 2, "'auto' with fault_tolerance", id="auto"),
+    pytest.param({"device_mesh": (1, 2), "fsdp_version": 2}, 2, "device_mesh with fault_tolerance", id="mesh"),
+])
+def test_layouts_fault_tolerance_cannot_run_are_refused_at_construction(kwargs, devices, match):
+    import lightning as L
+
+    strategy = lightning_smp.HybridShardFSDPStrategy(fault_tolerance=SETTINGS, **kwargs)
+    with pytest.raises(HybridShardConfigError, match=match):
+        L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False)
+
+
+def test_one_group_of_the_job_runs_fsdp2_or_ddp_and_reads_its_part_of_the_data():
+    import lightning as L
+
+    for degree, engine in ((2, "fsdp2"), (1, "ddp")):
+        strategy = lightning_smp.HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=2,
+                                                         fault_tolerance={**SETTINGS, "group": 1, "groups": 3})
+        L.Trainer(accelerator="cpu", devices=degree, strategy=strategy, logger=False)
+        assert strategy.engine.name == engine and strategy.layout.replicate == 1
+        assert strategy.core.fault_tolerance == FaultTolerance(SETTINGS["lighthouse"], 1, 3)
+    # group 1 of 3, rank r of 2: part 2 + r of 6
+    strategy = lightning_smp.fabric.HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=2,
+                                                            fault_tolerance={**SETTINGS, "group": 1, "groups": 3})
+    L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 6, "rank": 2}
+
+
+# ---------------------------------------------------------------------------------------------- the step gate
+
+
+def test_an_uncommitted_step_changes_nothing_the_optimizer_or_scheduler_holds():
+    from lightning_smp.optimizers import skip_uncommitted_steps, step_when_committed
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)  # patches optimizer.step first
+    votes = iter([True, False, True])
+    committed = {"last": True}
+
+    def vote(opt):
+        committed["last"] = next(votes)
+        return committed["last"]
+
+    step_when_committed(optimizer, vote)
+    skip_uncommitted_steps(scheduler, lambda: committed["last"])
+    history = []
+    for _ in range(3):
+        model(torch.ones(1, 4)).sum().backward()
+        loss = optimizer.step(lambda: torch.tensor(1.0))  # a closure runs before the vote, as Lightning's does
+        assert loss == 1.0
+        scheduler.step()
+        history.append((model.weight.detach().clone(), optimizer.param_groups[0]["lr"],
+                        [p.grad is None for p in model.parameters()]))
+    (w1, lr1, _), (w2, lr2, dropped), (w3, lr3, _) = history
+    assert torch.equal(w1, w2) and lr1 == lr2 == 0.05 and all(dropped)  # the uncommitted step: nothing moved
+    assert not torch.equal(w2, w3) and lr3 == 0.025
+    assert "_lightning_smp_commit" not in scheduler.state_dict()  # (its state stays plain values)
+    with pytest.raises(UnsupportedOptionError, match="LBFGS"):
+        step_when_committed(torch.optim.LBFGS(model.parameters()), vote)
+
+
+def test_what_healing_copies_is_each_rank_s_shards_and_optimizer_state(tmp_path):
+    """Out of one FSDP2 rank and into another model's, the shards and AdamW's state bit-equal; another layout is
+    an error, never a partial copy."""
+    from lightning_smp.testing import run_distributed
+
+    results = run_distributed(_healing_round_trip, 2)
+    assert results == [True, True]
+
+
+def _healing_round_trip(rank: int, world_size: int) -> bool:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_smp.fault_tolerance.state import TrackedState, local
+
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model(torch.randn(4, 6)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return model, optimizer
+
+    source, source_opt = build(0)
+    target, target_opt = build(1)
+    sent = TrackedState.of(source, lambda: [source_opt], extra=lambda: {"counter": 7}).state_dict()
+    got = {}
+    TrackedState.of(target, lambda: [target_opt], load_extra=got.update).load_state_dict(sent)
+    same = all(torch.equal(local(a), local(b)) for a, b in zip(source.parameters(), target.parameters()))
+    for a, b in zip(source_opt.state.values(), target_opt.state.values()):
+        same = same and all(torch.equal(local(a[k]), local(b[k])) for k in a)
+    # the next step from the copied state is the source's next step
+    batch = torch.randn(4, 6)
+    for model, optimizer in ((source, source_opt), (target, target_opt)):
+        model(batch).sum().backward()
+        optimizer.step()
+    same = same and all(torch.equal(local(a), local(b)) for a, b in zip(source.parameters(), target.parameters()))
+    wrong = {**sent, "tensors": {k: v[:1] for k, v in sent["tensors"].items()}}
+    try:
+        TrackedState.of(target, lambda: [target_opt]).load_state_dict(wrong)
+        refused = False
+    except RuntimeError as err:
+        refused = "same hybrid_shard_degree" in str(err)
+    dist.barrier()
+    return same and got == {"counter": 7} and refused
+
+
+# ---------------------------------------------------------------------------------------------- real runs
+
+
+def _jobs(tmp_path: Path, script: list[str], **kwargs):
+    from lightning_smp.testing.replica_groups import ReplicaGroupJobs
+
+    return ReplicaGroupJobs(script, tmp_path / "run", heartbeat_timeout=HEARTBEAT, **kwargs)
+
+
+def _by_step(records: list[dict]) -> dict[int, dict]:
+    return {record["step"]: record for record in records}
+
+
+def _assert_bit_equal(jobs, groups: tuple[int, int], steps, keys=("model", "optimizer")) -> int:
+    """Every rank's digests equal between the two groups at every given step; returns how many steps compared."""
+    compared = 0
+    for rank in range(jobs.degree):
+        left, right = (_by_step(jobs.records(g, rank)) for g in groups)
+        for step in steps:
+            for key in keys:
+                assert left[step][key] == right[step][key], (rank, step, key)
+            compared += 1
+    return compared
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fabric_groups_survive_a_killed_group_and_heal_it(tmp_path):
+    with _jobs(tmp_path, FABRIC_SCRIPT) as jobs:
+        for group in (0, 1):
+            jobs.start(group, "--steps", "60", "--pause", "0.3")
+        jobs.wait_for(lambda: len(jobs.records(1)) >= 4 and len(jobs.records(0)) >= 4, 120, "4 committed steps")
+        last_before = jobs.records(1)[-1]["step"]
+        killed = jobs.kill(1)
+        jobs.wait_for(lambda: any(r["time"] > killed for r in jobs.records(0)), HEARTBEAT + 5 + 10,
+                      "the survivor's next committed step")
+        recovery = min(r["time"] for r in jobs.records(0) if r["time"] > killed) - killed
+        assert recovery <= HEARTBEAT + 5
+        assert jobs.jobs[0].poll() is None  # no process of the survivor exited
+        jobs.start(1, "--steps", "60", "--pause", "0.3")
+        jobs.wait_for(lambda: any(r["healed_at"] is not None and r["step"] > last_before + 2
+                                  for r in jobs.records(1)), 120, "the restarted group's first committed step")
+        assert jobs.wait(240) == {0: 0, 1: 0}, jobs.logs()
+        healed = [r for r in jobs.records(1) if r["step"] > last_before and r["healed_at"] is not None]
+        first = min(r["step"] for r in healed)
+        assert healed[0]["healed_at"] == first - 1  # it received the state of the step it then committed
+        # bit-equal from its first committed step to the end: shards, AdamW's state, the scheduler, the loop's counter
+        steps = range(first, 61)
+        assert _assert_bit_equal(jobs, (0, 1), steps, keys=("model", "optimizer", "lr", "iteration")) == 2 * len(steps)
+        # and the survivor trained on alone between the kill and the heal: every step committed once, none lost
+        assert [r["step"] for r in jobs.records(0)] == list(range(1, 61))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trainer_groups_survive_a_killed_group_and_heal_it_at_the_peer_s_step_and_data(tmp_path):
+    with _jobs(tmp_path, TRAINER_SCRIPT) as jobs:
+        for group in (0, 1):
+            jobs.start(group, "--steps", "60", "--pause", "0.3")
+        jobs.wait_for(lambda: len(jobs.records(1)) >= 4 and len(jobs.records(0)) >= 4, 120, "4 committed steps")
+        last_before = jobs.records(1)[-1]["step"]
+        killed = jobs.kill(1)
+        jobs.wait_for(lambda: any(r["time"] > killed for r in jobs.records(0)), HEARTBEAT + 5 + 10,
+                      "the survivor's next committed step")
+        assert min(r["time"] for r in jobs.records(0) if r["time"] > killed) - killed <= HEARTBEAT + 5
+        assert jobs.jobs[0].poll() is None
+        jobs.start(1, "--steps", "60", "--pause", "0.3")
+        assert jobs.wait(240) == {0: 0, 1: 0}, jobs.logs()
+        healed = [r for r in jobs.records(1) if r["step"] > last_before and r["healed_at"] is not None]
+        first = min(r["step"] for r in healed)
+        steps = range(first, 61)
+        # shards, optimizer state, the scheduler's rate, global_step and the batch index within the epoch
+        assert _assert_bit_equal(jobs, (0, 1), steps, keys=("model", "optimizer", "lr", "global_step", "batch_idx"))
+        survivor = jobs.records(0)
+        assert [r["global_step"] for r in survivor] == [r["step"] for r in survivor] == list(range(1, 61))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("script", [FABRIC_SCRIPT, TRAINER_SCRIPT], ids=["fabric", "trainer"])
+def test_a_group_that_finds_no_live_peer_refuses_to_start_from_scratch(tmp_path, script):
+    with _jobs(tmp_path, script) as jobs:
+        jobs.start(0, "--steps", "3")
+        assert jobs.wait(120) == {0: 0}, jobs.logs()
+        jobs.start(1, "--steps", "3")  # the peer is gone: it would train from its own initialisation at step 0
+        assert jobs.wait(120)[1] != 0
+        assert not jobs.records(1)
+        assert "found no live peer to heal from" in jobs.logs(60) and FaultToleranceError.__name__ in jobs.logs(60)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_groups_of_one_rank_run_the_ddp_engine_and_stay_bit_equal(tmp_path):
+    with _jobs(tmp_path, TRAINER_SCRIPT, degree=1, min_groups=2) as jobs:
+        for group in (0, 1):
+            jobs.start(group, "--steps", "6")
+        assert jobs.wait(200) == {0: 0, 1: 0}, jobs.logs()
+        assert _assert_bit_equal(jobs, (0, 1), range(1, 7)) == 6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_checkpoints_are_written_by_one_group_and_resume_with_or_without_fault_tolerance(tmp_path):
+
+    from lightning_smp.checkpoint import read_full
+    from lightning_smp.checkpoint.format import REPLICA_GROUPS_KEY
+
+    folder = tmp_path / "checkpoints"
+    with _jobs(tmp_path, FABRIC_SCRIPT, min_groups=2) as jobs:
+        for group in (0, 1):
+            jobs.start(group, "--steps", "6", "--checkpoint", str(folder))
+        assert jobs.wait(200) == {0: 0, 1: 0}, jobs.logs()
+    saved = sorted(p.name for p in folder.iterdir())
+    assert saved == ["step3", "step6"]  # once each, though both groups reached both saves
+    full = read_full(folder / "step6")
+    assert full[REPLICA_GROUPS_KEY]["step"] == 6 and full["iteration"] == 6
+    # the whole job restarted from its last checkpoint, groups and lighthouse new: it goes on from step 6
+    with _jobs(tmp_path / "again", FABRIC_SCRIPT, min_groups=2) as jobs:
+        for group in (0, 1):
+            jobs.start(group, "--steps", "8", "--resume", str(folder / "step6"))
+        assert jobs.wait(200) == {0: 0, 1: 0}, jobs.logs()
+        assert [r["step"] for r in jobs.records(0)] == [7, 8] and jobs.records(0)[0]["iteration"] == 7
+        assert _assert_bit_equal(jobs, (0, 1), (7, 8)) == 4
+    # a run without fault tolerance reads it as any checkpoint of this library
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    model.load_state_dict(full["state_dict"])
+    # and a fault-tolerant run resumes from a checkpoint of a run without it (at torchft's step 0, its own counters)
+    plain = tmp_path / "plain"
+    with _jobs(tmp_path / "plain_run", FABRIC_SCRIPT) as jobs:
+        jobs.start(0, "--steps", "3", "--no_ft", "--checkpoint", str(plain))
+        assert jobs.wait(200) == {0: 0}, jobs.logs()
+    assert REPLICA_GROUPS_KEY not in read_full(plain / "step3")
+    with _jobs(tmp_path / "from_plain", FABRIC_SCRIPT, min_groups=2) as jobs:
+        for group in (0, 1):
+            jobs.start(group, "--steps", "2", "--resume", str(plain / "step3"))
+        assert jobs.wait(200) == {0: 0, 1: 0}, jobs.logs()
+        assert [r["iteration"] for r in jobs.records(1)] == [4, 5]
+        assert _assert_bit_equal(jobs, (0, 1), (1, 2)) == 4
