@@ -146,15 +146,36 @@ def _explicit_degree(section: Any) -> int | None:
     return None if init_args is None else init_args.get("hybrid_shard_degree")
 
 
+#: The subcommands beside the Trainer's (LightningCLI's ``fit``, ``validate``, ``test``, ``predict``): name, what it does,
+#: and its entry point (``module:function`` taking the remaining arguments).
+OWN_SUBCOMMANDS = {
+    "plan": ("choose hybrid_shard_degree from the model and the memory budget, without training",
+             "lightning_smp.planner.cli:main"),
+    "lighthouse": ("run the lighthouse of fault-tolerant replica groups (fault_tolerance=)",
+                   "lightning_smp.fault_tolerance.lighthouse:main"),
+}
+
+
+def overview() -> str:
+    """What ``lightning-smp --help`` says first: every subcommand."""
+    rows = [("fit, validate, test, predict", "the Lightning Trainer's (LightningCLI), with the typed smp: section"),
+            *((name, what) for name, (what, _) in OWN_SUBCOMMANDS.items())]
+    names = ",".join(["fit", "validate", "test", "predict", *OWN_SUBCOMMANDS])
+    return (f"usage: lightning-smp {{{names}}} ...\n\nsubcommands (add one, then --help, for its arguments):\n"
+            + "".join(f"  {name:<30} {what}\n" for name, what in rows) + "\n")
+
+
 def main(args: ArgsType = None) -> None:
     """Entry point of ``lightning-smp`` and ``python -m lightning_smp``: ``fit``, ``validate``, ``test``, ``predict``,
-    and ``plan`` (:mod:`lightning_smp.planner.cli`: choose the degree without training)."""
+    ``plan`` (:mod:`lightning_smp.planner.cli`: choose the degree without training) and ``lighthouse``
+    (:mod:`lightning_smp.fault_tolerance.lighthouse`)."""
     argv = list(sys.argv[1:] if args is None else args) if args is None or isinstance(args, (list, tuple)) else None
-    if argv and argv[0] == "plan":
-        from lightning_smp.planner.cli import main as plan_main
-
-        plan_main(argv[1:])
+    if argv and argv[0] in OWN_SUBCOMMANDS:
+        module, _, function = OWN_SUBCOMMANDS[argv[0]][1].partition(":")
+        getattr(importlib.import_module(module), function)(argv[1:])
         return
+    if argv is not None and (not argv or argv[0] in ("-h", "--help")):
+        sys.stdout.write(overview())  # then LightningCLI's own help, of the Trainer's subcommands
     previous = os.environ.get(ENV_CLI)
     try:
         HybridShardCLI(args=args)
@@ -168,4 +189,4 @@ def main(args: ArgsType = None) -> None:
             os.environ[ENV_CLI] = previous
 
 
-__all__ = ["HybridShardCLI", "main"]
+__all__ = ["OWN_SUBCOMMANDS", "HybridShardCLI", "main", "overview"]

@@ -323,3 +323,45 @@ def test_checkpoints_are_written_by_one_group_and_resume_with_or_without_fault_t
         assert jobs.wait(200) == {0: 0, 1: 0}, jobs.logs()
         assert [r["iteration"] for r in jobs.records(1)] == [4, 5]
         assert _assert_bit_equal(jobs, (0, 1), (1, 2)) == 4
+
+
+# ---------------------------------------------------------------------------------------------- the command line
+
+
+def test_the_cli_lists_every_subcommand_and_takes_fault_tolerance_in_its_smp_section(capsys):
+    from lightning_smp.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    usage = capsys.readouterr().out.splitlines()[0]
+    assert usage == "usage: lightning-smp {fit,validate,test,predict,plan,lighthouse} ..."
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(REPO / "examples" / "configs" / "hybrid_cpu.yaml"),
+              '--smp.fault_tolerance={"lighthouse": "10.0.0.1:29510", "group": 1, "groups": 2}', "--print_config"])
+    assert exit_info.value.code in (0, None)
+    import yaml
+
+    printed = yaml.safe_load(capsys.readouterr().out)["smp"]["fault_tolerance"]
+    assert printed == {"lighthouse": "10.0.0.1:29510", "group": 1, "groups": 2}
+
+
+@pytest.mark.timeout(60)
+def test_lightning_smp_lighthouse_runs_until_stopped(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    process = subprocess.Popen([sys.executable, "-m", "lightning_smp", "lighthouse", "--bind", "127.0.0.1:0",
+                                "--heartbeat_timeout", "2"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True)
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("lightning-smp lighthouse: http://127.0.0.1:"), line
+        address = line.split(": ", 1)[1].strip()
+        with urllib.request.urlopen(f"{address}/status", timeout=10) as page:
+            assert b"quorum" in page.read().lower()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(20) == 0
+    finally:
+        process.kill()
