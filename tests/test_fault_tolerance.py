@@ -7,6 +7,7 @@ scheduler, counters and data position included), a group that finds no live peer
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -365,3 +366,70 @@ def test_lightning_smp_lighthouse_runs_until_stopped(tmp_path):
         assert process.wait(20) == 0
     finally:
         process.kill()
+
+
+# ---------------------------------------------------------------------------------------------- on the cluster harness
+
+from lightning_smp.testing import cluster as harness  # noqa: E402
+
+PROBLEM = harness.netadmin_problem()
+needs_netadmin = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+
+
+@needs_netadmin
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_accumulating_groups_cross_the_link_once_per_optimizer_step(tmp_path):
+    """2 nodes x 2 ranks, each node one replica group (FSDP2, degree 2): what node 1 sends over the link per
+    committed step, counted by the kernel, is one all-reduce of its ranks' gradient shards across the groups (2
+    participants: each sends its buffer once), whether the step accumulates 1 or 4 micro-batches (deferred: the
+    micro-batches before the last reduce-scatter inside the node only)."""
+    from lightning_smp.testing.replica_groups import on_cluster
+
+    per_step = {}
+    for accumulate in (1, 4):
+        with harness.Cluster(2, harness.LinkShape(rate="1gbit")) as made:
+            with on_cluster(made, FABRIC_SCRIPT, tmp_path / f"k{accumulate}", min_groups=2) as jobs:
+                for group in (0, 1):
+                    jobs.start(group, "--steps", "10", "--accumulate", str(accumulate), "--width", "2048")
+                assert jobs.wait(400) == {0: 0, 1: 0}, jobs.logs()
+                rows = jobs.records(1, 0)
+                ranks = [jobs.records(1, r) for r in range(2)]
+                first, last = rows[2], rows[-1]  # (after the first steps: connections made, step-0 sync done)
+                per_step[accumulate] = (last["tx"] - first["tx"]) / (last["step"] - first["step"])
+                # each rank's flat buffer: its gradient shards and one flag per parameter (4 bytes each)
+                expected = sum(r[0]["grad_bytes"] + 4 * 4 for r in ranks)
+                assert expected <= per_step[accumulate] <= 1.15 * expected, (accumulate, per_step, expected)
+                assert _assert_bit_equal(jobs, (0, 1), range(1, 11)) == 20
+    assert abs(per_step[4] / per_step[1] - 1) <= 0.05, per_step
+
+
+@needs_netadmin
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_a_group_cut_off_by_its_link_stops_committing_and_never_diverges(tmp_path):
+    """The link between the nodes goes down (a pulled cable) while both groups train; the lighthouse sits on node 0.
+    Node 0's group commits on alone once the cut-off group misses its heartbeats; node 1's group, which reaches
+    neither the lighthouse nor its peer, commits no step from then on, and every step it did commit is node 0's."""
+    from lightning_smp.testing.replica_groups import on_cluster
+
+    with harness.Cluster(2, harness.LinkShape(rate="1gbit")) as made:
+        with on_cluster(made, FABRIC_SCRIPT, tmp_path / "run", min_groups=1) as jobs:
+            for group in (0, 1):
+                jobs.start(group, "--steps", "400", "--pause", "0.2")
+            jobs.wait_for(lambda: len(jobs.records(0)) >= 4 and len(jobs.records(1)) >= 4, 180, "4 steps each")
+            made.cut("down")
+            cut = time.time()
+            jobs.wait_for(lambda: sum(r["time"] > cut for r in jobs.records(0)) >= 5, 60,
+                          "node 0's group committing alone")
+            time.sleep(3)  # (node 1's group would have committed by now, had it been able to)
+            survivor = _by_step(jobs.records(0))
+            for rank in range(2):
+                for record in jobs.records(1, rank):
+                    assert record["model"] == _by_step(jobs.records(0, rank))[record["step"]]["model"], record
+            cut_off = jobs.records(1)
+            assert all(r["step"] <= max(survivor) for r in cut_off)
+            late = [r for r in cut_off if r["time"] > cut]
+            assert len(late) <= 1  # at most the step whose vote was under way when the cable went

@@ -297,6 +297,31 @@ class Cluster:
             for node in self.nodes
         ]
 
+    def torchrun_node(self, index: int, script: Sequence[str], nproc_per_node: int, env: dict[str, str] | None = None,
+                      port: int = 29500, **kwargs: Any) -> subprocess.Popen:
+        """A ``torchrun`` job of node ``index`` alone: its own world, rendezvous on its own address (fault-tolerant
+        replica groups are one job per node)."""
+        return self.popen(index, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+                                  str(nproc_per_node), "--master-addr", self.nodes[index].address, "--master-port",
+                                  str(port), *script], env, **kwargs)
+
+    def start_lighthouse(self, index: int = 0, *, min_groups: int = 1, heartbeat_timeout: float = 2.0,
+                         join_timeout: float = 30.0) -> Any:
+        """``lightning-smp lighthouse`` inside node ``index``, on its address (the others reach it over the link);
+        returns a :class:`~lightning_smp.fault_tolerance.lighthouse.Lighthouse` whose ``shutdown`` stops it."""
+        from lightning_smp.fault_tolerance.lighthouse import Lighthouse
+
+        proc = self.popen(index, [sys.executable, "-m", "lightning_smp", "lighthouse", "--bind",
+                                  f"{self.nodes[index].address}:0", "--min_groups", str(min_groups),
+                                  "--heartbeat_timeout", str(heartbeat_timeout), "--join_timeout", str(join_timeout),
+                                  "--quorum_tick", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                          text=True)
+        line = proc.stdout.readline() if proc.stdout is not None else ""
+        if not line.startswith("lightning-smp lighthouse: "):
+            _kill_group(proc)
+            raise RuntimeError(f"the lighthouse in node {index} did not start: {line!r}")
+        return Lighthouse(_ProcessServer(proc), line.split(": ", 1)[1].strip())
+
     def wait(self, procs: Sequence[subprocess.Popen], timeout: float) -> list[tuple[int | None, str]]:
         """Wait for every process, at most ``timeout`` seconds in all; kill what is still running then. Returns each
         one's (exit code, ``None`` if it had to be killed; output)."""
@@ -320,6 +345,21 @@ class Cluster:
             match = re.search(r"Sent (\d+) bytes", text)
             sent.append(int(match.group(1)) if match else 0)
         return sent
+
+
+class _ProcessServer:
+    """A lighthouse running as a process: ``shutdown`` asks it to stop (SIGTERM), then makes sure."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+
+    def shutdown(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                _kill_group(self.proc)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

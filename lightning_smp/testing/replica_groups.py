@@ -37,7 +37,7 @@ class ReplicaGroupJobs:
         script: the script (and its own arguments) each group's ``torchrun`` runs.
         out: where the scripts write their records, and each group's log (``log{g}.txt``).
         lighthouse: the lighthouse (default: one in this process, on loopback, with ``heartbeat_timeout`` and
-            ``min_groups``); give one to run it elsewhere (a cluster node).
+            ``min_groups``); give one to run it elsewhere (a cluster node). Either is stopped by :meth:`close`.
         launch: how a group's job starts (default: on this machine); ``address``: the address of a group's host.
     """
 
@@ -50,7 +50,6 @@ class ReplicaGroupJobs:
         self.lighthouse = lighthouse or start_lighthouse("127.0.0.1:0", min_groups=min_groups,
                                                          heartbeat_timeout=heartbeat_timeout,
                                                          join_timeout=join_timeout, quorum_tick=0.05)
-        self._own_lighthouse = lighthouse is None
         self._launch, self._address = launch, address
         self.jobs: dict[int, subprocess.Popen] = {}
         self.started: dict[int, list[float]] = {}
@@ -135,8 +134,7 @@ class ReplicaGroupJobs:
         for group, job in self.jobs.items():
             if job.poll() is None:
                 self.kill(group)
-        if self._own_lighthouse:
-            self.lighthouse.shutdown()
+        self.lighthouse.shutdown()
 
     def __enter__(self) -> ReplicaGroupJobs:
         return self
@@ -145,4 +143,17 @@ class ReplicaGroupJobs:
         self.close()
 
 
-__all__ = ["Launch", "ReplicaGroupJobs"]
+def on_cluster(cluster: Any, script: Sequence[str], out: Path, *, degree: int = 2, heartbeat_timeout: float = 2.0,
+               min_groups: int = 1) -> ReplicaGroupJobs:
+    """Replica groups on a :class:`~lightning_smp.testing.cluster.Cluster`: group ``g`` is node ``g``'s job, and the
+    lighthouse runs in node 0."""
+    lighthouse = cluster.start_lighthouse(0, min_groups=min_groups, heartbeat_timeout=heartbeat_timeout)
+
+    def launch(group: int, argv: Sequence[str], env: dict[str, str], log: Any) -> subprocess.Popen:
+        return cluster.popen(group, list(argv), env, stdout=log, stderr=subprocess.STDOUT)
+
+    return ReplicaGroupJobs(script, out, groups=len(cluster.nodes), degree=degree, lighthouse=lighthouse,
+                            launch=launch, address=lambda group: cluster.nodes[group].address)
+
+
+__all__ = ["Launch", "ReplicaGroupJobs", "on_cluster"]

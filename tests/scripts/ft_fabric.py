@@ -17,6 +17,7 @@ import torch
 
 from lightning_smp.fabric import HybridShardFSDPStrategy
 from lightning_smp.fault_tolerance.state import local, optimizer_local_state
+from lightning_smp.testing.crossing import link_tx_bytes
 
 
 def digest(tensors: list[torch.Tensor]) -> str:
@@ -45,6 +46,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None, help="a folder to save to every 3 committed steps")
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
     parser.add_argument("--no_ft", action="store_true", help="the same run without fault_tolerance")
+    parser.add_argument("--width", type=int, default=32, help="the hidden layer's width")
     args = parser.parse_args()
 
     fault_tolerance = None if args.no_ft else {"lighthouse": args.lighthouse, "group": args.group,
@@ -54,7 +56,8 @@ def main() -> None:
     fabric = L.Fabric(accelerator="cpu", devices=args.degree, strategy=strategy)
     fabric.launch()
     torch.manual_seed(1234)  # (every group starts alike; replicas start from rank 0's weights anyway)
-    model = fabric.setup_module(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)))
+    model = fabric.setup_module(torch.nn.Sequential(torch.nn.Linear(16, args.width), torch.nn.Tanh(),
+                                                    torch.nn.Linear(args.width, 4)))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "iteration": 0}
@@ -88,7 +91,10 @@ def main() -> None:
             line = {"step": step(), "time": time.time(), "model": digest(tensors),
                     "optimizer": digest(optimizer_tensors(optimizer)), "iteration": state["iteration"],
                     "lr": scheduler.get_last_lr()[0], "healed_at": replicas.healed_at if replicas else None,
-                    "pid": os.getpid()}
+                    "pid": os.getpid(),
+                    # on a cluster node: what the node has sent on its link so far (everything that crossed)
+                    "tx": link_tx_bytes() if "GLOO_SOCKET_IFNAME" in os.environ else None,
+                    "grad_bytes": sum(local(p).numel() * 4 for p in model.parameters())}
             with record.open("a") as f:
                 f.write(json.dumps(line) + "\n")
             if args.checkpoint and step() % 3 == 0:
