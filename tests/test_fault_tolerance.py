@@ -433,3 +433,33 @@ def test_a_group_cut_off_by_its_link_stops_committing_and_never_diverges(tmp_pat
             assert all(r["step"] <= max(survivor) for r in cut_off)
             late = [r for r in cut_off if r["time"] > cut]
             assert len(late) <= 1  # at most the step whose vote was under way when the cable went
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_when_the_lighthouse_dies_every_group_stops_within_the_quorum_timeout_naming_it(tmp_path):
+    """The job survives a group's death, not the lighthouse's: every group's next step finds no quorum, and every
+    rank raises FaultToleranceError naming the lighthouse within quorum_timeout (+ a margin for the step in flight);
+    no step is committed after it died."""
+    import subprocess
+    import sys
+
+    from lightning_smp.fault_tolerance.lighthouse import Lighthouse
+    from lightning_smp.testing.cluster import _ProcessServer
+
+    process = subprocess.Popen([sys.executable, "-m", "lightning_smp", "lighthouse", "--bind", "127.0.0.1:0",
+                                "--min_groups", "2", "--heartbeat_timeout", str(HEARTBEAT), "--quorum_tick", "0.05"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lighthouse = Lighthouse(_ProcessServer(process), process.stdout.readline().split(": ", 1)[1].strip())
+    with _jobs(tmp_path, FABRIC_SCRIPT, lighthouse=lighthouse) as jobs:
+        for group in (0, 1):
+            jobs.start(group, "--steps", "400", "--pause", "0.2", "--quorum_timeout", "8")
+        jobs.wait_for(lambda: len(jobs.records(0)) >= 4 and len(jobs.records(1)) >= 4, 120, "4 steps each")
+        process.kill()
+        died = time.time()
+        last = {group: jobs.records(group)[-1]["step"] for group in (0, 1)}
+        codes = jobs.wait(60)
+        assert all(code not in (0, None) for code in codes.values()), codes
+        assert time.time() - died <= 8 + 15
+        assert {group: jobs.records(group)[-1]["step"] for group in (0, 1)} == last
+        assert "FaultToleranceError" in jobs.logs(80) and "does not answer" in jobs.logs(80)

@@ -108,6 +108,7 @@ class ReplicaGroups:
         if self._reduced:
             return  # (clipping asked first: the gradients are averaged already)
         self._reduced = True
+        self._wait_quorum()
         self._check_first_quorum()
         trainable = [p for p in parameters if p.requires_grad]
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
@@ -136,6 +137,20 @@ class ReplicaGroups:
                 else:
                     parameter.grad = _grad_like(parameter, averaged)
 
+    def _wait_quorum(self) -> None:
+        """The quorum of this step; without one within ``quorum_timeout`` the lighthouse is gone (or out of reach),
+        and no group can commit again: raised, naming it, on every rank."""
+        try:
+            self.manager.wait_quorum()
+        except Exception as err:  # (torchft's client raises TimeoutError, or its transport's errors)
+            raise FaultToleranceError(
+                f"replica group {self.settings.group}: no quorum of replica groups within quorum_timeout="
+                f"{self.settings.quorum_timeout:g} s ({type(err).__name__}: {err}). The lighthouse at"
+                f" {self.settings.lighthouse} does not answer: it died, or this group lost its link to it. The job"
+                " survives the death of a replica group, not of the lighthouse. Fix: start a lighthouse and every"
+                " group again, resuming from the last checkpoint."
+            ) from err
+
     def _check_first_quorum(self) -> None:
         """A group whose first quorum holds no other group, at step 0, in a lighthouse that formed quorums before:
         the groups that trained are gone, and going on would silently restart training from this group's own
@@ -144,7 +159,6 @@ class ReplicaGroups:
             return
         self._first_quorum_checked = True
         manager = self.manager
-        manager.wait_quorum()
         quorum = int(manager._quorum_id)  # torchft 0.2.0 keeps the quorum's id only here
         if quorum > 1 and manager.current_step() == 0 and manager.num_participants() <= 1 and self.healed_at is None:
             raise FaultToleranceError(

@@ -47,10 +47,12 @@ def main() -> None:
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
     parser.add_argument("--no_ft", action="store_true", help="the same run without fault_tolerance")
     parser.add_argument("--width", type=int, default=32, help="the hidden layer's width")
+    parser.add_argument("--quorum_timeout", type=float, default=30.0)
     args = parser.parse_args()
 
     fault_tolerance = None if args.no_ft else {"lighthouse": args.lighthouse, "group": args.group,
-                                                "groups": args.groups, "timeout": 10.0, "quorum_timeout": 30.0}
+                                                "groups": args.groups, "timeout": 10.0,
+                                                "quorum_timeout": args.quorum_timeout}
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=args.degree, fsdp_version=2,
                                        fault_tolerance=fault_tolerance)
     fabric = L.Fabric(accelerator="cpu", devices=args.degree, strategy=strategy)
