@@ -16,7 +16,7 @@ HUGGING_FACE := $(VENV)/hugging-face
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install install-litgpt demo test lint bench bench-cluster bench-async bench-buffers bench-guard clean
+.PHONY: install install-litgpt demo test lint bench bench-cluster bench-async bench-buffers bench-guard bench-fault clean
 
 install: $(STAMP)
 
@@ -61,6 +61,11 @@ bench-buffers: $(STAMP)
 # the step guard's reduction, one all-reduce per mesh axis against one over the world (4 CPU ranks); see docs/performance.md
 bench-guard: $(STAMP)
 	$(BIN)/python -m benchmarks.guard_sync $(ARGS)
+
+# a node killed mid-run and started again, with fault_tolerance= and without (2 nodes of the cluster harness; needs root
+# or CAP_NET_ADMIN); see docs/fault-tolerance.md
+bench-fault: $(STAMP)
+	$(BIN)/python -m benchmarks.fault_tolerance $(ARGS)
 
 clean:
 	rm -rf $(VENV) lightning_logs .pytest_cache

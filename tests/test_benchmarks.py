@@ -391,3 +391,30 @@ def test_guard_sync_benchmark_runs_and_reports(tmp_path: Path) -> None:
     assert result["ratio_min"] <= result["world_over_per_axis"] <= result["ratio_max"]
     assert json.loads((tmp_path / "guard.json").read_text())["median_ms"] == result["median_ms"]
     assert "world / per axis" in (tmp_path / "guard.md").read_text()
+
+
+def test_the_fault_benchmark_reports_every_figure_it_names(tmp_path, monkeypatch):
+    """make bench-fault's report, from a result shaped as a run gives it: the table side by side, the targets, the
+    plot; and without the cluster harness it says why instead of running."""
+    from benchmarks import fault_tolerance as bench
+
+    timeline = {"group 0": [(0.5 * i, i) for i in range(1, 40)], "group 1": [(0.5 * i, i) for i in range(1, 10)]}
+    result = {
+        "settings": {"rate": "100mbit", "width": 64, "heartbeat_timeout": 2.0, "restart_after": 10.0,
+                     "checkpoint_every": 10, "collective_timeout": 10.0, "rounds": 2},
+        "fault_tolerance": {"recovery_s": 2.1, "heal_s": 4.9, "steps_lost": 0, "bit_equal": True,
+                            "healed_at_step": 30, "kill_s": 5.0, "restart_s": 15.0, "timeline": timeline},
+        "baseline": {"recovery_s": 19.0, "steps_lost": 5, "resumed_from_step": 10, "kill_s": 5.0, "restart_s": 25.0,
+                     "job_ended_s": 10.5, "timeline": {"one job": timeline["group 0"]}},
+        "overhead": {"overhead_ratio": 1.02, "overhead_ratios": [1.01, 1.03], "step_s_ft": 0.061,
+                     "step_s_plain": 0.06},
+    }
+    text = bench.markdown(result)
+    assert "| time from the kill to the next committed step | 2.10 s (target <= 7 s) | 19.00 s |" in text
+    assert "| committed steps lost | 0 (target 0) | 5 (resumed from step 10) |" in text
+    assert "**1.020** (target <= 1.05); rounds: 1.010, 1.030." in text
+    bench.plot(result, tmp_path / "fault.png")
+    assert (tmp_path / "fault.png").stat().st_size > 10_000
+    monkeypatch.setattr("lightning_smp.testing.cluster.netadmin_problem", lambda: "needs root")
+    assert bench.main(["--out", str(tmp_path / "none")]) == 1
+    assert not (tmp_path / "none").exists()

@@ -20,7 +20,7 @@ from lightning_smp.config.fault_tolerance import ENV_GROUP, ENV_GROUPS, ENV_LIGH
 from lightning_smp.errors import FaultToleranceError, UnsupportedOptionError
 
 REPO = Path(__file__).resolve().parents[1]
-FABRIC_SCRIPT = [str(REPO / "tests" / "scripts" / "ft_fabric.py")]
+FABRIC_SCRIPT = [str(REPO / "benchmarks" / "fault_run.py")]
 TRAINER_SCRIPT = [str(REPO / "tests" / "scripts" / "ft_trainer.py")]
 HEARTBEAT = 2.0
 SETTINGS = {"lighthouse": "127.0.0.1:29510", "group": 0, "groups": 2}

@@ -4,7 +4,7 @@
 what every rank recorded.
 
 Each group runs ``script`` with ``--lighthouse``, ``--group``, ``--groups`` and ``--out`` given; the script writes one
-JSON line per committed step to ``out/group{g}_rank{r}.jsonl`` (``tests/scripts/ft_fabric.py`` does).
+JSON line per committed step to ``out/group{g}_rank{r}.jsonl`` (``benchmarks/fault_run.py`` does).
 """
 
 from __future__ import annotations

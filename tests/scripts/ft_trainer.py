@@ -14,9 +14,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.fault_run import digest, optimizer_tensors
 from lightning_smp import HybridShardFSDPStrategy
 from lightning_smp.fault_tolerance.state import local
-from tests.scripts.ft_fabric import digest, optimizer_tensors
 
 
 class Model(L.LightningModule):

@@ -1,7 +1,9 @@
 """One replica group of a fault-tolerant Fabric run (``fault_tolerance``), started by ``torchrun`` with
 ``hybrid_shard_degree`` ranks: every committed step writes one line per rank to ``--out`` (torchft's step, the wall
-time, a digest of this rank's shards and optimizer state, the loop's own counter), so that a test compares groups
-step by step. ``--steps``: committed steps to reach; ``--pause``: seconds per step (a slow step, for kills)."""
+time, a digest of this rank's shards and optimizer state, the loop's own counter, what the node sent on its link), so
+that ``make bench-fault`` and the tests compare groups step by step. ``--steps``: committed steps to reach;
+``--pause``: seconds per step (a slow step, for kills); ``--no_ft``: the same loop without fault tolerance, one world
+of ``--nodes`` nodes (the comparison: today's behaviour)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import hashlib
 import json
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -48,14 +51,18 @@ def main() -> None:
     parser.add_argument("--no_ft", action="store_true", help="the same run without fault_tolerance")
     parser.add_argument("--width", type=int, default=32, help="the hidden layer's width")
     parser.add_argument("--quorum_timeout", type=float, default=30.0)
+    parser.add_argument("--nodes", type=int, default=1, help="(--no_ft) nodes of the one world")
+    parser.add_argument("--collective_timeout", type=float, default=1800.0, help="seconds (the strategy's timeout)")
+    parser.add_argument("--checkpoint_every", type=int, default=3)
     args = parser.parse_args()
 
     fault_tolerance = None if args.no_ft else {"lighthouse": args.lighthouse, "group": args.group,
                                                 "groups": args.groups, "timeout": 10.0,
                                                 "quorum_timeout": args.quorum_timeout}
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=args.degree, fsdp_version=2,
-                                       fault_tolerance=fault_tolerance)
-    fabric = L.Fabric(accelerator="cpu", devices=args.degree, strategy=strategy)
+                                       fault_tolerance=fault_tolerance,
+                                       timeout=timedelta(seconds=args.collective_timeout))
+    fabric = L.Fabric(accelerator="cpu", devices=args.degree, num_nodes=args.nodes, strategy=strategy)
     fabric.launch()
     torch.manual_seed(1234)  # (every group starts alike; replicas start from rank 0's weights anyway)
     model = fabric.setup_module(torch.nn.Sequential(torch.nn.Linear(16, args.width), torch.nn.Tanh(),
@@ -99,9 +106,11 @@ def main() -> None:
                     "grad_bytes": sum(local(p).numel() * 4 for p in model.parameters())}
             with record.open("a") as f:
                 f.write(json.dumps(line) + "\n")
-            if args.checkpoint and step() % 3 == 0:
+            if args.checkpoint and step() % args.checkpoint_every == 0:
                 fabric.save(Path(args.checkpoint) / f"step{step()}", state)
         time.sleep(args.pause)
+    if replicas is not None:
+        replicas.shutdown()
 
 
 if __name__ == "__main__":
