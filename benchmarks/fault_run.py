@@ -54,13 +54,14 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=1, help="(--no_ft) nodes of the one world")
     parser.add_argument("--collective_timeout", type=float, default=1800.0, help="seconds (the strategy's timeout)")
     parser.add_argument("--checkpoint_every", type=int, default=3)
+    parser.add_argument("--async_save", action="store_true", help="checkpoints written in the background")
     args = parser.parse_args()
 
     fault_tolerance = None if args.no_ft else {"lighthouse": args.lighthouse, "group": args.group,
                                                 "groups": args.groups, "timeout": 10.0,
                                                 "quorum_timeout": args.quorum_timeout}
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=args.degree, fsdp_version=2,
-                                       fault_tolerance=fault_tolerance,
+                                       fault_tolerance=fault_tolerance, async_save=args.async_save or None,
                                        timeout=timedelta(seconds=args.collective_timeout))
     fabric = L.Fabric(accelerator="cpu", devices=args.degree, num_nodes=args.nodes, strategy=strategy)
     fabric.launch()
@@ -109,6 +110,7 @@ def main() -> None:
             if args.checkpoint and step() % args.checkpoint_every == 0:
                 fabric.save(Path(args.checkpoint) / f"step{step()}", state)
         time.sleep(args.pause)
+    strategy.wait_for_checkpoint()  # (a background save's outcome, before the end)
     if replicas is not None:
         replicas.shutdown()
 

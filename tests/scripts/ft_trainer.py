@@ -24,10 +24,18 @@ class Model(L.LightningModule):
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
 
+    fail_at: int | None = None
+
     def training_step(self, batch, batch_idx):
         index, x = batch
         self.first_sample = int(index[0])
         return self.net(x).square().mean()
+
+    def on_after_backward(self) -> None:
+        replicas = self.trainer.strategy.replica_groups
+        if self.fail_at is not None and replicas.step == self.fail_at - 1:
+            self.fail_at = None  # once, after the step's quorum was asked for: as a collective that failed
+            replicas.manager.report_error(RuntimeError("injected by the test"))
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -41,6 +49,10 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         strategy = trainer.strategy
+        if not strategy.step_committed and not trainer.fit_loop._should_accumulate():
+            # a step the groups did not commit: global_step stays
+            with (self.out / f"group{self.group}_rank{trainer.global_rank}_uncommitted.jsonl").open("a") as f:
+                f.write(json.dumps({"global_step": trainer.global_step, "step": strategy.replica_groups.step}) + "\n")
         if strategy.step_committed and not trainer.fit_loop._should_accumulate():
             optimizer = trainer.optimizers[0]
             line = {"step": strategy.replica_groups.step, "global_step": trainer.global_step, "time": time.time(),
@@ -64,6 +76,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--degree", type=int, default=2)
     parser.add_argument("--fsdp_version", type=int, default=2)
+    parser.add_argument("--fail_at", type=int, default=None, help="report an error to torchft in this step")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -79,7 +92,9 @@ def main() -> None:
                         accumulate_grad_batches=args.accumulate, enable_checkpointing=False, logger=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Record(out, args.group, args.pause)])
-    trainer.fit(Model(), DataLoader(data, batch_size=8))
+    model = Model()
+    model.fail_at = args.fail_at
+    trainer.fit(model, DataLoader(data, batch_size=8))
 
 
 if __name__ == "__main__":
