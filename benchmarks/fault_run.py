@@ -36,16 +36,22 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             if isinstance(value, torch.Tensor)]
 
 
-def main() -> None:
+def group_arguments() -> argparse.ArgumentParser:
+    """What every replica group's script takes (``lightning_smp.testing.replica_groups`` passes the first four)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--lighthouse", required=True)
     parser.add_argument("--group", type=int, required=True)
     parser.add_argument("--groups", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--pause", type=float, default=0.0)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--degree", type=int, default=2)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=10, help="committed steps to reach")
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds per step")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    return parser
+
+
+def main() -> None:
+    parser = group_arguments()
     parser.add_argument("--checkpoint", default=None, help="a folder to save to every 3 committed steps")
     parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
     parser.add_argument("--no_ft", action="store_true", help="the same run without fault_tolerance")

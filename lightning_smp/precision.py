@@ -47,7 +47,23 @@ def scaler_for(scaler: Any, device_type: str) -> Any:
     return ShardedGradScaler(device=device_type)
 
 
-class HybridShardPrecision(FSDPPrecision):
+class _OnDeviceType:
+    """What both precision plugins change of Lightning's: autocast on :attr:`device_type` (Lightning's FSDP plugins
+    hard-code ``"cuda"``), and FSDP1's ``*-mixed`` config of :func:`mixed_precision_config`. Listed before the
+    Lightning plugin it changes."""
+
+    device_type: str = "cpu"
+    precision: Any
+
+    def forward_context(self) -> AbstractContextManager:
+        return autocast_context(self.precision, self.device_type) or super().forward_context()  # type: ignore[misc]
+
+    @property
+    def mixed_precision_config(self) -> Any:
+        return mixed_precision_config(self.precision, super().mixed_precision_config)  # type: ignore[misc]
+
+
+class HybridShardPrecision(_OnDeviceType, FSDPPrecision):
     """Lightning's :class:`FSDPPrecision` with two fixes that hybrid sharding on any device needs.
 
     - ``*-mixed`` precision autocasts on :attr:`device_type` (the strategy's root device), where Lightning's
@@ -99,14 +115,6 @@ class HybridShardPrecision(FSDPPrecision):
         self.device_type = device_type
         self.scaler = scaler_for(self.scaler, device_type)
 
-    @override
-    def forward_context(self) -> AbstractContextManager:
-        return autocast_context(self.precision, self.device_type) or super().forward_context()
-
-    @property
-    @override
-    def mixed_precision_config(self) -> Any:
-        return mixed_precision_config(self.precision, super().mixed_precision_config)
 
     @override
     def _after_closure(self, model: Any, optimizer: Any) -> None:  # Lightning: a ``Steppable``
@@ -130,12 +138,10 @@ class HybridShardPrecision(FSDPPrecision):
             super().clip_grad_by_norm(optimizer, clip_val)
 
 
-class HybridShardFabricPrecision(FabricFSDPPrecision):
+class HybridShardFabricPrecision(_OnDeviceType, FabricFSDPPrecision):
     """Fabric's ``FSDPPrecision`` that autocasts on the strategy's device type (Fabric's hard-codes ``"cuda"``),
     for ``16-mixed`` scales the loss with a scaler for that device type, and for ``*-mixed`` reduces FSDP1's gradients
     in fp32 with the batch left to autocast (:func:`lightning_smp.precision.mixed_precision_config`)."""
-
-    device_type: str = "cpu"
 
     @classmethod
     def from_plugin(cls, plugin: FabricFSDPPrecision, device_type: str) -> HybridShardFabricPrecision:
@@ -144,14 +150,6 @@ class HybridShardFabricPrecision(FabricFSDPPrecision):
         upgraded.scaler = scaler_for(upgraded.scaler, device_type)
         return upgraded
 
-    @override
-    def forward_context(self) -> AbstractContextManager:
-        return autocast_context(self.precision, self.device_type) or super().forward_context()
-
-    @property
-    @override
-    def mixed_precision_config(self) -> Any:
-        return mixed_precision_config(self.precision, super().mixed_precision_config)
 
 
 __all__ = ["HybridShardFabricPrecision", "HybridShardPrecision", "mixed_precision_config", "scaler_for"]

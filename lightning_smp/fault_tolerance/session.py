@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
@@ -29,10 +30,14 @@ log = logging.getLogger(__name__)
 
 
 def _process_group(device: torch.device, timeout: timedelta) -> Any:
-    """torchft's reconfigurable process group for ``device``'s type: NCCL on CUDA, gloo on the CPU."""
-    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+    """torchft's reconfigurable process group for torch's default backend of ``device``'s type (NCCL on CUDA, XCCL
+    on XPU, gloo on the CPU and elsewhere)."""
+    from torchft import process_group
 
-    return ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+    backend = dist.Backend.default_device_backend_map.get(device.type, "gloo")
+    kind = {"nccl": process_group.ProcessGroupNCCL, "xccl": process_group.ProcessGroupXCCL}.get(
+        backend, process_group.ProcessGroupGloo)
+    return kind(timeout=timeout)
 
 
 class ReplicaGroups:

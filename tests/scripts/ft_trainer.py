@@ -5,7 +5,6 @@ the first sample of the batch), so that a test compares groups step by step."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.fault_run import digest, optimizer_tensors
+from benchmarks.fault_run import digest, group_arguments, optimizer_tensors
 from lightning_smp import HybridShardFSDPStrategy
 from lightning_smp.fault_tolerance.state import local
 
@@ -66,15 +65,7 @@ class Record(L.Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--lighthouse", required=True)
-    parser.add_argument("--group", type=int, required=True)
-    parser.add_argument("--groups", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--pause", type=float, default=0.0)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--accumulate", type=int, default=1)
-    parser.add_argument("--degree", type=int, default=2)
+    parser = group_arguments()
     parser.add_argument("--fsdp_version", type=int, default=2)
     parser.add_argument("--fail_at", type=int, default=None, help="report an error to torchft in this step")
     args = parser.parse_args()
