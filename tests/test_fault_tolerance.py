@@ -488,3 +488,49 @@ def test_when_the_lighthouse_dies_every_group_stops_within_the_quorum_timeout_na
         assert time.time() - died <= 8 + 15
         assert {group: jobs.records(group)[-1]["step"] for group in (0, 1)} == last
         assert "FaultToleranceError" in jobs.logs(80) and "does not answer" in jobs.logs(80)
+
+
+def test_the_average_across_groups_follows_ddp_for_parameters_some_group_did_not_use():
+    """One group's reduction against another group's buffer: a parameter both used gets the average; one only the
+    other group used gets half of its gradient (this group counts as zeros, as a DDP rank that did not use it); one no
+    group used keeps ``.grad`` ``None`` (FSDP2's DTensor parameters, so a gradient made here is laid out as one)."""
+    from lightning_smp.testing import run_distributed
+
+    assert run_distributed(_average_with_a_peer, 1) == [True]
+
+
+def _average_with_a_peer(rank: int, world_size: int) -> bool:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from lightning_smp.fault_tolerance.session import ReplicaGroups
+    from lightning_smp.fault_tolerance.state import local
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(3, 3, bias=False) for _ in range(3)))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    both, peer, nobody = (layer.weight for layer in model)
+    both.grad = DTensor.from_local(torch.full((3, 3), 2.0), both.device_mesh, both.placements)
+    theirs = {"both": torch.full((3, 3), 4.0), "peer": torch.full((3, 3), 6.0), "nobody": torch.zeros(3, 3)}
+    other = torch.cat([theirs[k].reshape(-1) for k in ("both", "peer", "nobody")] + [torch.tensor([1.0, 1.0, 0.0])])
+
+    class Work:
+        def wait(self) -> None:
+            pass
+
+    class TwoGroups:  # the other group's buffer summed in, divided by the 2 participants (torchft's AVG)
+        def start_quorum(self) -> None:
+            pass
+
+        def wait_quorum(self) -> None:
+            pass
+
+        def allreduce(self, flat: torch.Tensor) -> Work:
+            flat.add_(other).div_(2)
+            return Work()
+
+    groups = ReplicaGroups.__new__(ReplicaGroups)
+    groups.manager, groups._in_step, groups._reduced, groups._first_quorum_checked = TwoGroups(), False, False, True
+    groups.reduce([both, peer, nobody])
+    return (torch.equal(local(both.grad), torch.full((3, 3), 3.0)) and isinstance(peer.grad, DTensor)
+            and torch.equal(local(peer.grad), torch.full((3, 3), 3.0)) and nobody.grad is None)
