@@ -96,7 +96,9 @@ def _lit(path: Path) -> dict:
 def test_litgpt_pretraining_saves_resumes_exactly_and_converts(tmp_path: Path, kind: str) -> None:
     """litgpt's own pretraining loop (examples/litgpt_pretrain.py) on 4 CPU ranks, FSDP1 at degree 2: a run resumed
     from its step-2 checkpoint (model, optimizer, litgpt's counters and the data loader's position) ends where the
-    uninterrupted run ends, also under FSDP2; the final checkpoint converts for inference with litgpt's script."""
+    uninterrupted run ends: a full checkpoint resumed under the same engine, bit for bit; a sharded one under FSDP2,
+    resharded across engines. The final checkpoint converts for inference with litgpt's script. (Each resume is a
+    4-rank litgpt run; every other format and engine pair is held by tests/test_checkpoint.py.)"""
     pytest.importorskip("litgpt", reason="litgpt is installed by `make install-litgpt` (no-deps: its pins)")
     from lightning_smp.checkpoint import read_full
 
@@ -111,7 +113,7 @@ def test_litgpt_pretraining_saves_resumes_exactly_and_converts(tmp_path: Path, k
     if kind == "full":  # Fabric's layout: the model and optimizer under litgpt's own keys
         assert {"model", "optimizer", "train_dataloader", "iter_num", "step_count"} <= set(_lit(whole / "final"))
 
-    for version in (1, 2):
+    for version in {"full": (1,), "sharded": (2,)}[kind]:
         resumed = tmp_path / f"resumed_fsdp{version}"
         resumed.mkdir()
         shutil.copytree(whole / "step-00000002", resumed / "step-00000002")
