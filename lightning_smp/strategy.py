@@ -48,7 +48,7 @@ from lightning_smp.checkpoint.local import model_state_to_save, optimizer_state_
 from lightning_smp.collectives import Collectives
 from lightning_smp.engines import ShardingPlan, own_offload_config
 from lightning_smp.errors import CheckpointError, HybridShardConfigError, UnsupportedOptionError
-from lightning_smp.fault_tolerance.trainer_state import load_loop_state, loop_state, uncount_step
+from lightning_smp.fault_tolerance.trainer_state import check_data_can_follow, load_loop_state, loop_state, uncount_step
 from lightning_smp.frontend import HybridShardFrontEnd, with_options
 from lightning_smp.launcher import HybridShardMultiProcessingLauncher, MainProcessResults, choose_launcher
 from lightning_smp.names import (
@@ -261,6 +261,8 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         """``fault_tolerance``: the gradients averaged across groups before clipping and each step, step-interval
         schedulers that skip an uncommitted step, and what healing copies (the model's shards, the optimizers, the
         schedulers, the loop's counters and data position)."""
+        if trainer.lightning_module is not None:
+            check_data_can_follow(trainer.lightning_module)
         self.precision_plugin.reduce_across_groups = self._reduce_across_groups
         configs = self.lr_scheduler_configs
         for config in configs:

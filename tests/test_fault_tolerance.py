@@ -19,6 +19,7 @@ from lightning_smp import HybridShardConfigError
 from lightning_smp.config import resolve_config
 from lightning_smp.config.fault_tolerance import ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, FaultTolerance
 from lightning_smp.errors import FaultToleranceError, UnsupportedOptionError
+from lightning_smp.fault_tolerance.trainer_state import check_data_can_follow
 
 REPO = Path(__file__).resolve().parents[1]
 FABRIC_SCRIPT = [str(REPO / "benchmarks" / "fault_run.py")]
@@ -99,6 +100,29 @@ def test_one_group_of_the_job_runs_fsdp2_or_ddp_and_reads_its_part_of_the_data()
                                                             fault_tolerance={**SETTINGS, "group": 1, "groups": 3})
     L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 6, "rank": 2}
+
+
+def test_a_training_step_that_draws_its_own_batches_is_refused_before_the_first_step():
+    """A healing group moves its data to a live peer's position, which a training_step taking the dataloader iterator
+    does not have: refused when the Trainer sets the strategy up (every rank alike), not when a group heals."""
+    import lightning as L
+
+    class DrawsItsOwn(L.LightningModule):
+        def training_step(self, dataloader_iter):
+            return next(dataloader_iter)
+
+    class TakesBatches(L.LightningModule):
+        def training_step(self, batch, batch_idx):
+            return batch
+
+    strategy = lightning_smp.HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=2,
+                                                     fault_tolerance=SETTINGS)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    strategy.connect(DrawsItsOwn())
+    with pytest.raises(UnsupportedOptionError, match=r"fault_tolerance with a training_step that takes"
+                                                     r" dataloader_iter.*Fix: training_step\(self, batch, batch_idx\)"):
+        strategy._set_up_replica_groups(trainer)
+    check_data_can_follow(TakesBatches())
 
 
 # ---------------------------------------------------------------------------------------------- the step gate
@@ -196,6 +220,15 @@ def _jobs(tmp_path: Path, script: list[str], **kwargs):
     return ReplicaGroupJobs(script, tmp_path / "run", heartbeat_timeout=HEARTBEAT, **kwargs)
 
 
+def _first_sample(samples: int, part: int, epoch: int, batch_idx: int, parts: int = 4, batch: int = 8) -> int:
+    """The first sample of a batch of the Trainer script's data, as Lightning's DistributedSampler orders it."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(range(samples), num_replicas=parts, rank=part, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    return list(sampler)[batch_idx * batch]
+
+
 def _by_step(records: list[dict]) -> dict[int, dict]:
     return {record["step"]: record for record in records}
 
@@ -212,12 +245,12 @@ def _assert_bit_equal(jobs, groups: tuple[int, int], steps, keys=("model", "opti
     return compared
 
 
-def _kill_group_1_and_start_it_again(jobs) -> int:
+def _kill_group_1_and_start_it_again(jobs, *extra: str) -> int:
     """Both groups train 60 slow steps; group 1 is SIGKILLed after 4, and started again once the survivor committed
     its next step, which must come within the heartbeat timeout + 5 s with none of the survivor's processes gone.
     Returns group 1's last committed step before the kill."""
     for group in (0, 1):
-        jobs.start(group, "--steps", "60", "--pause", "0.3")
+        jobs.start(group, "--steps", "60", "--pause", "0.3", *extra)
     jobs.wait_for(lambda: len(jobs.records(1)) >= 4 and len(jobs.records(0)) >= 4, 120, "4 committed steps")
     last_before = jobs.records(1)[-1]["step"]
     killed = jobs.kill(1)
@@ -225,7 +258,7 @@ def _kill_group_1_and_start_it_again(jobs) -> int:
                   "the survivor's next committed step")
     assert min(r["time"] for r in jobs.records(0) if r["time"] > killed) - killed <= HEARTBEAT + 5
     assert jobs.jobs[0].poll() is None  # no process of the survivor exited
-    jobs.start(1, "--steps", "60", "--pause", "0.3")
+    jobs.start(1, "--steps", "60", "--pause", "0.3", *extra)
     return last_before
 
 
@@ -252,14 +285,26 @@ def test_fabric_groups_survive_a_killed_group_and_heal_it(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_trainer_groups_survive_a_killed_group_and_heal_it_at_the_peer_s_step_and_data(tmp_path):
+    samples = 256  # 8 batches per rank and epoch: the restarted group heals several epochs in
     with _jobs(tmp_path, TRAINER_SCRIPT) as jobs:
-        last_before = _kill_group_1_and_start_it_again(jobs)
+        last_before = _kill_group_1_and_start_it_again(jobs, "--samples", str(samples))
         assert jobs.wait(240) == {0: 0, 1: 0}, jobs.logs()
         healed = [r for r in jobs.records(1) if r["step"] > last_before and r["healed_at"] is not None]
         first = min(r["step"] for r in healed)
         steps = range(first, 61)
         # shards, optimizer state, the scheduler's rate, global_step and the batch index within the epoch
-        assert _assert_bit_equal(jobs, (0, 1), steps, keys=("model", "optimizer", "lr", "global_step", "batch_idx"))
+        assert _assert_bit_equal(jobs, (0, 1), steps,
+                                 keys=("model", "optimizer", "lr", "global_step", "epoch", "batch_idx"))
+        assert _by_step(jobs.records(1))[first]["epoch"] >= 1  # (the peer was in a later epoch than the restart's 0)
+        # the data: at every step, every rank of both groups read the batch its own part holds at that epoch and
+        # index of the shuffled order (after the heal too: the peer's epoch, not the rest of the restart's epoch 0)
+        for group in (0, 1):
+            for rank in range(2):
+                for record in jobs.records(group, rank):
+                    if record["healed_at"] == record["step"] - 1:
+                        continue  # (a heal's step: its batch was drawn before the heal, and contributed nothing)
+                    expected = _first_sample(samples, 2 * group + rank, record["epoch"], record["batch_idx"])
+                    assert record["sample"] == expected, (group, rank, record)
         survivor = jobs.records(0)
         steps = [r["step"] for r in survivor]
         assert [r["global_step"] for r in survivor] == steps == list(range(steps[0], 61))
@@ -454,8 +499,14 @@ def test_a_group_cut_off_by_its_link_stops_committing_and_never_diverges(tmp_pat
             time.sleep(3)  # (node 1's group would have committed by now, had it been able to)
             survivor = _by_step(jobs.records(0))
             for rank in range(2):
+                ours = _by_step(jobs.records(0, rank))
                 for record in jobs.records(1, rank):
-                    assert record["model"] == _by_step(jobs.records(0, rank))[record["step"]]["model"], record
+                    if record["step"] not in ours:
+                        # (min_groups=1: a group whose first quorum held it alone committed steps before the other
+                        # joined, which then healed from it)
+                        assert record["step"] < min(ours), record
+                        continue
+                    assert record["model"] == ours[record["step"]]["model"], record
             cut_off = jobs.records(1)
             assert all(r["step"] <= max(survivor) for r in cut_off)
             late = [r for r in cut_off if r["time"] > cut]

@@ -1,7 +1,8 @@
 """One replica group of a fault-tolerant Trainer run (``fault_tolerance``), started by ``torchrun`` with
 ``hybrid_shard_degree`` ranks: every committed optimizer step writes one line per rank to ``--out`` (torchft's step,
-``global_step``, the wall time, digests of this rank's shards and optimizer state, the learning rate, the index of
-the first sample of the batch), so that a test compares groups step by step."""
+``global_step``, the wall time, digests of this rank's shards and optimizer state, the learning rate, the epoch, the
+batch's index in it and the index of its first sample, in a shuffled order), so that a test compares groups step by
+step."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from benchmarks.fault_run import digest, group_arguments, optimizer_tensors
 from lightning_smp import HybridShardFSDPStrategy
 from lightning_smp.fault_tolerance.state import local
+
+BATCH = 8
 
 
 class Model(L.LightningModule):
@@ -58,6 +61,7 @@ class Record(L.Callback):
                     "model": digest([local(p) for p in module.parameters()]),
                     "optimizer": digest(optimizer_tensors(optimizer)), "lr": optimizer.param_groups[0]["lr"],
                     "sample": module.first_sample, "batch_idx": trainer.fit_loop.epoch_loop.batch_idx,
+                    "epoch": trainer.current_epoch,
                     "healed_at": strategy.replica_groups.healed_at}
             with (self.out / f"group{self.group}_rank{trainer.global_rank}.jsonl").open("a") as f:
                 f.write(json.dumps(line) + "\n")
@@ -68,12 +72,13 @@ def main() -> None:
     parser = group_arguments()
     parser.add_argument("--fsdp_version", type=int, default=2)
     parser.add_argument("--fail_at", type=int, default=None, help="report an error to torchft in this step")
+    parser.add_argument("--samples", type=int, default=4096, help="the dataset's size (all groups together)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(1234)
-    samples = 4096
+    samples = args.samples
     data = TensorDataset(torch.arange(samples), torch.randn(samples, 16, generator=torch.Generator().manual_seed(0)))
     strategy = HybridShardFSDPStrategy(
         hybrid_shard_degree=args.degree, fsdp_version=args.fsdp_version,
@@ -85,7 +90,8 @@ def main() -> None:
                         callbacks=[Record(out, args.group, args.pause)])
     model = Model()
     model.fail_at = args.fail_at
-    trainer.fit(model, DataLoader(data, batch_size=8))
+    # shuffled: each epoch its own order (DistributedSampler's seed 0 plus the epoch), each group its own part of it
+    trainer.fit(model, DataLoader(data, batch_size=BATCH, shuffle=True))
 
 
 if __name__ == "__main__":
