@@ -23,7 +23,7 @@ from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,8 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.load import _move_state_into
 from torch import Tensor
-from torch.distributed.fsdp import CPUOffload, MixedPrecision
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -59,7 +60,13 @@ from lightning_smp.engines.base import Training
 from lightning_smp.errors import GradientSyncError, HybridShardConfigError, UnsupportedOptionError
 from lightning_smp.frontend import HybridShardFrontEnd, with_options
 from lightning_smp.launcher import FabricWaitingLauncher, choose_launcher
-from lightning_smp.names import STRATEGY_NAMES
+from lightning_smp.names import (
+    STRATEGY_NAMES,
+    GradientAccumulation,
+    ShardingStrategyName,
+    StartMethod,
+    StateDictType,
+)
 from lightning_smp.optimizers import discard_on_zero_grad
 from lightning_smp.precision import HybridShardFabricPrecision
 
@@ -117,7 +124,84 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             :class:`~lightning_smp.precision.HybridShardFabricPrecision`, which autocasts on the root device's type.
         process_group_backend, timeout, cpu_offload, mixed_precision, auto_wrap_policy, activation_checkpointing,
             activation_checkpointing_policy: as for :class:`lightning_smp.HybridShardFSDPStrategy`.
-        (every option of lightning_smp.config.options, documented here when the class is created)
+        (the options, written from their declarations by python -m lightning_smp.config:)
+        hybrid_shard_degree: ``0`` (native FSDP: ``HYBRID_SHARD`` shards inside a node, ``FULL_SHARD`` over
+            all ranks), ``1`` (no sharding: full replicas kept in sync like DDP), any divisor ``d >= 2`` of
+            the world size (shard groups of ``d`` consecutive ranks, ``world_size / d`` replicas), or
+            ``"auto"``: the planner chooses, when the model is set up, the degree with the least predicted
+            step time whose per-rank peak fits ``memory_budget`` (see ``docs/planner.md``; the strategy's
+            ``degree_plan`` holds its table). ``None`` (default): from the configuration sources (the CLI's
+            ``smp:`` section, ``lightning_smp.init``, ``LIGHTNING_SMP_CONFIG``, ``SM_HP_MP_PARAMETERS``),
+            else ``0``.
+        fsdp_version: this library's key (SMP has none): ``1`` (``FullyShardedDataParallel``, drop-in for
+            ``FSDPStrategy``) or ``2`` (``fully_shard``: per-parameter DTensor shards, and gradient
+            accumulation that keeps gradients sharded). A layout that shards nothing runs on the DDP engine
+            whichever it is. See ``docs/engines.md``. ``None`` (default): from the configuration sources
+            (the CLI's ``smp:`` section, ``lightning_smp.init``, ``LIGHTNING_SMP_CONFIG``,
+            ``SM_HP_MP_PARAMETERS``), else ``1``.
+        memory_budget: this library's key: with ``hybrid_shard_degree="auto"``, what one rank's training may
+            use, in bytes or as a string (``"40GB"``, ``"400MB"``); unset: the device's free memory (on the
+            CPU the available RAM divided by the ranks of the node). ``None`` (default): from the
+            configuration sources (the CLI's ``smp:`` section, ``lightning_smp.init``,
+            ``LIGHTNING_SMP_CONFIG``, ``SM_HP_MP_PARAMETERS``).
+        links: this library's key: with ``hybrid_shard_degree="auto"``, what the planner times the step on:
+            a link preset's name (``lightning_smp.planner.LINK_PRESETS``), a JSON file of ``Links``
+            (``lightning_smp.planner.save_links``), or ``"calibrate"``: measured on this job's own process
+            groups when the model is set up (a few seconds, every rank alike); unset: the default preset.
+            ``None`` (default): from the configuration sources (the CLI's ``smp:`` section,
+            ``lightning_smp.init``, ``LIGHTNING_SMP_CONFIG``, ``SM_HP_MP_PARAMETERS``).
+        async_save: this library's key: ``True`` writes sharded checkpoints in the background: every
+            ``save_checkpoint`` (``ModelCheckpoint``'s included) returns once the state is copied off the
+            training tensors, the checkpoint is committed by rename once every rank has written,
+            ``ModelCheckpoint``'s ``last`` link, its removals and the loggers wait for that commit, and a
+            failed write raises on every rank at the next training step (see ``docs/checkpoints.md``). Needs
+            ``state_dict_type="sharded"``. ``None`` (default): from the configuration sources (the CLI's
+            ``smp:`` section, ``lightning_smp.init``, ``LIGHTNING_SMP_CONFIG``, ``SM_HP_MP_PARAMETERS``),
+            else ``False``.
+        fault_tolerance: this library's key: replica groups that survive a node (torchft): a mapping with
+            ``lighthouse`` (``host:port``), ``group`` (this group's id) and ``groups`` (how many), and
+            optionally ``min_groups``, ``timeout``, ``quorum_timeout`` and ``host``
+            (:class:`lightning_smp.config.fault_tolerance.FaultTolerance`); each group of
+            ``hybrid_shard_degree`` ranks is its own job. torchft's ``TORCHFT_LIGHTHOUSE``,
+            ``REPLICA_GROUP_ID`` and ``NUM_REPLICA_GROUPS`` set it too. Needs the ``ft`` extra (``pip
+            install lightning-smp[ft]``). See ``docs/fault-tolerance.md``. ``None`` (default): from the
+            configuration sources (the CLI's ``smp:`` section, ``lightning_smp.init``,
+            ``LIGHTNING_SMP_CONFIG``, ``SM_HP_MP_PARAMETERS``).
+        sharding_strategy: ``"HYBRID_SHARD"`` (default), ``"_HYBRID_SHARD_ZERO2"``, ``"FULL_SHARD"``,
+            ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"`` (any case), or a ``ShardingStrategy``. With
+            ``hybrid_shard_degree >= 2`` anything but ``"_HYBRID_SHARD_ZERO2"`` becomes ``"HYBRID_SHARD"``
+            (a warning names both). A shard group that spans the whole world runs ``FULL_SHARD``
+            (``SHARD_GRAD_OP`` for ZeRO-2), which costs no all-reduce over size-1 replica groups.
+        state_dict_type: ``"sharded"`` (default) or ``"full"``. ``"sharded"``: a folder written by
+            ``torch.distributed.checkpoint``, every rank writing its shard once (replica group 0 only),
+            nothing gathered on one rank; the default because resuming is what checkpoints during training
+            are for, and it resumes exactly at any degree and world size. ``"full"``: one file assembled
+            once on rank 0, which also loads on a single device. Either loads whatever is configured;
+            convert with ``python -m lightning_smp.checkpoint consolidate SRC DST`` (see
+            :mod:`lightning_smp.checkpoint`).
+        device_mesh: ``None`` (default: built from ``hybrid_shard_degree``), a tuple ``(replicas,
+            shard_degree)`` (same as ``hybrid_shard_degree=shard_degree``), or a 2-D ``DeviceMesh`` you
+            built yourself (used as is; its second dimension is the shard group). Contradicting
+            ``hybrid_shard_degree`` is an error.
+        start_method: how processes are started. ``None`` (default): ``"fork"`` in an interactive session
+            (Jupyter, IPython), else ``"popen"`` (re-run the script per rank, like Lightning's FSDP). Also
+            ``"fork"``, ``"spawn"`` or ``"forkserver"`` (Lightning's multiprocessing launcher). Processes
+            started externally (``torchrun``, SLURM) are always used as they are. With fork/spawn, the
+            process that calls ``fit`` gets the trained weights, loop counters, metrics and callback reports
+            back, and its ``trainer.save_checkpoint`` writes one full checkpoint file; such a Trainer fits
+            once (use a new one). See :mod:`lightning_smp.launcher`.
+        gradient_accumulation: what the micro-batches before the last of an optimizer step communicate (each
+            mode: :mod:`lightning_smp.accumulation`): ``None`` (default: the engine's own default),
+            ``"no_sync"`` (FSDP1's default, Lightning's behaviour: nothing, but every rank holds the full
+            unsharded gradient), ``"every_micro_batch"`` (full reduction each: sharded gradients, ``k``
+            times the traffic) or ``"defer_all_reduce"`` (FSDP2's default: reduce-scatter inside the shard
+            group each, the cross-replica all-reduce once on the last; sharded gradients and one crossing of
+            the replicas per step).
+        broadcast_buffers: ``True`` (default, DDP's): every rank gets global rank 0's buffers (BatchNorm's
+            running statistics) before a forward that follows a training forward outside an accumulation
+            window, as DDP's ranks do; ``False``: each rank keeps its own, as FSDP does. See
+            ``docs/engines.md``.
+        (end of the options)
         \**kwargs: passed to the engine, as for :class:`lightning_smp.HybridShardFSDPStrategy`.
     """
 
@@ -137,11 +221,25 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         auto_wrap_policy: _POLICY | None = None,
         activation_checkpointing: type[Module] | list[type[Module]] | None = None,
         activation_checkpointing_policy: _POLICY | None = None,
-        *args: Any,
+        # the options: generated from lightning_smp.config.options (python -m lightning_smp.config)
+        sharding_strategy: ShardingStrategy | ShardingStrategyName = "HYBRID_SHARD",
+        state_dict_type: StateDictType = "sharded",
+        device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        *,
+        hybrid_shard_degree: int | Literal["auto"] | None = None,
+        fsdp_version: int | None = None,
+        memory_budget: int | str | None = None,
+        links: str | None = None,
+        async_save: bool | None = None,
+        fault_tolerance: dict[str, Any] | None = None,
+        start_method: StartMethod | None = None,
+        gradient_accumulation: GradientAccumulation | None = None,
+        broadcast_buffers: bool = True,
+        # end of the generated options
         **kwargs: Any,
     ) -> None:
         # the options out of kwargs and checked, before anything is built: the Trainer strategy's one call
-        kwargs = self._take_options(args, kwargs, auto_wrap_policy=auto_wrap_policy, mixed_precision=mixed_precision,
+        kwargs = self._take_options(locals(), kwargs, auto_wrap_policy=auto_wrap_policy, mixed_precision=mixed_precision,
                                     cpu_offload=cpu_offload)
         # FULL_SHARD until the mesh exists (Lightning refuses hybrid strategies without one); see setup_environment
         super().__init__(

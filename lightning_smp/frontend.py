@@ -11,7 +11,8 @@ from __future__ import annotations
 import inspect
 import logging
 import typing
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -29,7 +30,16 @@ from lightning_smp.checkpoint.format import REPLICA_GROUPS_KEY
 from lightning_smp.checkpoint.local import LocalStateCheck
 from lightning_smp.collectives import Collectives, checkpoint_group, release_process_groups_at_exit
 from lightning_smp.config import SMPConfig
-from lightning_smp.config.options import StrategyOptions, arguments_doc, option_names, signature_parameters
+from lightning_smp.config.options import (
+    DOC_BEGIN,
+    DOC_END,
+    StrategyOptions,
+    arguments_doc,
+    docstring_source,
+    generated_part,
+    option_names,
+    signature_parameters,
+)
 from lightning_smp.core import HybridShardCore
 from lightning_smp.degree import Layout
 from lightning_smp.engines import Engine, ShardingPlan
@@ -50,7 +60,8 @@ if TYPE_CHECKING:
 
     from lightning_smp.planner import Plan
 
-#: The line of a strategy's docstring that :func:`with_options` replaces by the options' documentation.
+#: The line of a subclass's docstring that :func:`with_options` replaces by the options' documentation (the library's
+#: own strategies hold it in their source, between ``DOC_BEGIN`` and ``DOC_END``).
 OPTIONS_LINE = "(every option of lightning_smp.config.options, documented here when the class is created)"
 
 _Strategy = TypeVar("_Strategy", bound="type[HybridShardFrontEnd]")
@@ -61,11 +72,15 @@ def with_options(cls: _Strategy) -> _Strategy:
     docstring their documentation, from their one declaration (:mod:`lightning_smp.config.options`): what IDE help,
     ``help()``, notebooks and LightningCLI (``lightning-smp fit --help``, ``--print_config``) read.
 
-    The constructor lists Lightning's own arguments, then takes the options through ``*args``/``**kwargs``
-    (:meth:`HybridShardFrontEnd._take_options`). Options that are positional parameters of the Lightning base class
-    (``sharding_strategy``, ``state_dict_type``, ``device_mesh``) keep their place and kind there: a drop-in
-    replacement; the others are keyword-only."""
-    if "__init__" not in vars(cls):
+    The constructor lists Lightning's own arguments, then the options, written from their declarations by ``python
+    -m lightning_smp.config.options`` (what static type checkers and IDEs read; a constructor whose options differ
+    from the declarations is refused here, naming that command). Options that are positional parameters of the
+    Lightning base class (``sharding_strategy``, ``state_dict_type``, ``device_mesh``) keep their place and kind
+    there: a drop-in replacement; the others are keyword-only. A subclass that only adds options (its own
+    ``options_type``, no constructor) gets them in its runtime signature, taken through ``**kwargs``
+    (:meth:`HybridShardFrontEnd._take_options`)."""
+    written = "__init__" in vars(cls)
+    if not written:
         # a subclass that only adds options (options_type): its own constructor, so that the parent's keeps its
         # signature
         parent_init = cls.__init__
@@ -93,9 +108,20 @@ def with_options(cls: _Strategy) -> _Strategy:
             break
         positional.append(declared.pop(parameter.name).replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD))
     cls._positional_options = tuple(p.name for p in positional)
-    init.__signature__ = inspect.Signature([*own, *positional, *declared.values(), *rest], return_annotation=None)
+    signature = inspect.Signature([*own, *positional, *declared.values(), *rest], return_annotation=None)
+    if written and _shape(inspect.signature(init)) != _shape(signature):
+        _warn_stale(f"{cls.__qualname__}.__init__'s option parameters")
+    init.__signature__ = signature
     init.__annotations__ = {**init.__annotations__, **{p.name: p.annotation for p in [*positional, *declared.values()]}}
     doc = vars(cls).get("__doc__") or ""
+    if written:  # the options' entries are in the source's docstring too (static IDEs show it)
+        indent, entries = generated_part(doc, DOC_BEGIN, DOC_END)
+        current = docstring_source(indent, cls.options_type)
+        if entries != current:
+            _warn_stale(f"{cls.__qualname__}'s docstring entries")
+        doc = doc.replace(entries, current)  # (at run time, the declarations' in any case)
+        cls.__doc__ = "\n".join(line for line in doc.splitlines() if line.strip() not in (DOC_BEGIN, DOC_END))
+        return cls
     line = next((line for line in doc.splitlines() if line.strip() == OPTIONS_LINE), None)
     if line is None:  # (a subclass's own docstring, or none): the options as its arguments section
         cls.__doc__ = f"{doc.rstrip()}\n\n    Arguments:\n{arguments_doc(' ' * 8, cls.options_type)}\n"
@@ -103,6 +129,19 @@ def with_options(cls: _Strategy) -> _Strategy:
         indent = line[: len(line) - len(line.lstrip())]
         cls.__doc__ = doc.replace(line, arguments_doc(indent, cls.options_type))
     return cls
+
+
+def _warn_stale(what: str) -> None:
+    """The library's own strategies, edited without rewriting their options (a developer's mistake: the runtime
+    signature and docstring come from the declarations all the same; only what static type checkers read is stale).
+    A warning, not an error: the command that rewrites them imports the package."""
+    warnings.warn(f"{what} differ from the options' declarations in lightning_smp.config.options (static type"
+                  " checkers and IDEs read them). Fix: python -m lightning_smp.config (it rewrites them).", stacklevel=3)
+
+
+def _shape(signature: inspect.Signature) -> list[tuple[str, Any, Any]]:
+    """A signature's parameters without their annotations (source text in one, resolved types in the other)."""
+    return [(p.name, p.kind, p.default) for p in signature.parameters.values()]
 
 
 class HybridShardFrontEnd:
@@ -131,22 +170,15 @@ class HybridShardFrontEnd:
     #: the options the constructor takes positionally, in Lightning's order (set by :func:`with_options`)
     _positional_options: ClassVar[tuple[str, ...]] = ()
 
-    def _take_options(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, auto_wrap_policy: Any,
+    def _take_options(self, arguments: Mapping[str, Any], kwargs: dict[str, Any], *, auto_wrap_policy: Any,
                       mixed_precision: Any, cpu_offload: Any) -> dict[str, Any]:
-        """Both constructors' one call: the options taken out of ``args`` (Lightning's positional ones, in their
-        order: :func:`with_options`) and ``kwargs`` and checked (static checks, before anything is built, the same on
-        every rank), the core made from them; returns what is left of ``kwargs``, the engine's own arguments."""
-        name = type(self).__name__
-        if len(args) > len(self._positional_options):
-            raise TypeError(f"{name}() takes {len(self._positional_options)} more positional argument(s) after"
-                            f" activation_checkpointing_policy ({', '.join(self._positional_options)}), but"
-                            f" {len(args)} were given")
-        for key, value in zip(self._positional_options, args):
-            if key in kwargs:
-                raise TypeError(f"{name}() got multiple values for argument {key!r}")
-            kwargs[key] = value
+        """Both constructors' one call: the options among ``arguments`` (the constructor's ``locals()``: its
+        generated option parameters) and ``kwargs`` (a subclass's own options: :func:`with_options`), checked (static
+        checks, before anything is built, the same on every rank), the core made from them; returns what is left of
+        ``kwargs``, the engine's own arguments."""
         names = set(option_names(self.options_type))
-        arguments = {key: kwargs.pop(key) for key in list(kwargs) if key in names}
+        arguments = {**{key: value for key, value in arguments.items() if key in names},
+                     **{key: kwargs.pop(key) for key in list(kwargs) if key in names}}
         options = self.options_type.from_arguments(arguments, kwargs)
         engine_options = {**kwargs, **({"auto_wrap_policy": auto_wrap_policy} if auto_wrap_policy else {})}
         #: what the Trainer and Fabric strategies share (configuration, layout, engine, mesh, sharding)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import typing
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ import lightning_smp
 from lightning_smp import HybridShardConfigError
 from lightning_smp.config.options import StrategyOptions, option
 from lightning_smp.frontend import with_options
+
+PACKAGE = Path(lightning_smp.__file__).parent
 
 
 def _check_delay(value: object) -> int:
@@ -55,6 +58,88 @@ def test_a_new_option_is_one_field():
     assert list(inspect.signature(DelayStrategy.__init__).parameters) == [*parent][:-1] + ["reduce_delay", "kwargs"]
     assert DelayStrategy(None, None, None, None, None, None, None, None, None, None, None, None, "FULL_SHARD",
                          "full").options.state_dict_type == "full"
+
+
+def test_the_constructors_hold_every_option_as_written_from_the_declarations():
+    """What static type checkers and IDEs read: both constructors' option parameters, in their source, are what
+    ``python -m lightning_smp.config`` writes from the declarations (run it after adding an option)."""
+    from lightning_smp import fabric
+    from lightning_smp.config.options import (
+        DOC_BEGIN,
+        DOC_END,
+        GENERATED_IN,
+        docstring_source,
+        generated_part,
+        lightning_positional,
+        signature_source,
+    )
+
+    positional = lightning_positional()
+    assert positional == ("sharding_strategy", "state_dict_type", "device_mesh")
+    for name in GENERATED_IN:
+        source = (PACKAGE / name).read_text()
+        indent, written = generated_part(source)
+        assert written == signature_source(indent, positional), f"run python -m lightning_smp.config ({name})"
+        indent, written = generated_part(source, DOC_BEGIN, DOC_END)
+        assert written == docstring_source(indent), f"run python -m lightning_smp.config ({name})"
+    for cls in (lightning_smp.HybridShardFSDPStrategy, fabric.HybridShardFSDPStrategy):
+        assert cls._positional_options == positional
+        hints = typing.get_type_hints(cls.__init__)  # (the names the generated annotations use resolve)
+        assert hints["hybrid_shard_degree"] == int | typing.Literal["auto"] | None
+        # the runtime docstring: the options' entries, without the two lines around them
+        assert "    fault_tolerance: this library's key" in cls.__doc__ and DOC_BEGIN not in cls.__doc__
+
+
+def test_a_new_option_is_written_into_both_constructors(tmp_path):
+    """Step 1's command, on copies of the two front ends: the new option's parameter, typed, with its default, lands
+    in both constructors and nothing else in them changes; a second run changes nothing."""
+    import shutil
+
+    from lightning_smp.config.options import (
+        DOC_BEGIN,
+        DOC_END,
+        GENERATED_IN,
+        generated_part,
+        lightning_positional,
+        write_generated,
+    )
+
+    for name in GENERATED_IN:
+        shutil.copy(PACKAGE / name, tmp_path / name)
+    assert write_generated(tmp_path, lightning_positional(), DelayOptions) == [tmp_path / n for n in GENERATED_IN]
+    for name in GENERATED_IN:
+        before, after = (PACKAGE / name).read_text(), (tmp_path / name).read_text()
+        (_, old), (indent, new) = generated_part(before), generated_part(after)
+        assert new.splitlines()[-2] == f"{indent}reduce_delay: int = 0,"
+        (_, old_doc), (_, new_doc) = generated_part(before, DOC_BEGIN, DOC_END), generated_part(after, DOC_BEGIN, DOC_END)
+        assert f"{indent}reduce_delay: steps to wait before the first reduction" in new_doc
+        assert after.replace(new, "").replace(new_doc, "") == before.replace(old, "").replace(old_doc, "")
+    assert write_generated(tmp_path, lightning_positional(), DelayOptions) == []
+
+
+def test_a_constructor_whose_options_differ_from_the_declarations_warns_naming_the_command():
+    """A front end edited without rewriting its options: a warning naming the command (not an error: the command
+    imports the package); at run time the signature and the docstring are the declarations' all the same."""
+
+    class Stale(lightning_smp.HybridShardFSDPStrategy):
+        """A strategy whose constructor was written before an option was added.
+
+        Arguments:
+            (the options, written from their declarations by python -m lightning_smp.config:)
+            hybrid_shard_degree: the degree.
+            (end of the options)
+        """
+
+        def __init__(self, accelerator=None, *, hybrid_shard_degree=None, **kwargs):
+            super().__init__(accelerator, hybrid_shard_degree=hybrid_shard_degree, **kwargs)
+
+    with pytest.warns(UserWarning, match=r"Stale(.__init__'s option parameters|'s docstring entries) differ from the"
+                                         r" options' declarations.*Fix: python -m lightning_smp.config") as caught:
+        with_options(Stale)
+    assert sum("Stale.__init__'s option parameters" in str(w.message) or "Stale's docstring entries" in str(w.message)
+               for w in caught) == 2
+    assert "broadcast_buffers" in inspect.signature(Stale.__init__).parameters
+    assert "    broadcast_buffers: ``True`` (default" in Stale.__doc__
 
 
 def test_a_new_option_reaches_the_cli(capsys):

@@ -7,21 +7,28 @@ field holds the type, the default, the check and the documentation; from the two
 
 - :meth:`StrategyOptions.from_arguments`, the one call each strategy's constructor makes: every check that needs no
   world size and no process, the same on every rank;
+- :func:`signature_source`: the constructors' option parameters as source, which ``python -m lightning_smp.config``
+  writes into both front ends (what static type checkers and IDEs read);
 - :func:`signature_parameters` and :func:`arguments_doc`: each strategy's constructor signature and the part of its
   docstring that documents the options (what IDE help, ``help()``, notebooks and LightningCLI read; see
   :func:`lightning_smp.frontend.with_options`);
 - the configuration sources' rules (:data:`~lightning_smp.config.keys.IMPLEMENTED_KEYS`) and the CLI's ``smp:``
   section (:data:`~lightning_smp.config.keys.SMPSection`).
 
-A new option is one field here (or in ``SMPConfig``); the code that acts on it reads ``strategy.options.<name>`` (the
-argument) or ``strategy.config.<name>`` (an SMP key, resolved from every source).
+A new option is one field here (or in ``SMPConfig``), then ``python -m lightning_smp.config``; the code that acts on
+it reads ``strategy.options.<name>`` (the argument) or ``strategy.config.<name>`` (an SMP key, resolved from every
+source).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+import json
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields
+from pathlib import Path
 from typing import Any, get_type_hints
 
 from torch.distributed.device_mesh import DeviceMesh
@@ -292,13 +299,127 @@ def arguments_doc(indent: str, record: type[StrategyOptions] = StrategyOptions) 
     return "\n".join(lines)
 
 
+#: The lines around each strategy constructor's option parameters, which :func:`signature_source` writes (``python -m
+#: lightning_smp.config`` rewrites them after an option is added; importing a front end refuses a constructor that
+#: differs, and ``tests/test_how_to_add.py`` holds the text): static type checkers and IDEs read the constructors'
+#: source, not their runtime signature.
+GENERATED_BEGIN = "# the options: generated from lightning_smp.config.options (python -m lightning_smp.config)"
+GENERATED_END = "# end of the generated options"
+#: The lines around the options' entries in each strategy's docstring (its ``Arguments:`` section), which
+#: :func:`docstring_source` writes alike (static IDEs show the source's docstring; the runtime docstring drops these
+#: two lines).
+DOC_BEGIN = "(the options, written from their declarations by python -m lightning_smp.config:)"
+DOC_END = "(end of the options)"
+#: The modules whose strategy constructors hold the generated option parameters.
+GENERATED_IN = ("strategy.py", "fabric.py")
+
+
+def _type_source(kind: Any) -> str:
+    """``kind`` (a declaration's annotation: source text, or a type built at run time) as source text."""
+    if isinstance(kind, str):
+        return kind
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) is typing.Literal:
+        return "Literal[" + ", ".join(json.dumps(a) for a in args) + "]"
+    if args and (isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union):
+        return " | ".join(_type_source(a) for a in args)
+    return kind.__name__
+
+
+def _annotation_source(declared: Field, record: type[StrategyOptions]) -> str:
+    if declared.name in SMP_ARGUMENTS:  # (None: from the configuration sources, as :func:`_documented` types it)
+        kind = _type_source(declared.metadata.get("parsed_as") or SMPConfig.__annotations__[declared.name])
+        return kind if kind.endswith("| None") else f"{kind} | None"
+    return _type_source(next(vars(k)["__annotations__"][declared.name] for k in record.__mro__
+                             if declared.name in vars(k).get("__annotations__", {})))
+
+
+def signature_source(indent: str, positional: Sequence[str], record: type[StrategyOptions] = StrategyOptions) -> str:
+    """The option parameters of a strategy constructor as source lines (between :data:`GENERATED_BEGIN` and
+    :data:`GENERATED_END`), ``positional`` (the options that are positional parameters of the Lightning base class,
+    in its order) first, then ``*`` and the rest, keyword-only, each with its type and default."""
+    every = {f.name: f for f in (*IMPLEMENTED, *option_fields(record))}
+    defaults = {name: default for name, _, default, _ in declarations(record)}
+
+    def line(name: str) -> str:
+        default = defaults[name]
+        text = json.dumps(default) if isinstance(default, str) else repr(default)
+        return f"{indent}{name}: {_annotation_source(every[name], record)} = {text},"
+
+    rest = [name for name in option_names(record) if name not in positional]
+    return "\n".join([f"{indent}{GENERATED_BEGIN}", *map(line, positional), f"{indent}*,", *map(line, rest),
+                      f"{indent}{GENERATED_END}"])
+
+
+def docstring_source(indent: str, record: type[StrategyOptions] = StrategyOptions) -> str:
+    """The options' entries of a strategy's ``Arguments:`` section, between :data:`DOC_BEGIN` and :data:`DOC_END`."""
+    return "\n".join([f"{indent}{DOC_BEGIN}", arguments_doc(indent, record), f"{indent}{DOC_END}"])
+
+
+def generated_part(source: str, begin: str = GENERATED_BEGIN, end: str = GENERATED_END) -> tuple[str, str]:
+    """``(indent, text)``: the generated lines of ``source`` from the line ``begin`` to the line ``end``."""
+    lines = source.splitlines()
+    first = next(i for i, text in enumerate(lines) if text.strip() == begin)
+    last = next(i for i, text in enumerate(lines) if text.strip() == end)
+    indent = lines[first][: len(lines[first]) - len(lines[first].lstrip())]
+    return indent, "\n".join(lines[first:last + 1])
+
+
+def write_generated(package: Path, positional: Sequence[str],
+                    record: type[StrategyOptions] = StrategyOptions) -> list[Path]:
+    """Rewrite the generated option parameters and docstring entries of every module of :data:`GENERATED_IN` in
+    ``package``; returns the modules changed."""
+    changed = []
+    for name in GENERATED_IN:
+        path = package / name
+        source = original = path.read_text()
+        indent, old = generated_part(source)
+        source = source.replace(old, signature_source(indent, positional, record))
+        indent, old = generated_part(source, DOC_BEGIN, DOC_END)
+        source = source.replace(old, docstring_source(indent, record))
+        if source != original:
+            path.write_text(source)
+            changed.append(path)
+    return changed
+
+
 def option_names(record: type[StrategyOptions] = StrategyOptions) -> tuple[str, ...]:
     """The names of every option a strategy takes beyond Lightning's own arguments."""
     return tuple(name for name, *_ in declarations(record))
 
 
+def lightning_positional() -> tuple[str, ...]:
+    """The options that are positional parameters of Lightning's FSDP strategies (Trainer's and Fabric's alike), in
+    their order: the strategies keep their place, as drop-in replacements."""
+    from lightning.fabric.strategies import FSDPStrategy as FabricFSDP
+    from lightning.pytorch.strategies import FSDPStrategy as TrainerFSDP
+
+    names = set(option_names())
+    found = {tuple(p.name for p in inspect.signature(base.__init__).parameters.values()
+                   if p.name in names and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+             for base in (TrainerFSDP, FabricFSDP)}
+    if len(found) != 1:
+        raise RuntimeError(f"Lightning's FSDP strategies take different positional options: {found}")
+    return found.pop()
+
+
+def main() -> None:
+    """``python -m lightning_smp.config``: rewrite the strategies' generated option parameters (after an
+    option is added or changed here)."""
+    changed = write_generated(Path(__file__).resolve().parents[1], lightning_positional())
+    print("\n".join(f"rewrote {path}" for path in changed) or "the strategies' constructors hold every option")
+
+
 __all__ = [
     "ARGUMENT_SOURCE",
+    "GENERATED_BEGIN",
+    "GENERATED_END",
+    "GENERATED_IN",
+    "DOC_BEGIN",
+    "DOC_END",
+    "docstring_source",
+    "generated_part",
+    "lightning_positional",
     "ASYNC_FULL",
     "SMP_ARGUMENTS",
     "StrategyOptions",
@@ -311,4 +432,7 @@ __all__ = [
     "option_names",
     "process_group_degree",
     "signature_parameters",
+    "signature_source",
+    "write_generated",
 ]
+
