@@ -72,14 +72,17 @@ def with_options(cls: _Strategy) -> _Strategy:
     docstring their documentation, from their one declaration (:mod:`lightning_smp.config.options`): what IDE help,
     ``help()``, notebooks and LightningCLI (``lightning-smp fit --help``, ``--print_config``) read.
 
-    The constructor lists Lightning's own arguments, then the options, written from their declarations by ``python
-    -m lightning_smp.config.options`` (what static type checkers and IDEs read; a constructor whose options differ
-    from the declarations is refused here, naming that command). Options that are positional parameters of the
+    The library's strategies list Lightning's own arguments, then the options, and document them, as written from
+    their declarations by ``python -m lightning_smp.config`` (what static type checkers and IDEs read; their
+    docstring holds the options' entries between ``DOC_BEGIN`` and ``DOC_END``): a constructor or docstring that
+    differs from the declarations warns, naming that command. Options that are positional parameters of the
     Lightning base class (``sharding_strategy``, ``state_dict_type``, ``device_mesh``) keep their place and kind
     there: a drop-in replacement; the others are keyword-only. A subclass that only adds options (its own
     ``options_type``, no constructor) gets them in its runtime signature, taken through ``**kwargs``
     (:meth:`HybridShardFrontEnd._take_options`)."""
+    doc = vars(cls).get("__doc__") or ""
     written = "__init__" in vars(cls)
+    generated = written and DOC_BEGIN in doc  # (one of the library's own strategies, written by the command)
     if not written:
         # a subclass that only adds options (options_type): its own constructor, so that the parent's keeps its
         # signature
@@ -109,12 +112,11 @@ def with_options(cls: _Strategy) -> _Strategy:
         positional.append(declared.pop(parameter.name).replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD))
     cls._positional_options = tuple(p.name for p in positional)
     signature = inspect.Signature([*own, *positional, *declared.values(), *rest], return_annotation=None)
-    if written and _shape(inspect.signature(init)) != _shape(signature):
+    if generated and _shape(inspect.signature(init)) != _shape(signature):
         _warn_stale(f"{cls.__qualname__}.__init__'s option parameters")
     init.__signature__ = signature
     init.__annotations__ = {**init.__annotations__, **{p.name: p.annotation for p in [*positional, *declared.values()]}}
-    doc = vars(cls).get("__doc__") or ""
-    if written:  # the options' entries are in the source's docstring too (static IDEs show it)
+    if generated:  # the options' entries are in the source's docstring too (static IDEs show it)
         indent, entries = generated_part(doc, DOC_BEGIN, DOC_END)
         current = docstring_source(indent, cls.options_type)
         if entries != current:

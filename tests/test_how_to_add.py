@@ -141,6 +141,19 @@ def test_a_constructor_whose_options_differ_from_the_declarations_warns_naming_t
     assert "broadcast_buffers" in inspect.signature(Stale.__init__).parameters
     assert "    broadcast_buffers: ``True`` (default" in Stale.__doc__
 
+    class Users(lightning_smp.HybridShardFSDPStrategy):  # a user's own constructor: nothing of the command's
+        """A user's strategy."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with_options(Users)
+    assert "broadcast_buffers" in inspect.signature(Users.__init__).parameters and "broadcast_buffers:" in Users.__doc__
+
 
 def test_a_new_option_reaches_the_cli(capsys):
     from lightning_smp.cli import main
