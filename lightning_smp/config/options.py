@@ -300,8 +300,8 @@ def arguments_doc(indent: str, record: type[StrategyOptions] = StrategyOptions) 
 
 
 #: The lines around each strategy constructor's option parameters, which :func:`signature_source` writes (``python -m
-#: lightning_smp.config`` rewrites them after an option is added; importing a front end refuses a constructor that
-#: differs, and ``tests/test_how_to_add.py`` holds the text): static type checkers and IDEs read the constructors'
+#: lightning_smp.config`` rewrites them after an option is added; importing a front end whose constructor differs
+#: warns, and ``tests/test_how_to_add.py`` holds the text): static type checkers and IDEs read the constructors'
 #: source, not their runtime signature.
 GENERATED_BEGIN = "# the options: generated from lightning_smp.config.options (python -m lightning_smp.config)"
 GENERATED_END = "# end of the generated options"
