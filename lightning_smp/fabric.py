@@ -238,7 +238,8 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         # end of the generated options
         **kwargs: Any,
     ) -> None:
-        # the options out of kwargs and checked, before anything is built: the Trainer strategy's one call
+        # the options (the generated parameters, and a subclass's own in kwargs) checked, before anything is built:
+        # the Trainer strategy's one call
         kwargs = self._take_options(locals(), kwargs, auto_wrap_policy=auto_wrap_policy, mixed_precision=mixed_precision,
                                     cpu_offload=cpu_offload)
         # FULL_SHARD until the mesh exists (Lightning refuses hybrid strategies without one); see setup_environment

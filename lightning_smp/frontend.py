@@ -110,7 +110,6 @@ def with_options(cls: _Strategy) -> _Strategy:
         if parameter.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD or parameter.name not in declared:
             break
         positional.append(declared.pop(parameter.name).replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD))
-    cls._positional_options = tuple(p.name for p in positional)
     signature = inspect.Signature([*own, *positional, *declared.values(), *rest], return_annotation=None)
     if generated and _shape(inspect.signature(init)) != _shape(signature):
         _warn_stale(f"{cls.__qualname__}.__init__'s option parameters")
@@ -169,8 +168,6 @@ class HybridShardFrontEnd:
     #: the record of the strategy's options; a subclass of the strategy may add options of its own with a subclass of
     #: :class:`~lightning_smp.config.options.StrategyOptions` (``docs/architecture.md``, "How to add")
     options_type: ClassVar[type[StrategyOptions]] = StrategyOptions
-    #: the options the constructor takes positionally, in Lightning's order (set by :func:`with_options`)
-    _positional_options: ClassVar[tuple[str, ...]] = ()
 
     def _take_options(self, arguments: Mapping[str, Any], kwargs: dict[str, Any], *, auto_wrap_policy: Any,
                       mixed_precision: Any, cpu_offload: Any) -> dict[str, Any]:

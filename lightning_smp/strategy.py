@@ -224,7 +224,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         # end of the generated options
         **kwargs: Any,
     ) -> None:
-        # the options (typed keyword arguments: with_options) out of kwargs and checked, before anything is built
+        # the options (the generated parameters, and a subclass's own in kwargs) checked, before anything is built
         kwargs = self._take_options(locals(), kwargs, auto_wrap_policy=auto_wrap_policy, mixed_precision=mixed_precision,
                                     cpu_offload=cpu_offload)
         # Lightning refuses hybrid strategies before a mesh exists, and a mesh needs the process group:

@@ -83,7 +83,10 @@ def test_the_constructors_hold_every_option_as_written_from_the_declarations():
         indent, written = generated_part(source, DOC_BEGIN, DOC_END)
         assert written == docstring_source(indent), f"run python -m lightning_smp.config ({name})"
     for cls in (lightning_smp.HybridShardFSDPStrategy, fabric.HybridShardFSDPStrategy):
-        assert cls._positional_options == positional
+        # Lightning's positional options keep their place and kind
+        parameters = inspect.signature(cls.__init__).parameters.values()
+        assert tuple(p.name for p in parameters if p.name in positional
+                     and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD) == positional
         hints = typing.get_type_hints(cls.__init__)  # (the names the generated annotations use resolve)
         assert hints["hybrid_shard_degree"] == int | typing.Literal["auto"] | None
         # the runtime docstring: the options' entries, without the two lines around them
