@@ -36,6 +36,21 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             if isinstance(value, torch.Tensor)]
 
 
+class Heads(torch.nn.Module):
+    """(``--unused``) the model, with two more heads: one only group 0's rank 0 uses, one that no rank uses (DDP's rule:
+    the first gets the average of its gradient everywhere, the second keeps ``.grad`` ``None`` and never moves)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.trunk = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, 4))
+        self.only_first = torch.nn.Linear(16, 4)
+        self.never = torch.nn.Linear(16, 4)
+
+    def forward(self, batch: torch.Tensor, first: bool) -> torch.Tensor:
+        out = self.trunk(batch)
+        return out + self.only_first(batch) if first else out
+
+
 def group_arguments() -> argparse.ArgumentParser:
     """What every replica group's script takes (``lightning_smp.testing.replica_groups`` passes the first four)."""
     parser = argparse.ArgumentParser()
@@ -57,23 +72,28 @@ def main() -> None:
     parser.add_argument("--no_ft", action="store_true", help="the same run without fault_tolerance")
     parser.add_argument("--width", type=int, default=32, help="the hidden layer's width")
     parser.add_argument("--quorum_timeout", type=float, default=30.0)
+    parser.add_argument("--min_groups", type=int, default=1, help="the fewest groups that may commit a step")
     parser.add_argument("--nodes", type=int, default=1, help="(--no_ft) nodes of the one world")
     parser.add_argument("--collective_timeout", type=float, default=1800.0, help="seconds (the strategy's timeout)")
     parser.add_argument("--checkpoint_every", type=int, default=3)
     parser.add_argument("--async_save", action="store_true", help="checkpoints written in the background")
+    parser.add_argument("--unused", action="store_true", help="heads some or all ranks do not use (Heads)")
     args = parser.parse_args()
 
     fault_tolerance = None if args.no_ft else {"lighthouse": args.lighthouse, "group": args.group,
                                                 "groups": args.groups, "timeout": 10.0,
-                                                "quorum_timeout": args.quorum_timeout}
+                                                "quorum_timeout": args.quorum_timeout, "min_groups": args.min_groups}
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=args.degree, fsdp_version=2,
                                        fault_tolerance=fault_tolerance, async_save=args.async_save or None,
                                        timeout=timedelta(seconds=args.collective_timeout))
     fabric = L.Fabric(accelerator="cpu", devices=args.degree, num_nodes=args.nodes, strategy=strategy)
     fabric.launch()
     torch.manual_seed(1234)  # (every group starts alike; replicas start from rank 0's weights anyway)
-    model = fabric.setup_module(torch.nn.Sequential(torch.nn.Linear(16, args.width), torch.nn.Tanh(),
-                                                    torch.nn.Linear(args.width, 4)))
+    module = Heads(args.width) if args.unused else torch.nn.Sequential(
+        torch.nn.Linear(16, args.width), torch.nn.Tanh(), torch.nn.Linear(args.width, 4))
+    model = fabric.setup_module(module)
+    never = digest([local(p) for p in module.never.parameters()]) if args.unused else None
+    first = args.group == 0 and fabric.global_rank == 0
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "iteration": 0}
@@ -95,7 +115,7 @@ def main() -> None:
                                                       + 10 * fabric.global_rank + micro)
             batch = torch.randn(8, 16, generator=generator)
             with fabric.no_backward_sync(model, enabled=micro < args.accumulate - 1):
-                fabric.backward(model(batch).square().mean())
+                fabric.backward((model(batch, first) if args.unused else model(batch)).square().mean())
         optimizer.step()
         committed = strategy.step_committed
         if committed:
@@ -107,10 +127,16 @@ def main() -> None:
             line = {"step": step(), "time": time.time(), "model": digest(tensors),
                     "optimizer": digest(optimizer_tensors(optimizer)), "iteration": state["iteration"],
                     "lr": scheduler.get_last_lr()[0], "healed_at": replicas.healed_at if replicas else None,
+                    "groups": replicas.manager.num_participants() if replicas else args.nodes,
                     "pid": os.getpid(),
                     # on a cluster node: what the node has sent on its link so far (everything that crossed)
                     "tx": link_tx_bytes() if "GLOO_SOCKET_IFNAME" in os.environ else None,
-                    "grad_bytes": sum(local(p).numel() * 4 for p in model.parameters())}
+                    "grad_bytes": sum(local(p).numel() * 4 for p in model.parameters()),
+                    # (--unused) the heads: the one no rank uses now and before the first step, the one rank 0 of
+                    # group 0 uses
+                    "never": digest([local(p) for p in module.never.parameters()]) if args.unused else None,
+                    "never_before": never,
+                    "only_first": digest([local(p) for p in module.only_first.parameters()]) if args.unused else None}
             with record.open("a") as f:
                 f.write(json.dumps(line) + "\n")
             if args.checkpoint and step() % args.checkpoint_every == 0:

@@ -43,11 +43,13 @@ def _step_times(records: list[dict[str, Any]], warmup: int) -> list[float]:
     return [b - a for a, b in zip(times, times[1:])]
 
 
-def _ft_run(cluster: Any, out: Path, args: argparse.Namespace) -> Any:
-    """Fault-tolerant replica groups, one per node, the lighthouse on node 0."""
+def _ft_run(cluster: Any, out: Path, args: argparse.Namespace, min_groups: int = 1) -> Any:
+    """Fault-tolerant replica groups, one per node, the lighthouse on node 0; a step commits with ``min_groups``
+    groups or more."""
     from lightning_smp.testing.replica_groups import on_cluster
 
-    return on_cluster(cluster, SCRIPT, out, degree=DEGREE, heartbeat_timeout=args.heartbeat_timeout)
+    return on_cluster(cluster, SCRIPT, out, degree=DEGREE, heartbeat_timeout=args.heartbeat_timeout,
+                      min_groups=min_groups)
 
 
 def _plain_job(cluster: Any, out: Path, args: argparse.Namespace, steps: int, *extra: str) -> list[Any]:
@@ -85,13 +87,18 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             out = work / f"overhead{round_}_{kind}"
             with Cluster(2, LinkShape(rate=args.rate)) as cluster:
                 if kind == "ft":
-                    with _ft_run(cluster, out, args) as jobs:
+                    # (both groups in every step: a step one group takes alone sends nothing across)
+                    with _ft_run(cluster, out, args, min_groups=2) as jobs:
                         for group in (0, 1):
-                            jobs.start(group, "--steps", str(args.steps), "--width", str(args.width))
+                            jobs.start(group, "--steps", str(args.steps), "--width", str(args.width),
+                                       "--min_groups", "2")
                         codes = jobs.wait(args.timeout)
                         if codes != {0: 0, 1: 0}:
                             raise RuntimeError(f"fault-tolerant run failed: {codes}\n{jobs.logs()}")
                         records = jobs.records(0)
+                    alone = [r["step"] for r in records if r["groups"] != 2]
+                    if alone:
+                        raise RuntimeError(f"steps {alone} were committed without both groups")
                 else:
                     procs = _plain_job(cluster, out, args, args.steps)
                     results = cluster.wait(procs, args.timeout)

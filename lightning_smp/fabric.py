@@ -57,6 +57,7 @@ from lightning_smp.checkpoint.saving import check_storage_options
 from lightning_smp.collectives import Collectives
 from lightning_smp.engines import ShardingPlan, engine_of, own_offload_config
 from lightning_smp.engines.base import Training
+from lightning_smp.engines.unused import Unreduced
 from lightning_smp.errors import GradientSyncError, HybridShardConfigError, UnsupportedOptionError
 from lightning_smp.frontend import HybridShardFrontEnd, with_options
 from lightning_smp.launcher import FabricWaitingLauncher, choose_launcher
@@ -415,15 +416,16 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         """Before a step: the engine's check and DDP's ``.grad`` rule inside the group, then (``fault_tolerance``)
         the average across groups. With ``fault_tolerance`` also before clipping, and then the group's part once per
         backward (the average is once per optimizer step: :meth:`ReplicaGroups.reduce`)."""
+        notes = None
         if self._module is not None and not (self._replicas is not None and self._settled):
-            self._check_synced(self._module)
+            notes = self._check_synced(self._module)
             self._settled = True
-        self._reduce_across_groups(optimizer)
+        self._reduce_across_groups(optimizer, notes)
 
-    def _check_synced(self, module: Module) -> None:
+    def _check_synced(self, module: Module) -> Unreduced | None:
         engine = self._engine_of(module)
-        if engine is not None:
-            engine.settle_gradients(module)
+        # (fault tolerance reduces the unused-parameter notes inside its commit vote: one collective fewer a step)
+        return engine.settle_gradients(module, defer_unused=self._replicas is not None) if engine is not None else None
 
     def _engine_of(self, module: Module) -> Training | None:
         return self._module_engine if module is self._module else engine_of(module)

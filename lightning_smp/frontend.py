@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import ShardingStrategy
 
+    from lightning_smp.engines.unused import Unreduced
     from lightning_smp.planner import Plan
 
 #: The line of a subclass's docstring that :func:`with_options` replaces by the options' documentation (the library's
@@ -343,11 +344,12 @@ class HybridShardFrontEnd:
         if self._replicas is not None:
             self._replicas.begin_step()
 
-    def _reduce_across_groups(self, optimizer: Any) -> None:
+    def _reduce_across_groups(self, optimizer: Any, notes: Unreduced | None = None) -> None:
         """After the group's own reduction (the engine's ``settle_gradients``), before clipping and the step: the
-        gradients of ``optimizer``'s parameters averaged across the live groups."""
+        gradients of ``optimizer``'s parameters averaged across the live groups (``notes``: the engine's
+        unused-parameter notes, reduced along)."""
         if self._replicas is not None:
-            self._replicas.reduce([p for group in optimizer.param_groups for p in group["params"]])
+            self._replicas.reduce([p for group in optimizer.param_groups for p in group["params"]], notes)
 
     def _commit_step(self, optimizer: Any) -> bool:
         """The vote of :func:`~lightning_smp.optimizers.step_when_committed`: step only if every group commits."""

@@ -20,6 +20,7 @@ from lightning_smp.autocast import autocast_context
 
 if TYPE_CHECKING:
     from lightning_smp.engines.base import Training
+    from lightning_smp.engines.unused import Unreduced
 
 
 def mixed_precision_config(precision: str, lightning_config: Any) -> Any:
@@ -87,7 +88,7 @@ class HybridShardPrecision(_OnDeviceType, FSDPPrecision):
         self._fsdp_module: Module | None = None
         self._engine: Training | None = None
         #: ``fault_tolerance``: the average across replica groups of an optimizer's gradients, set by the strategy
-        self.reduce_across_groups: Callable[[Optimizer], None] | None = None
+        self.reduce_across_groups: Callable[[Optimizer, Unreduced | None], None] | None = None
 
     @property
     def fsdp_module(self) -> Module | None:
@@ -121,10 +122,13 @@ class HybridShardPrecision(_OnDeviceType, FSDPPrecision):
         # before the optimizer sees the gradients: a last backward that ran with reduction still off would leave
         # them None or unreduced, and the step would silently do nothing (or let the replicas drift apart)
         module, engine = self._fsdp_module, self._engine
+        across = self.reduce_across_groups
+        notes = None
         if module is not None and engine is not None:
-            engine.settle_gradients(module)
-        if self.reduce_across_groups is not None:  # after the group's own reduction, before clipping
-            self.reduce_across_groups(optimizer)
+            # (fault tolerance reduces the unused-parameter notes inside its commit vote: one collective fewer)
+            notes = engine.settle_gradients(module, defer_unused=across is not None)
+        if across is not None:  # after the group's own reduction, before clipping
+            across(optimizer, notes)
         super()._after_closure(model, optimizer)
 
     @override

@@ -345,6 +345,26 @@ def test_a_group_that_finds_no_live_peer_refuses_to_start_from_scratch(tmp_path,
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_a_parameter_one_rank_used_moves_in_every_group_and_one_nobody_used_never_moves(tmp_path):
+    """DDP's rule across replica groups, with the unused-parameter notes reduced inside the gradients' all-reduce and
+    the commit vote (not by a collective of their own): a head only group 0's rank 0 uses gets a gradient in both
+    groups (they stay bit-equal, and it moves), a head no rank uses keeps ``.grad`` ``None`` (AdamW's weight decay
+    would otherwise move it)."""
+    with _jobs(tmp_path, FABRIC_SCRIPT, min_groups=2) as jobs:
+        for group in (0, 1):
+            jobs.start(group, "--steps", "5", "--unused")
+        assert jobs.wait(200) == {0: 0, 1: 0}, jobs.logs()
+        assert _assert_bit_equal(jobs, (0, 1), range(1, 6), keys=("model", "optimizer", "only_first")) == 10
+        for group in (0, 1):
+            for rank in range(2):
+                records = jobs.records(group, rank)
+                assert [r["step"] for r in records] == list(range(1, 6))
+                assert all(r["never"] == r["never_before"] for r in records), (group, rank)
+                assert len({r["only_first"] for r in records}) == 5, (group, rank)  # (it moved at every step)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_groups_of_one_rank_run_the_ddp_engine_and_stay_bit_equal(tmp_path):
     with _jobs(tmp_path, TRAINER_SCRIPT, degree=1, min_groups=2) as jobs:
         for group in (0, 1):
@@ -470,8 +490,9 @@ def test_accumulating_groups_cross_the_link_once_per_optimizer_step(tmp_path, de
                 ranks = [jobs.records(1, r) for r in range(degree)]
                 first, last = rows[2], rows[-1]  # (after the first steps: connections made, step-0 sync done)
                 per_step[accumulate] = (last["tx"] - first["tx"]) / (last["step"] - first["step"])
-                # each rank's flat buffer: its gradient shards and one flag per parameter (4 bytes each)
-                expected = sum(r[0]["grad_bytes"] + 4 * 4 for r in ranks)
+                # each rank's flat buffer: its gradient shards and, per parameter (4 bytes each), one flag and (FSDP2)
+                # the unused-parameter notes, one indicator per level above "unused"
+                expected = sum(r[0]["grad_bytes"] + 4 * 4 * (1 + (3 if degree > 1 else 0)) for r in ranks)
                 assert expected <= per_step[accumulate] <= 1.15 * expected, (accumulate, per_step, expected)
                 assert _assert_bit_equal(jobs, (0, 1), range(1, 11)) == 10 * degree
     assert abs(per_step[4] / per_step[1] - 1) <= 0.05, per_step
@@ -587,3 +608,29 @@ def _average_with_a_peer(rank: int, world_size: int) -> bool:
     groups.reduce([both, peer, nobody])
     return (torch.equal(local(both.grad), torch.full((3, 3), 3.0)) and isinstance(peer.grad, DTensor)
             and torch.equal(local(peer.grad), torch.full((3, 3), 3.0)) and nobody.grad is None)
+
+
+def test_the_commit_vote_is_one_all_reduce_over_the_group_that_carries_the_unused_parameter_notes():
+    """The vote inside a replica group (2 ranks): a step commits only if every rank votes to; the notes come back as
+    every rank's maximum; a note that some rank's gradient is missing refuses the step on every rank alike."""
+    from lightning_smp.testing import run_distributed
+
+    assert run_distributed(_votes, 2) == [[(True, [1, 1, 0]), (False, [1, 1, 0]), (False, [2, 1, 0])]] * 2
+
+
+def _votes(rank: int, world_size: int) -> list:
+    from datetime import timedelta
+
+    from lightning_smp.engines.unused import UNUSED, USED, USED_WITHOUT_GRAD, Unreduced
+    from lightning_smp.fault_tolerance.session import _GroupVote
+
+    vote = _GroupVote(client=None, device=torch.device("cpu"))
+    mine = {0: [USED, UNUSED, UNUSED], 1: [UNUSED, USED, UNUSED]}[rank]
+    outcomes = []
+    for commit, missing in ((True, False), (rank == 0, False), (True, rank == 1)):
+        levels = [USED_WITHOUT_GRAD, *mine[1:]] if missing else mine
+        vote.notes = Unreduced([], torch.tensor(levels, dtype=torch.uint8))
+        decided = vote.should_commit(rank, 0, commit, timedelta(seconds=30))
+        assert vote.levels is not None
+        outcomes.append((decided, vote.levels.tolist()))
+    return outcomes

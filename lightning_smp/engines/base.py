@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from lightning_smp.engines.prediction import Prediction
     from lightning_smp.engines.textbook import CommFigure
+    from lightning_smp.engines.unused import Unreduced
 
 
 @dataclass(frozen=True)
@@ -190,11 +191,15 @@ class Training(Protocol):
         always reduces (and the optimizer never sees missing gradients)."""
         ...
 
-    def settle_gradients(self, model: Module) -> None:
+    def settle_gradients(self, model: Module, *, defer_unused: bool = False) -> Unreduced | None:
         """Before an optimizer step, on every rank (it may be a collective): raise
         :class:`~lightning_smp.errors.GradientSyncError` when the last backward ran with gradient reduction still
         turned off (the gradients would be missing or unreduced, silently); then leave each ``.grad`` as DDP would,
-        ``None`` for a parameter that no rank gave a gradient since the last step."""
+        ``None`` for a parameter that no rank gave a gradient since the last step.
+
+        With ``defer_unused`` that last part is left to the caller: this rank's notes come back unreduced
+        (:class:`~lightning_smp.engines.unused.Unreduced`; ``None`` where the engine keeps none) for the caller to
+        reduce in a collective of its own (fault tolerance reduces them inside its commit vote)."""
         ...
 
     def discard_unreduced_gradients(self, model: Module) -> None:

@@ -21,6 +21,8 @@ every rank raises instead. And where the optimizer steps a whole tensor of sever
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -87,13 +89,54 @@ def restore_unused(presences: Iterable[Presence], device: torch.device, groups: 
         GradientSyncError: on every rank alike, when a parameter that some rank used has no ``.grad`` there, or when
             a part of a tensor stepped whole was used by no rank.
     """
-    presences = list(presences)
-    if not any(presence.size for presence in presences):
+    notes = unreduced(presences, device)
+    if notes is None:
         return 0
-    levels = _levels(presences, device)
     for group in groups:
         if dist.get_world_size(group) > 1:
-            dist.all_reduce(levels, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(notes.levels, op=dist.ReduceOp.MAX, group=group)
+    return notes.apply(notes.levels)
+
+
+@dataclass
+class Unreduced:
+    """This rank's notes of a step, before they are reduced: :func:`restore_unused` in two halves, for a caller that
+    reduces them with a collective of its own (fault tolerance: across replica groups inside the gradients' own
+    all-reduce, then across the group inside the commit vote, so that the step waits on no extra collective).
+
+    ``levels``: this rank's byte per parameter (:func:`_levels`); reduce it by MAX over every rank, then
+    :meth:`apply` the result, on every rank before the optimizer steps."""
+
+    presences: list[Presence]
+    levels: torch.Tensor
+
+    #: the levels above :data:`UNUSED`: one indicator each carries a level in a sum (SUM/AVG) reduction
+    LEVELS: ClassVar[int] = READ_AS_SHARD
+
+    def apply(self, levels: torch.Tensor) -> int:
+        """:func:`restore_unused`'s second half, with ``levels`` reduced over every rank; returns how many ``.grad``
+        were given back ``None``."""
+        return _apply(self.presences, levels)
+
+    @staticmethod
+    def refuses(levels: torch.Tensor) -> bool:
+        """Whether :meth:`apply` raises for ``levels`` (reduced): a step that must not be taken."""
+        return bool(levels.numel()) and int(levels.max()) >= USED_WITHOUT_GRAD
+
+    def forget(self) -> None:
+        """Drop the notes unapplied (the step's gradients were dropped): a new window."""
+        forget(self.presences)
+
+
+def unreduced(presences: Iterable[Presence], device: torch.device) -> Unreduced | None:
+    """This rank's notes, for :meth:`Unreduced.apply` once reduced; ``None`` when nothing is noted (no parameter)."""
+    presences = list(presences)
+    if not any(presence.size for presence in presences):
+        return None
+    return Unreduced(presences, _levels(presences, device))
+
+
+def _apply(presences: Sequence[Presence], levels: torch.Tensor) -> int:
     anywhere = iter(levels.tolist())
     reset, missing, stepped_whole, read_as_shard = 0, [], [], []
     for presence in presences:

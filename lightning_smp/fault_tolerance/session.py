@@ -14,7 +14,7 @@ import logging
 import os
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,23 @@ from lightning_smp.fault_tolerance.state import TrackedState, local
 from lightning_smp.fault_tolerance.transport import address_towards, bound_http_transport
 
 log = logging.getLogger(__name__)
+
+
+class UnusedNotes(Protocol):
+    """A step's unused-parameter notes before they are reduced (the engines'
+    :class:`~lightning_smp.engines.unused.Unreduced`): reduced across the groups inside the gradients' all-reduce, then
+    across the group inside the commit vote."""
+
+    #: this rank's byte per parameter; the maximum over every rank is what :meth:`apply` takes
+    levels: Tensor
+    #: the levels above "unused" (a sum reduction carries each as an indicator)
+    LEVELS: ClassVar[int]
+
+    def apply(self, levels: Tensor) -> int: ...
+
+    def refuses(self, levels: Tensor) -> bool: ...
+
+    def forget(self) -> None: ...
 
 
 def _process_group(device: torch.device, timeout: timedelta) -> Any:
@@ -67,9 +84,14 @@ class ReplicaGroups:
             replica_id=f"group{settings.group}", hostname=host, checkpoint_transport=bound_http_transport(timeout, host),
             init_sync=True,
         )
+        # the commit vote inside the group: one all-reduce over the group's own ranks instead of torchft's gRPC
+        # barrier at group rank 0 (the same decision), so that it also carries the unused-parameter notes
+        self._vote = _GroupVote(self.manager._client, device)
+        self.manager._client = self._vote
         self.manager.register_state_dict_fn("lightning_smp", self._load_tracked, self._tracked_state)
         self._in_step = False
         self._reduced = False
+        self._notes: UnusedNotes | None = None
         self._first_quorum_checked = False
         #: whether the last vote committed (``None`` before the first)
         self.last_committed: bool | None = None
@@ -104,38 +126,60 @@ class ReplicaGroups:
             self._reduced = False
             self.manager.start_quorum()
 
-    def reduce(self, parameters: Sequence[Tensor]) -> None:
+    def reduce(self, parameters: Sequence[Tensor], notes: UnusedNotes | None = None) -> None:
         """Average every parameter's gradient (this rank's part of it) across the participating groups, in one
         all-reduce per dtype; a parameter that no group gave a gradient keeps ``.grad`` ``None``, one that some did
         gets their average (the others count as zeros, as DDP counts a rank that did not use it). Call it on every
-        rank after the group's own reduction, before :meth:`commit`."""
+        rank after the group's own reduction, before :meth:`commit`.
+
+        ``notes``: the engine's unused-parameter notes of this step, unreduced
+        (``settle_gradients(defer_unused=True)``): reduced across the groups inside the first all-reduce, then
+        across the group inside the commit vote, and applied by :meth:`commit` (so that the step waits on no
+        collective of their own)."""
         self.begin_step()  # (an optimizer step without a backward in it: the quorum is asked for here)
         if self._reduced:
-            return  # (clipping asked first: the gradients are averaged already)
+            # (clipping asked first: the gradients are averaged already; notes of a backward after it are reduced
+            # inside the group only)
+            self._notes = notes or self._notes
+            return
         self._reduced = True
+        self._notes = notes
         self._wait_quorum()
         self._check_first_quorum()
         trainable = [p for p in parameters if p.requires_grad]
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for parameter in trainable:
             by_dtype.setdefault(parameter.dtype, []).append(parameter)
-        for dtype, group in by_dtype.items():
+        if notes is not None and not by_dtype:
+            by_dtype[torch.float32] = []
+        for position, (dtype, group) in enumerate(by_dtype.items()):
             sizes = [local(p).numel() for p in group]
-            flat = torch.zeros(sum(sizes) + len(group), dtype=dtype if dtype.is_floating_point else torch.float32,
-                               device=local(group[0]).device)
+            # the notes ride in the first buffer: one indicator per parameter and level (level >= 1, 2, 3), so that
+            # the average is positive where some group's level reached it and their count is the maximum level
+            levels = notes.levels if notes is not None and position == 0 else None
+            marks = 0 if levels is None or notes is None else notes.LEVELS * levels.numel()
+            flat = torch.zeros(sum(sizes) + len(group) + marks,
+                               dtype=dtype if dtype.is_floating_point else torch.float32,
+                               device=local(group[0]).device if group else self.device)
             offset = 0
             for parameter, size in zip(group, sizes):
                 if parameter.grad is not None:
                     flat[offset:offset + size].copy_(local(parameter.grad).reshape(-1))
                 offset += size
             # one flag per parameter: whether this group gave it a gradient (averaged: zero iff no group did)
-            flat[offset:] = torch.tensor([p.grad is not None for p in group], dtype=flat.dtype)
+            flat[offset:offset + len(group)] = torch.tensor([p.grad is not None for p in group], dtype=flat.dtype)
+            if levels is not None and notes is not None:
+                thresholds = torch.arange(1, notes.LEVELS + 1, device=levels.device)
+                flat[offset + len(group):] = (levels.view(-1, 1) >= thresholds).reshape(-1).to(flat.device, flat.dtype)
             self.manager.allreduce(flat).wait()
+            if levels is not None and notes is not None:
+                marked = flat[offset + len(group):].view(-1, notes.LEVELS) > 0
+                notes.levels = marked.sum(dim=1).to(levels.device, torch.uint8)
             offset = 0
             for index, (parameter, size) in enumerate(zip(group, sizes)):
                 averaged = flat[offset:offset + size]
                 offset += size
-                if flat[-len(group) + index] == 0:
+                if flat[sum(sizes) + index] == 0:
                     parameter.grad = None
                 elif parameter.grad is not None:
                     local(parameter.grad).copy_(averaged.view_as(local(parameter.grad)))
@@ -183,10 +227,20 @@ class ReplicaGroups:
 
     def commit(self) -> bool:
         """Vote on the step; ``True`` only if every participating group commits (the optimizer must step then, and
-        only then). A healing group applies its peer's state here first."""
+        only then). A healing group applies its peer's state here first. The unused-parameter notes given to
+        :meth:`reduce` are reduced inside the vote and applied here (raising, on every rank alike, where the engine's
+        own reduction would have)."""
+        notes, self._notes = self._notes, None
+        self._vote.notes = notes
         committed = bool(self.manager.should_commit())
         self._in_step = False
         self.last_committed = committed
+        if notes is not None:
+            levels = self._vote.levels if self._vote.levels is not None else notes.levels
+            if committed or self._vote.refused:
+                notes.apply(levels)  # (a refused step raises here: the notes name what is wrong)
+            else:
+                notes.forget()  # (the step's gradients are dropped: a new window)
         if not committed:
             log.warning("replica group %d: step %d not committed (a group left, or a collective across groups"
                         " failed); its gradients are dropped", self.settings.group, self.manager.current_step())
@@ -206,6 +260,39 @@ class ReplicaGroups:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+class _GroupVote:
+    """torchft's ``ManagerClient`` (``Manager._client``; torchft 0.2.0 calls its ``_quorum`` and ``should_commit``),
+    with the commit vote taken as one all-reduce (MAX) over the group's own ranks, where torchft's own is a gRPC
+    barrier at group rank 0's ManagerServer. The decision is the same (commit only if every rank of the group votes
+    to), and the all-reduce also carries the step's unused-parameter notes (:attr:`notes`): it is the only
+    collective inside the group between the all-reduce across groups and the optimizer step, as the engine's own
+    reduction of the notes is without fault tolerance."""
+
+    def __init__(self, client: Any, device: torch.device) -> None:
+        self._client = client
+        self._device = device
+        #: the step's notes, if any (their ``levels``: this rank's, or this rank's pair's across the groups)
+        self.notes: UnusedNotes | None = None
+        #: every rank's levels (MAX), after :meth:`should_commit`
+        self.levels: Tensor | None = None
+        #: whether the last vote refused a step that the notes show wrong (a gradient missing on some rank)
+        self.refused = False
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        return self._client._quorum(*args, **kwargs)
+
+    def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> bool:
+        notes = self.notes
+        votes = torch.tensor([0 if should_commit else 1], dtype=torch.uint8, device=self._device)
+        if notes is not None:
+            votes = torch.cat([notes.levels.to(votes.device, torch.uint8), votes])
+        if dist.get_world_size() > 1:
+            dist.all_reduce(votes, op=dist.ReduceOp.MAX, async_op=True).wait(timeout)
+        self.levels = votes[:-1] if notes is not None else None
+        self.refused = notes is not None and notes.refuses(votes[:-1])
+        return int(votes[-1]) == 0 and not self.refused
 
 
 def _grad_like(parameter: Tensor, values: Tensor) -> Tensor:

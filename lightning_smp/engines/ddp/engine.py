@@ -215,7 +215,8 @@ class DDPEngine:
             return cast(AbstractContextManager[None], model.no_sync())
         return nullcontext()
 
-    def settle_gradients(self, model: Module) -> None:
+    def settle_gradients(self, model: Module, *, defer_unused: bool = False) -> None:
+        # (DDP's reducer leaves an unused parameter's .grad alone itself: no notes to give back)
         if isinstance(model, DistributedDataParallel) and not model.require_backward_grad_sync:
             raise GradientSyncError(
                 "DistributedDataParallel.no_sync() is still active as the optimizer is about to step: the gradients"

@@ -328,7 +328,7 @@ class FSDP1Engine:
         # zero_grad clears itself; nothing is held elsewhere. What the window used so far is dropped with it.
         unused.forget(fsdp1_unused.presences(_handles(model)))
 
-    def settle_gradients(self, model: Module) -> None:
+    def settle_gradients(self, model: Module, *, defer_unused: bool = False) -> unused.Unreduced | None:
         units = _fsdp().fsdp_modules(model)  # one walk of the model per step: the root first
         off = [unit for unit in units if not unit._sync_gradients]
         if off:
@@ -340,8 +340,11 @@ class FSDP1Engine:
         handles = _handles(model, units)
         if handles:
             root = units[0]  # its groups hold every rank that trains this model
+            if defer_unused:
+                return unused.unreduced(fsdp1_unused.presences(handles), handles[0].device)
             groups = [root.process_group, getattr(root, "_inter_node_pg", None)]
             unused.restore_unused(fsdp1_unused.presences(handles), handles[0].device, [g for g in groups if g])
+        return None
 
     def gradient_bytes(self, model: Module) -> int:
         # under no_sync ``flat_param.grad`` is the unsharded gradient; the sharded one waits in ``_saved_grad_shard``

@@ -31,7 +31,7 @@ def reducing_off(model: Module, all_reduce_only: bool) -> Generator[None, None, 
             module.set_requires_gradient_sync(True, recurse=False)
 
 
-def settle_gradients(model: Module) -> None:
+def settle_gradients(model: Module, defer_unused: bool = False) -> unused.Unreduced | None:
     off = fsdp2_groups.reduction_turned_off(model)
     if off:
         raise GradientSyncError(
@@ -50,7 +50,10 @@ def settle_gradients(model: Module) -> None:
             " window. Fix: run the last micro-batch's backward with gradient sync on (outside no_backward_sync),"
             " or discard the window with model.reset_iter_state() on the sharded root."
         )
+    if defer_unused:
+        return fsdp2_groups.unreduced(model)
     fsdp2_groups.restore_unused(model)
+    return None
 
 
 def discard_unreduced_gradients(model: Module) -> None:

@@ -244,8 +244,8 @@ class FSDP2Engine:
     def _reducing_off(self, model: Module, all_reduce_only: bool) -> AbstractContextManager[None]:
         return fsdp2_accumulation.reducing_off(model, all_reduce_only)
 
-    def settle_gradients(self, model: Module) -> None:
-        fsdp2_accumulation.settle_gradients(model)
+    def settle_gradients(self, model: Module, *, defer_unused: bool = False) -> unused.Unreduced | None:
+        return fsdp2_accumulation.settle_gradients(model, defer_unused)
 
     def discard_unreduced_gradients(self, model: Module) -> None:
         fsdp2_accumulation.discard_unreduced_gradients(model)

@@ -90,6 +90,12 @@ def presences(model: Module) -> list[Presence]:
     return fsdp2_unused.presences(group for _, group in param_groups(model))
 
 
+def unreduced(model: Module) -> unused.Unreduced | None:
+    """This rank's unused-parameter notes, for a caller that reduces them itself (:class:`.unused.Unreduced`)."""
+    groups = [group for _, group in param_groups(model)]
+    return unused.unreduced(fsdp2_unused.presences(groups), groups[0].device) if groups else None
+
+
 def restore_unused(model: Module) -> None:
     """A parameter no rank used in the window gets its ``.grad`` back as DDP leaves it (:func:`.unused.restore_unused`)."""
     groups = [group for _, group in param_groups(model)]
@@ -215,6 +221,7 @@ __all__ = [
     "presences",
     "reduction_turned_off",
     "restore_unused",
+    "unreduced",
     "root_forward_hooks",
     "sharding",
     "storage",
