@@ -76,6 +76,19 @@ class HybridShardCLI(LightningCLI):
         self._apply_smp_section()
         self._print_resolved_config(flags)
 
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        # the smp: section configures lightning_smp's strategies only: under another one its keys would be ignored
+        smp = _set_keys(self._section().get("smp"))
+        strategy = self.trainer.strategy
+        if smp and not isinstance(strategy, HybridShardFSDPStrategy):
+            raise HybridShardConfigError(
+                f"the smp: section sets {', '.join(sorted(smp))}, but trainer.strategy is"
+                f" {type(strategy).__name__}, not a lightning_smp strategy: those keys would be silently ignored."
+                " Fix: --trainer.strategy smp_hybrid (or smp_hybrid_fsdp2, smp_hybrid_zero2; a"
+                " lightning_smp.HybridShardFSDPStrategy class_path), or remove the smp: keys."
+            )
+
     # ------------------------------------------------------------------ the smp: section
 
     def _section(self) -> Any:

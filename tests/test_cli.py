@@ -138,6 +138,9 @@ def test_cli_smp_section_is_typed_by_jsonargparse(override, expected, capsys, tm
         pytest.param("--smp.hybrid_shard_degree=-1", "LightningCLI `smp:` section: hybrid_shard_degree=-1 ",
                      id="negative"),
         pytest.param("--smp.hybrid_shard_degree=3", "hybrid_shard_degree=3 ", id="divisor"),
+        # an smp: section under another strategy would be ignored, silently (a run without what it asks for)
+        pytest.param("--trainer.strategy=ddp", "the smp: section sets hybrid_shard_degree, but trainer.strategy is"
+                     " DDPStrategy, not a lightning_smp strategy", id="not_an_smp_strategy"),
     ],
 )
 def test_cli_errors_name_the_source_and_key(override, expected, tmp_path):
