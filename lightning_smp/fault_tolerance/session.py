@@ -175,11 +175,12 @@ class ReplicaGroups:
             if levels is not None and notes is not None:
                 marked = flat[offset + len(group):].view(-1, notes.LEVELS) > 0
                 notes.levels = marked.sum(dim=1).to(levels.device, torch.uint8)
+            given = flat[offset:offset + len(group)].tolist()  # (one read, not one per parameter)
             offset = 0
-            for index, (parameter, size) in enumerate(zip(group, sizes)):
+            for parameter, size, anywhere in zip(group, sizes, given):
                 averaged = flat[offset:offset + size]
                 offset += size
-                if flat[sum(sizes) + index] == 0:
+                if anywhere == 0:
                     parameter.grad = None
                 elif parameter.grad is not None:
                     local(parameter.grad).copy_(averaged.view_as(local(parameter.grad)))
