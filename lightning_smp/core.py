@@ -20,7 +20,7 @@ it from the model, on every rank, between steps 3 and 4.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
@@ -33,7 +33,7 @@ from lightning_smp import buffers, unit_order
 from lightning_smp.checkpoint import CheckpointRun, ShardedModel
 from lightning_smp.collectives import Collectives
 from lightning_smp.config import SMPConfig, resolve_config
-from lightning_smp.config.fault_tolerance import FaultTolerance, check_fault_tolerant_layout
+from lightning_smp.config.fault_tolerance import FaultTolerance, check_fault_tolerant_layout, check_torchft
 from lightning_smp.config.options import ASYNC_FULL, StrategyOptions
 from lightning_smp.degree import Layout, resolve_strategy_layout
 from lightning_smp.engines import (
@@ -158,10 +158,7 @@ class HybridShardCore:
         self._set_layout(None if self.auto_pending else self.resolve_layout(num_nodes, devices))
         settings = self.settled.fault_tolerance  # (checked whole here, once every source is merged)
         if settings is not None:
-            if importlib.util.find_spec("torchft") is None:
-                raise HybridShardConfigError(
-                    "fault_tolerance needs torchft, which is not installed. Fix: pip install 'lightning-smp[ft]'."
-                )
+            check_torchft(_installed("torchft"))
             fixed = ("device_mesh" if self.options.device_mesh is not None else
                      "process_group" if self.engine_options.get("process_group") is not None else None)
             check_fault_tolerant_layout(settings, self.layout, self.engine.name, fixed_by=fixed, auto=self.auto)
@@ -403,6 +400,14 @@ class HybridShardCore:
                 f" not a model that {owner} sharded. Fix: pass the module that fabric.setup_module(model) (or"
                 " fabric.setup) returned, e.g. `model = fabric.setup_module(model)`, then {'model': model, ...}."
             )
+
+
+def _installed(distribution: str) -> str | None:
+    """The version of ``distribution`` installed here, ``None`` if it is not."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 __all__ = ["Built", "HybridShardCore", "Settled"]

@@ -634,3 +634,23 @@ def _votes(rank: int, world_size: int) -> list:
         assert vote.levels is not None
         outcomes.append((decided, vote.levels.tolist()))
     return outcomes
+
+
+@pytest.mark.parametrize(("installed", "match"), [
+    (None, "torchft is not installed"),
+    ("0.3.0", "torchft 0.3.0 is installed"),
+])
+def test_a_torchft_other_than_the_pinned_one_is_refused_naming_both(installed, match):
+    """The library reaches into torchft's Manager (its commit vote's client, the quorum's id): another release is
+    refused when the strategy is set up, naming the one it needs and the extra that installs it; the pin in
+    pyproject.toml's ``ft`` extra is the same."""
+    import tomllib
+
+    from lightning_smp.config.fault_tolerance import TORCHFT_VERSION, check_torchft
+
+    with pytest.raises(HybridShardConfigError, match=match) as info:
+        check_torchft(installed)
+    assert f"torchft=={TORCHFT_VERSION}" in str(info.value) and "lightning-smp[ft]" in str(info.value)
+    check_torchft(TORCHFT_VERSION)
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["ft"] == [f"torchft=={TORCHFT_VERSION}"]

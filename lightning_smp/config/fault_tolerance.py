@@ -21,6 +21,9 @@ from lightning_smp.errors import HybridShardConfigError
 ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
 ENV_GROUP = "REPLICA_GROUP_ID"
 ENV_GROUPS = "NUM_REPLICA_GROUPS"
+#: the torchft release fault tolerance runs on (the ``ft`` extra pins it): the library reaches into its ``Manager``
+#: (the commit vote's client, the quorum's id), whose API changes between releases
+TORCHFT_VERSION = "0.2.0"
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,17 @@ def check_fault_tolerance(value: Any, where: str = "fault_tolerance") -> dict[st
     return checked
 
 
+def check_torchft(installed: str | None) -> None:
+    """``installed``: torchft's version here (``None``: not installed); anything but :data:`TORCHFT_VERSION` is
+    refused, before any process starts."""
+    if installed != TORCHFT_VERSION:
+        have = "torchft is not installed" if installed is None else f"torchft {installed} is installed"
+        raise HybridShardConfigError(
+            f"fault_tolerance runs on torchft {TORCHFT_VERSION} (its Manager's API changes between releases), and"
+            f" {have}. Fix: pip install 'lightning-smp[ft]' (torchft=={TORCHFT_VERSION})."
+        )
+
+
 def check_fault_tolerant_layout(settings: FaultTolerance, layout: Layout | None, engine: str, *,
                                 fixed_by: str | None, auto: bool) -> None:
     """What fault-tolerant replica groups need of this job's layout and engine, checked before any process starts
@@ -173,5 +187,6 @@ def torchft_environment() -> dict[str, Any] | None:
     return values
 
 
-__all__ = ["ENV_GROUP", "ENV_GROUPS", "ENV_LIGHTHOUSE", "FaultTolerance", "check_fault_tolerance",
+__all__ = ["ENV_GROUP", "ENV_GROUPS", "ENV_LIGHTHOUSE", "TORCHFT_VERSION", "FaultTolerance", "check_fault_tolerance",
+           "check_torchft",
            "check_fault_tolerant_layout", "torchft_environment"]
