@@ -65,9 +65,6 @@ def test_notebook_runs_top_to_bottom_in_a_real_kernel(tmp_path: Path) -> None:
     summary = _text(degrees)
     assert "degree 1:" in summary and "50% saved" in summary and "75% saved" in summary
     assert "now at global_step=24" in _text(_cell(notebook, "ckpt_path=path"))
-    # fault-tolerant replica groups: this kernel's forked ranks are group 0, a torchrun job of the CLI group 1
-    assert "group 0 (this notebook): global_step=8; group 1 (torchrun): exit code 0" in _text(
-        _cell(notebook, "start_lighthouse("))
     # the cell prints the library's error (its message is asserted in tests/test_degree.py)
     assert "HybridShardConfigError: hybrid_shard_degree=3 " in _text(_cell(notebook, "hybrid_shard_degree=3"))
     # everything the notebook wrote went to its temporary directory, which its last cell removed
