@@ -268,8 +268,8 @@ class _GroupVote:
     with the commit vote taken as one all-reduce (MAX) over the group's own ranks, where torchft's own is a gRPC
     barrier at group rank 0's ManagerServer. The decision is the same (commit only if every rank of the group votes
     to), and the all-reduce also carries the step's unused-parameter notes (:attr:`notes`): it is the only
-    collective inside the group between the all-reduce across groups and the optimizer step, as the engine's own
-    reduction of the notes is without fault tolerance."""
+    collective inside the group between the all-reduce across groups and the optimizer step, as, in a run without
+    fault tolerance, the engine's own reduction of the notes is."""
 
     def __init__(self, client: Any, device: torch.device) -> None:
         self._client = client
