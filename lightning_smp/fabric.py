@@ -68,7 +68,7 @@ from lightning_smp.names import (
     StartMethod,
     StateDictType,
 )
-from lightning_smp.optimizers import discard_on_zero_grad
+from lightning_smp.optimizers import discard_on_zero_grad, ungated
 from lightning_smp.precision import HybridShardFabricPrecision
 
 #: what ``auto_wrap_policy`` and ``activation_checkpointing_policy`` take, as Lightning's FSDP strategies type it
@@ -519,9 +519,10 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         if isinstance(state, Module):
             load_raw(Path(path), state, strict, self._sharded)
             return {}
-        _, module, _, _ = split_state(state)
-        remainder = restore_fabric_state(self._sharded(module), path, state, strict=strict,
-                                         run=self.core.checkpoint_run)
+        _, module, optimizer_keys, _ = split_state(state)
+        with ungated(state[key] for key in optimizer_keys):  # (DCP creates a missing state with a step: no vote)
+            remainder = restore_fabric_state(self._sharded(module), path, state, strict=strict,
+                                             run=self.core.checkpoint_run)
         self._resume_replica_groups(remainder)  # (the replica groups' step, never returned to the loop)
         return remainder
 

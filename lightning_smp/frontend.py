@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import typing
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -45,7 +46,7 @@ from lightning_smp.degree import Layout
 from lightning_smp.engines import Engine, ShardingPlan
 from lightning_smp.engines.unused import read_outside_forward_message
 from lightning_smp.errors import HybridShardConfigError, ShardedParameterError
-from lightning_smp.fault_tolerance.session import ReplicaGroups, group_store
+from lightning_smp.fault_tolerance.session import ReplicaGroups
 from lightning_smp.fault_tolerance.state import TrackedState
 from lightning_smp.mesh import group_ranks
 from lightning_smp.names import MESH_AXES, GradientAccumulation, StartMethod
@@ -164,6 +165,8 @@ class HybridShardFrontEnd:
     _background: BackgroundSaver | None = None
     #: this rank's part in fault-tolerant replica groups (``fault_tolerance``), joined at setup
     _replicas: ReplicaGroups | None = None
+    #: the forward pre-hook of the tracked module (the step-0 quorum before the first forward)
+    _before_forward: Any = None
     node_rank: int  # Lightning's ParallelStrategy, Trainer's and Fabric's alike
     _start_method: StartMethod
     #: the record of the strategy's options; a subclass of the strategy may add options of its own with a subclass of
@@ -326,6 +329,14 @@ class HybridShardFrontEnd:
         return self._replicas
 
     @property
+    def replica_metrics(self) -> dict[str, float]:
+        """What the replica groups did at the last optimizer step (``fault_tolerance``), for a logger: the groups
+        whose gradients were averaged, whether it committed, torchft's step, and a heal's source group and transfer
+        time (:meth:`~lightning_smp.fault_tolerance.ReplicaGroups.metrics`); empty without the option. The Trainer
+        logs them itself; a Fabric loop calls ``fabric.log_dict(fabric.strategy.replica_metrics)``."""
+        return self._replicas.metrics() if self._replicas is not None else {}
+
+    @property
     def step_committed(self) -> bool:
         """Whether the last optimizer step was committed by every replica group (always ``True`` without
         ``fault_tolerance``). A hand-written loop steps its schedulers and counters only when it is."""
@@ -336,8 +347,11 @@ class HybridShardFrontEnd:
         settings = self.core.fault_tolerance
         if settings is not None and self._replicas is None:
             device = self.root_device  # type: ignore[attr-defined]  # Lightning's ParallelStrategy
+            # (the group's store is torchrun's or the launcher's, MASTER_PORT; the others reach it at the group's
+            # address, not MASTER_ADDR, which torchrun sets to 127.0.0.1)
             self._replicas = ReplicaGroups(settings, device, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                                           store=group_store())
+                                           store_port=int(os.environ["MASTER_PORT"]),
+                                           sync_buffers=self.core.options.broadcast_buffers)
 
     def _begin_replica_step(self) -> None:
         """Before a backward: the first of an optimizer step asks for the quorum of live groups."""
@@ -364,9 +378,14 @@ class HybridShardFrontEnd:
     def _track_for_healing(self, module: Module, optimizers: Callable[[], Sequence[Optimizer]],
                            extra: Callable[[], dict[str, Any]] = dict,
                            load_extra: Callable[[dict[str, Any]], None] = lambda state: None) -> None:
-        """What this rank sends a healing group, and receives when this group heals."""
+        """What this rank sends a healing group, and receives when this group heals; at step 0, the quorum and the
+        groups' comparison before the first forward (:meth:`ReplicaGroups.before_forward`)."""
         if self._replicas is not None:
-            self._replicas.track(TrackedState.of(module, optimizers, extra, load_extra))
+            replicas = self._replicas
+            replicas.track(TrackedState.of(module, optimizers, extra, load_extra))
+            if self._before_forward is not None:
+                self._before_forward.remove()  # (a model set up again: one hook)
+            self._before_forward = module.register_forward_pre_hook(lambda *_: replicas.before_forward())
 
     def _replica_checkpoint_state(self) -> dict[str, Any]:
         """What a persistent checkpoint records of the replica groups (torchft's step), to resume from."""

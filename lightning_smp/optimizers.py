@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, SupportsIndex, cast
 
 import torch
@@ -100,6 +101,20 @@ def step_when_committed(optimizer: Optimizer, commit: Callable[[Optimizer], bool
     return optimizer
 
 
+@contextmanager
+def ungated(optimizers: Iterable[Any]) -> Iterator[None]:
+    """Inside, ``step()`` of the gated ``optimizers`` (:func:`step_when_committed`) steps without a vote: loading a
+    checkpoint into an optimizer with no state yet, ``torch.distributed.checkpoint`` creates the state with a step on
+    zero gradients at learning rate 0, which is no training step (a vote there would count a step in one group's
+    torchft and drop the state it creates, so that the checkpoint's optimizer state would not load)."""
+    held = [(optimizer, vars(optimizer).pop(_GATE)) for optimizer in optimizers if _GATE in vars(optimizer)]
+    try:
+        yield
+    finally:
+        for optimizer, gate in held:
+            setattr(optimizer, _GATE, gate)
+
+
 def _rewrap_scheduler_patch(optimizer: Optimizer) -> None:
     """A learning-rate scheduler created before (Lightning's ``configure_optimizers``) patched ``optimizer.step`` on
     the instance with a wrapper of the class's step *as it was* (to note that the optimizer stepped): it would call
@@ -153,4 +168,4 @@ def _rebuilt(cls: Any, state: Any) -> Any:
     return rebuilt
 
 
-__all__ = ["discard_on_zero_grad", "skip_uncommitted_steps", "step_when_committed"]
+__all__ = ["discard_on_zero_grad", "skip_uncommitted_steps", "step_when_committed", "ungated"]

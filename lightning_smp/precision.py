@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision as FabricFSDPPrecision
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
+from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -89,6 +90,7 @@ class HybridShardPrecision(_OnDeviceType, FSDPPrecision):
         self._engine: Training | None = None
         #: ``fault_tolerance``: the average across replica groups of an optimizer's gradients, set by the strategy
         self.reduce_across_groups: Callable[[Optimizer, Unreduced | None], None] | None = None
+        self._settled = False  # (fault_tolerance) whether the gradients were settled since the last backward
 
     @property
     def fsdp_module(self) -> Module | None:
@@ -121,18 +123,32 @@ class HybridShardPrecision(_OnDeviceType, FSDPPrecision):
     def _after_closure(self, model: Any, optimizer: Any) -> None:  # Lightning: a ``Steppable``
         # before the optimizer sees the gradients: a last backward that ran with reduction still off would leave
         # them None or unreduced, and the step would silently do nothing (or let the replicas drift apart)
+        self._settle(optimizer)
+        super()._after_closure(model, optimizer)
+
+    def _settle(self, optimizer: Optimizer) -> None:
+        """Before the step, and before clipping by norm: the engine's check and DDP's ``.grad`` rule, then
+        (``fault_tolerance``) the average across groups, once per backward (clipping in a manual step comes before
+        ``optimizer.step()``, and must see the gradients averaged across groups, as DDP's)."""
         module, engine = self._fsdp_module, self._engine
         across = self.reduce_across_groups
         notes = None
-        if module is not None and engine is not None:
+        if module is not None and engine is not None and not (across is not None and self._settled):
             # (fault tolerance reduces the unused-parameter notes inside its commit vote: one collective fewer)
             notes = engine.settle_gradients(module, defer_unused=across is not None)
+            self._settled = True
         if across is not None:  # after the group's own reduction, before clipping
             across(optimizer, notes)
-        super()._after_closure(model, optimizer)
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
+        self._settled = False  # (a new backward: its gradients are settled again before the next step or clip)
+        return super().pre_backward(tensor, module)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
+        if self.reduce_across_groups is not None:
+            self._settle(optimizer)  # (fault tolerance: the norm of the gradients averaged across groups, as DDP's)
         module, engine = self._fsdp_module, self._engine
         # the optimizer's parameters, as Lightning and DDP clip (not the whole model's: another optimizer's, or a
         # trainable part that no optimizer steps, must not shrink this optimizer's gradients)

@@ -41,6 +41,7 @@ from lightning_smp import checkpoint as checkpoint_lib
 from lightning_smp.accounting.memory import no_sync_extra_bytes
 from lightning_smp.accounting.render import fmt_bytes
 from lightning_smp.accumulation import accumulation_mode
+from lightning_smp.callbacks.fault_tolerance import ReplicaGroupMetrics
 from lightning_smp.checkpoint import ShardedModel
 from lightning_smp.checkpoint.after_commit import defer_until_commit
 from lightning_smp.checkpoint.atomic import remove_atomically
@@ -61,7 +62,7 @@ from lightning_smp.names import (
     StartMethod,
     StateDictType,
 )
-from lightning_smp.optimizers import discard_on_zero_grad, skip_uncommitted_steps
+from lightning_smp.optimizers import discard_on_zero_grad, skip_uncommitted_steps, ungated
 from lightning_smp.precision import HybridShardPrecision
 
 #: what ``auto_wrap_policy`` and ``activation_checkpointing_policy`` take, as Lightning's FSDP strategies type it
@@ -359,6 +360,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         schedulers, the loop's counters and data position)."""
         if trainer.lightning_module is not None:
             check_data_can_follow(trainer.lightning_module)
+        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # (set by Lightning's connector)
+        if not any(isinstance(callback, ReplicaGroupMetrics) for callback in callbacks):
+            callbacks.append(ReplicaGroupMetrics())  # (each step's groups, commit and heal, to every logger)
         self.precision_plugin.reduce_across_groups = self._reduce_across_groups
         configs = self.lr_scheduler_configs
         for config in configs:
@@ -585,8 +589,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             raise HybridShardConfigError("HybridShardFSDPStrategy.load_checkpoint needs the LightningModule set up.")
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         optimizers = [_unwrap(o) for o in self.optimizers] if fitting else []
-        checkpoint = checkpoint_lib.load(self._sharded_model(), checkpoint_path, optimizers=optimizers,
-                                         strict=module.strict_loading, model_name=type(module).__name__)
+        with ungated(optimizers):  # (DCP creates a missing optimizer state with a step, which is no training step)
+            checkpoint = checkpoint_lib.load(self._sharded_model(), checkpoint_path, optimizers=optimizers,
+                                             strict=module.strict_loading, model_name=type(module).__name__)
         if fitting:
             # resuming continues the run that wrote the checkpoint: its own files may be overwritten again
             self.checkpoint_run.continue_from(checkpoint)

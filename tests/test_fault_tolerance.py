@@ -565,9 +565,10 @@ def test_when_the_lighthouse_dies_every_group_stops_within_the_quorum_timeout_na
 
 
 def test_the_average_across_groups_follows_ddp_for_parameters_some_group_did_not_use():
-    """One group's reduction against another group's buffer: a parameter both used gets the average; one only the
+    """One group's flat buffer summed with another group's: a parameter both used gets the average; one only the
     other group used gets half of its gradient (this group counts as zeros, as a DDP rank that did not use it); one no
-    group used keeps ``.grad`` ``None`` (FSDP2's DTensor parameters, so a gradient made here is laid out as one)."""
+    group used keeps ``.grad`` ``None`` (FSDP2's DTensor parameters, so a gradient made here is laid out as one); the
+    buffers are the sending group's, bit for bit, an integer buffer too."""
     from lightning_smp.testing import run_distributed
 
     assert run_distributed(_average_with_a_peer, 1) == [True]
@@ -578,36 +579,24 @@ def _average_with_a_peer(rank: int, world_size: int) -> bool:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from lightning_smp.fault_tolerance.session import ReplicaGroups
+    from lightning_smp.fault_tolerance.flat import pack, unpack
     from lightning_smp.fault_tolerance.state import local
 
     model = torch.nn.Sequential(*(torch.nn.Linear(3, 3, bias=False) for _ in range(3)))
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
     both, peer, nobody = (layer.weight for layer in model)
     both.grad = DTensor.from_local(torch.full((3, 3), 2.0), both.device_mesh, both.placements)
-    theirs = {"both": torch.full((3, 3), 4.0), "peer": torch.full((3, 3), 6.0), "nobody": torch.zeros(3, 3)}
-    other = torch.cat([theirs[k].reshape(-1) for k in ("both", "peer", "nobody")] + [torch.tensor([1.0, 1.0, 0.0])])
-
-    class Work:
-        def wait(self) -> None:
-            pass
-
-    class TwoGroups:  # the other group's buffer summed in, divided by the 2 participants (torchft's AVG)
-        def start_quorum(self) -> None:
-            pass
-
-        def wait_quorum(self) -> None:
-            pass
-
-        def allreduce(self, flat: torch.Tensor) -> Work:
-            flat.add_(other).div_(2)
-            return Work()
-
-    groups = ReplicaGroups.__new__(ReplicaGroups)
-    groups.manager, groups._in_step, groups._reduced, groups._first_quorum_checked = TwoGroups(), False, False, True
-    groups.reduce([both, peer, nobody])
+    running, count = torch.zeros(4), torch.tensor(0)  # this group's buffers; the other group sends its own
+    theirs_running, theirs_count = torch.tensor([0.1, -2.5, 3e-8, 7.0]), torch.tensor(2**40 + 3)
+    mine = pack([both, peer, nobody], None, [running, count], sends_buffers=False, device=torch.device("cpu"))
+    theirs = torch.cat([torch.full((9,), 4.0), torch.full((9,), 6.0), torch.zeros(9), torch.tensor([1.0, 1.0, 0.0]),
+                        theirs_running, theirs_count.reshape(1).view(torch.uint8).float()])
+    assert len(mine) == 1 and mine[0].flat.shape == theirs.shape
+    mine[0].flat.add_(theirs)  # the sum across the two groups
+    values = dict((id(b), v) for b, v in unpack(mine[0], 2, None))
     return (torch.equal(local(both.grad), torch.full((3, 3), 3.0)) and isinstance(peer.grad, DTensor)
-            and torch.equal(local(peer.grad), torch.full((3, 3), 3.0)) and nobody.grad is None)
+            and torch.equal(local(peer.grad), torch.full((3, 3), 3.0)) and nobody.grad is None
+            and torch.equal(values[id(running)], theirs_running) and torch.equal(values[id(count)], theirs_count))
 
 
 def test_the_commit_vote_is_one_all_reduce_over_the_group_that_carries_the_unused_parameter_notes():

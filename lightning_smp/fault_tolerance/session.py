@@ -11,20 +11,25 @@ optimizer steps only if every group commits. A group that (re)joins while others
 from __future__ import annotations
 
 import logging
-import os
+import time
+import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed import AllreduceOptions, BroadcastOptions
 
 from lightning_smp.config.fault_tolerance import FaultTolerance
 from lightning_smp.errors import FaultToleranceError
-from lightning_smp.fault_tolerance.state import TrackedState, local
-from lightning_smp.fault_tolerance.transport import address_towards, bound_http_transport
+from lightning_smp.fault_tolerance.crossing import LighthouseWatch, crossing_process_group, wait_for_crossing
+from lightning_smp.fault_tolerance.flat import pack, unpack
+from lightning_smp.fault_tolerance.start import Start, agree_on_start
+from lightning_smp.fault_tolerance.state import TrackedState
+from lightning_smp.fault_tolerance.transport import address_towards, bound_http_transport, check_host, check_store
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +51,25 @@ class UnusedNotes(Protocol):
     def forget(self) -> None: ...
 
 
-def _process_group(device: torch.device, timeout: timedelta) -> Any:
-    """torchft's reconfigurable process group for torch's default backend of ``device``'s type (NCCL on CUDA, XCCL
-    on XPU, gloo on the CPU and elsewhere)."""
-    from torchft import process_group
+@dataclass(frozen=True)
+class StepReport:
+    """What the last vote decided, as the front ends log it (:meth:`ReplicaGroups.metrics`)."""
 
-    backend = dist.Backend.default_device_backend_map.get(device.type, "gloo")
-    kind = {"nccl": process_group.ProcessGroupNCCL, "xccl": process_group.ProcessGroupXCCL}.get(
-        backend, process_group.ProcessGroupGloo)
-    return kind(timeout=timeout)
+    #: committed steps so far (torchft's, the same in every group)
+    step: int
+    committed: bool
+    #: the groups whose gradients were averaged (a group that healed in this step is not one of them)
+    groups: int
+    #: this step's heal, if this group healed in it: the source group, and how long the transfer took
+    healed_from: int | None = None
+    heal_seconds: float | None = None
+
+
+#: how long a crossing runs before the lighthouse's status page is read, and then how often
+WATCH_GRACE, WATCH_EVERY = 1.0, 0.5
+#: a group gives up when it has committed no step for ``quorum_timeout`` seconds, over at least this many uncommitted
+#: steps in a row (both: a slow first failure alone is not a streak)
+GIVE_UP_AFTER = 3
 
 
 class ReplicaGroups:
@@ -64,39 +79,63 @@ class ReplicaGroups:
         settings: the ``fault_tolerance`` option.
         device: the root device (its type picks the process group across groups).
         rank, world_size: this rank in its group, and the group's size (``hybrid_shard_degree``).
-        store: ``(host, port)`` of the group's ``TCPStore`` (``MASTER_ADDR``/``MASTER_PORT``).
+        store_port: the port of the group's ``TCPStore`` (torchrun's, ``MASTER_PORT``), advertised at the group's
+            address (``settings.host``, or the interface that reaches the lighthouse), whatever ``MASTER_ADDR`` is.
+        sync_buffers: whether buffers cross the groups with the gradients (DDP's ``broadcast_buffers``).
     """
 
     def __init__(self, settings: FaultTolerance, device: torch.device, *, rank: int, world_size: int,
-                 store: tuple[str, int]) -> None:
+                 store_port: int, sync_buffers: bool = True) -> None:
         from torchft import Manager
 
         self.settings = settings
         self.device = device
+        self.sync_buffers = sync_buffers
         timeout = timedelta(seconds=settings.timeout)
-        host = settings.host or address_towards(settings.lighthouse_url)
+        #: the address every other group reaches this one at
+        self.host = settings.host or address_towards(settings.lighthouse_url)
+        check_host(self.host, settings.group)
+        check_store(self.host, store_port, settings.group)
+        self.store_port = store_port
         self._tracked: TrackedState | None = None
+        self.process_group = crossing_process_group(device, timeout, self.host)
+        self._transport = bound_http_transport(timeout, self.host)
         self.manager = Manager(
-            pg=_process_group(device, timeout), load_state_dict=None, state_dict=None,
+            pg=self.process_group, load_state_dict=None, state_dict=None,
             min_replica_size=settings.min_groups, use_async_quorum=True, timeout=timeout,
             quorum_timeout=timedelta(seconds=settings.quorum_timeout), connect_timeout=timeout, rank=rank,
-            world_size=world_size, store_addr=store[0], store_port=store[1], lighthouse_addr=settings.lighthouse_url,
-            replica_id=f"group{settings.group}", hostname=host, checkpoint_transport=bound_http_transport(timeout, host),
-            init_sync=True,
+            world_size=world_size, store_addr=self.host, store_port=store_port,
+            lighthouse_addr=settings.lighthouse_url, replica_id=f"group{settings.group}", hostname=self.host,
+            checkpoint_transport=self._transport,
+            # (step 0: the groups' states are compared and, where they differ, made whole from one group:
+            # lightning_smp.fault_tolerance.start; torchft's own init_sync heals a mosaic and drops gradients)
+            init_sync=False,
         )
         # the commit vote inside the group: one all-reduce over the group's own ranks instead of torchft's gRPC
         # barrier at group rank 0 (the same decision), so that it also carries the unused-parameter notes
         self._vote = _GroupVote(self.manager._client, device)
         self.manager._client = self._vote
         self.manager.register_state_dict_fn("lightning_smp", self._load_tracked, self._tracked_state)
+        self._watch = LighthouseWatch(settings.lighthouse_url)
         self._in_step = False
         self._reduced = False
         self._notes: UnusedNotes | None = None
         self._first_quorum_checked = False
+        self._agreed: set[int] = set()  # step-0 quorums whose states were compared (or that tried)
+        self._failed_start: set[int] = set()  # those whose comparison failed
+        self._crossed: list[tuple[Tensor, Tensor]] = []  # buffers and the values the crossing brought
+        self._failure: str | None = None  # the operation that failed last, and how
+        self._uncommitted = 0  # uncommitted steps in a row
+        self._failing_since: float | None = None
+        self._healed_from: int | None = None
         #: whether the last vote committed (``None`` before the first)
         self.last_committed: bool | None = None
         #: the committed step at which this group last received a peer's state (``None``: never)
         self.healed_at: int | None = None
+        #: the last vote's outcome (``None`` before the first)
+        self.report: StepReport | None = None
+        #: how the step-0 quorum found the groups (``None`` until one was held)
+        self.start: Start | None = None
 
     # ------------------------------------------------------------------ what healing copies
 
@@ -114,7 +153,12 @@ class ReplicaGroups:
             raise FaultToleranceError("a peer's state arrived before the model was set up.")
         self._tracked.load_state_dict(state)
         self.healed_at = self.manager.current_step()
-        log.info("replica group %d healed from a live peer at step %d", self.settings.group, self.healed_at)
+        quorum = self._vote.quorum
+        source = quorum.recover_src_replica_rank if quorum is not None else None
+        self._healed_from = (_group_of(quorum.replica_ids[source]) if quorum is not None and source is not None
+                             else None)
+        log.info("replica group %d healed from group %s at step %d", self.settings.group, self._healed_from,
+                 self.healed_at)
 
     # ------------------------------------------------------------------ a step
 
@@ -124,13 +168,16 @@ class ReplicaGroups:
         if not self._in_step:
             self._in_step = True
             self._reduced = False
+            self._crossed = []
+            self._healed_from = None
             self.manager.start_quorum()
 
     def reduce(self, parameters: Sequence[Tensor], notes: UnusedNotes | None = None) -> None:
         """Average every parameter's gradient (this rank's part of it) across the participating groups, in one
         all-reduce per dtype; a parameter that no group gave a gradient keeps ``.grad`` ``None``, one that some did
-        gets their average (the others count as zeros, as DDP counts a rank that did not use it). Call it on every
-        rank after the group's own reduction, before :meth:`commit`.
+        gets their average (the others count as zeros, as DDP counts a rank that did not use it). With
+        ``sync_buffers``, the first participating group's buffers ride along (applied when the step commits). Call it
+        on every rank after the group's own reduction, before :meth:`commit`.
 
         ``notes``: the engine's unused-parameter notes of this step, unreduced
         (``settle_gradients(defer_unused=True)``): reduced across the groups inside the first all-reduce, then
@@ -146,46 +193,121 @@ class ReplicaGroups:
         self._notes = notes
         self._wait_quorum()
         self._check_first_quorum()
-        trainable = [p for p in parameters if p.requires_grad]
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for parameter in trainable:
-            by_dtype.setdefault(parameter.dtype, []).append(parameter)
-        if notes is not None and not by_dtype:
-            by_dtype[torch.float32] = []
-        for position, (dtype, group) in enumerate(by_dtype.items()):
-            sizes = [local(p).numel() for p in group]
-            # the notes ride in the first buffer: one indicator per parameter and level (level >= 1, 2, 3), so that
-            # the average is positive where some group's level reached it and their count is the maximum level
-            levels = notes.levels if notes is not None and position == 0 else None
-            marks = 0 if levels is None or notes is None else notes.LEVELS * levels.numel()
-            flat = torch.zeros(sum(sizes) + len(group) + marks,
-                               dtype=dtype if dtype.is_floating_point else torch.float32,
-                               device=local(group[0]).device if group else self.device)
-            offset = 0
-            for parameter, size in zip(group, sizes):
-                if parameter.grad is not None:
-                    flat[offset:offset + size].copy_(local(parameter.grad).reshape(-1))
-                offset += size
-            # one flag per parameter: whether this group gave it a gradient (averaged: zero iff no group did)
-            flat[offset:offset + len(group)] = torch.tensor([p.grad is not None for p in group], dtype=flat.dtype)
-            if levels is not None and notes is not None:
-                thresholds = torch.arange(1, notes.LEVELS + 1, device=levels.device)
-                flat[offset + len(group):] = (levels.view(-1, 1) >= thresholds).reshape(-1).to(flat.device, flat.dtype)
-            self.manager.allreduce(flat).wait()
-            if levels is not None and notes is not None:
-                marked = flat[offset + len(group):].view(-1, notes.LEVELS) > 0
-                notes.levels = marked.sum(dim=1).to(levels.device, torch.uint8)
-            given = flat[offset:offset + len(group)].tolist()  # (one read, not one per parameter)
-            offset = 0
-            for parameter, size, anywhere in zip(group, sizes, given):
-                averaged = flat[offset:offset + size]
-                offset += size
-                if anywhere == 0:
-                    parameter.grad = None
-                elif parameter.grad is not None:
-                    local(parameter.grad).copy_(averaged.view_as(local(parameter.grad)))
-                else:
-                    parameter.grad = _grad_like(parameter, averaged)
+        if not self._agree_on_start():
+            return  # (the step is dropped: the comparison failed, and the next quorum compares again)
+        manager = self.manager
+        buffers = self._tracked.buffer_tensors() if self._tracked is not None and self.sync_buffers else []
+        packed = pack(parameters, notes, buffers, sends_buffers=manager.participating_rank() == 0,
+                      device=self.device)
+        for item in packed:
+            if not manager.is_participating():
+                item.flat.zero_()  # (a group that heals in this step contributes nothing)
+            if not self._cross(item.flat):
+                return  # (the step is dropped at the vote: torchft holds the error)
+        participants = manager.num_participants()
+        self._crossed = [pair for item in packed for pair in unpack(item, participants, notes)]
+
+    def _cross(self, flat: Tensor) -> bool:
+        """One sum across the participating groups, in place; ``False`` (the error reported to torchft, which then
+        refuses the step) if it failed or was abandoned because the lighthouse stopped hearing from a participant."""
+        manager = self.manager
+        if manager.errored():
+            return False
+        work = self._collective("the all-reduce across groups", self.process_group.allreduce, [flat],
+                                _options(AllreduceOptions, reduceOp=dist.ReduceOp.SUM))
+        return work is not None and self._wait("the all-reduce across groups", work)
+
+    def _collective(self, operation: str, call: Any, *args: Any) -> Any:
+        try:
+            return call(*args)
+        except Exception as err:  # noqa: BLE001  # (the process group's own errors: reported, the step dropped)
+            self._fail(operation, err)
+            return None
+
+    def _wait(self, operation: str, work: Any) -> bool:
+        crossing = wait_for_crossing(work, self.process_group, silent=self._silent, grace=WATCH_GRACE,
+                                     every=WATCH_EVERY)
+        if crossing.completed:
+            return True
+        if crossing.silent:
+            gone = ", ".join(crossing.silent)
+            self._fail(operation, FaultToleranceError(
+                f"abandoned: the lighthouse stopped hearing from {gone} while it was in flight"))
+        else:
+            self._fail(operation, crossing.error or RuntimeError("failed"))
+        return False
+
+    def _silent(self) -> list[str]:
+        quorum = self._vote.quorum
+        return self._watch.silent(list(quorum.replica_ids)) if quorum is not None else []
+
+    def _fail(self, operation: str, error: BaseException) -> None:
+        quorum = self._vote.quorum
+        where = f" (the groups meet at {quorum.store_address})" if quorum is not None else ""
+        self._failure = f"{operation}{where}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        log.warning("replica group %d: %s", self.settings.group, self._failure)
+        self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(str(error)))
+
+    def before_forward(self) -> None:
+        """Before a forward with gradients while this group is at step 0 and has not healed: the step's quorum now
+        (later steps ask for it at their first backward, answered while the backward runs) and, at a quorum whose
+        every participant is at step 0, the groups' states compared and made whole before anything is computed from
+        them (:meth:`_agree_on_start`). Otherwise nothing."""
+        if (not torch.is_grad_enabled() or self.manager.current_step() != 0 or self.healed_at is not None
+                or (self._in_step and self._reduced)):
+            return
+        self.begin_step()
+        self._wait_quorum()
+        self._check_first_quorum()
+        self._agree_on_start()
+
+    def _agree_on_start(self) -> bool:
+        """At a quorum whose every participant is at step 0 (the groups start, or start again from one
+        checkpoint): the same parameters and optimizer states in every group before the first step (:mod:`.start`;
+        the buffers cross with the gradients at every step). Once per quorum, before its first forward
+        (:meth:`before_forward`) or, for a step that had none, before the crossing: the same point of every group's
+        step. ``False`` if the comparison failed (reported: the step is dropped; the next quorum compares again)."""
+        quorum, manager = self._vote.quorum, self.manager
+        if (quorum is None or quorum.max_step != 0 or quorum.quorum_id in self._agreed or self._tracked is None
+                or manager.errored()):
+            return quorum is None or quorum.quorum_id not in self._failed_start
+        self._agreed.add(quorum.quorum_id)  # (attempted: never twice in one quorum, whatever the outcome)
+        if quorum.replica_world_size == 1:
+            self.start = self.start or Start.SAME
+            return True
+        operation = "comparing the groups' state at step 0"
+
+        def all_reduce_max(tensor: Tensor) -> None:
+            work = self._collective(operation, self.process_group.allreduce, [tensor],
+                                    _options(AllreduceOptions, reduceOp=dist.ReduceOp.MAX))
+            if work is None or not self._wait(operation, work):
+                raise _Dropped
+
+        def broadcast_from_first(tensor: Tensor) -> None:
+            sent = tensor.to(self.device) if tensor.device != self.device else tensor
+            work = self._collective(operation, self.process_group.broadcast, [sent],
+                                    _options(BroadcastOptions, rootRank=0, rootTensor=0))
+            if work is None or not self._wait(operation, work):
+                raise _Dropped
+            if sent is not tensor:
+                tensor.copy_(sent)
+
+        buffers = self._tracked.buffers
+        try:
+            # (only a collective's failure drops the step: anything else raises, as the same on every rank)
+            self.start = agree_on_start(self._tracked.local_tensors(), compared=lambda name: name not in buffers,
+                                        device=self.device, all_reduce_max=all_reduce_max,
+                                        broadcast_from_first=broadcast_from_first, group=self.settings.group)
+        except _Dropped:
+            self._failed_start.add(quorum.quorum_id)
+            return False
+        if self.start is Start.MADE_SAME and dist.get_rank() == 0:
+            first = _group_of(sorted(quorum.replica_ids)[0])
+            warnings.warn(
+                f"replica group {self.settings.group}: the replica groups started from different weights (or"
+                f" optimizer states); every group now holds group {first}'s, whole, before the first step. Seed the"
+                " model alike in every group (L.seed_everything) to start from your own.", stacklevel=2)
+        return True
 
     def _wait_quorum(self) -> None:
         """The quorum of this step; without one within ``quorum_timeout`` the lighthouse is gone (or out of reach),
@@ -228,11 +350,15 @@ class ReplicaGroups:
 
     def commit(self) -> bool:
         """Vote on the step; ``True`` only if every participating group commits (the optimizer must step then, and
-        only then). A healing group applies its peer's state here first. The unused-parameter notes given to
-        :meth:`reduce` are reduced inside the vote and applied here (raising, on every rank alike, where the engine's
-        own reduction would have)."""
+        only then). A healing group applies its peer's state here first; the buffers the crossing brought are
+        applied once the step commits. The unused-parameter notes given to :meth:`reduce` are reduced inside the
+        vote and applied here (raising, on every rank alike, where the engine's own reduction would have). A group
+        that has committed nothing for ``quorum_timeout`` seconds, over :data:`GIVE_UP_AFTER` steps or more in a row,
+        raises :class:`FaultToleranceError` on every rank, naming the operation that failed."""
         notes, self._notes = self._notes, None
         self._vote.notes = notes
+        self._vote.give_up = (self._uncommitted + 1 >= GIVE_UP_AFTER and self._failing_since is not None
+                              and time.monotonic() - self._failing_since >= self.settings.quorum_timeout)
         committed = bool(self.manager.should_commit())
         self._in_step = False
         self.last_committed = committed
@@ -242,10 +368,60 @@ class ReplicaGroups:
                 notes.apply(levels)  # (a refused step raises here: the notes name what is wrong)
             else:
                 notes.forget()  # (the step's gradients are dropped: a new window)
+        if committed:
+            with torch.no_grad():
+                for buffer, value in self._crossed:
+                    buffer.copy_(value)
+            self._uncommitted, self._failing_since, self._failure = 0, None, None
+        else:
+            self._uncommitted += 1
+            self._failing_since = self._failing_since or time.monotonic()
+        self._crossed = []
+        healed = self.healed_at is not None and self.healed_at == self.manager.current_step() - int(committed)
+        self.report = StepReport(
+            step=self.step, committed=committed, groups=self.manager.num_participants(),
+            healed_from=self._healed_from if healed else None,
+            heal_seconds=self._transport.received_seconds if healed else None)
         if not committed:
-            log.warning("replica group %d: step %d not committed (a group left, or a collective across groups"
-                        " failed); its gradients are dropped", self.settings.group, self.manager.current_step())
+            if self._vote.gave_up:
+                raise FaultToleranceError(self._give_up_message())
+            log.warning("replica group %d: step %d not committed (%s); its gradients are dropped",
+                        self.settings.group, self.manager.current_step(),
+                        self._failure or self._torchft_failure() or "a group left, or too few groups")
         return committed
+
+    def _torchft_failure(self) -> str | None:
+        error = self.manager.errored()
+        return None if error is None else str(error.original_exception).splitlines()[0]
+
+    def _give_up_message(self) -> str:
+        quorum = self._vote.quorum
+        meet = quorum.store_address if quorum is not None else "(no quorum yet)"
+        failure = self._failure or self._torchft_failure() or "too few groups to commit (min_groups)"
+        return (
+            f"replica group {self.settings.group}: no step committed for more than quorum_timeout="
+            f"{self.settings.quorum_timeout:g} s ({self._uncommitted} steps in a row). The last failure: {failure}."
+            f" This group is reached at {self.host} (its store at {self.host}:{self.store_port}); this rank's groups"
+            f" meet at {meet}. Fix: every group must reach that address and port and this one's (a firewall, the"
+            " interface: fault_tolerance host=...; torchrun sets MASTER_ADDR=127.0.0.1, which this library does not"
+            " advertise), then start the groups again, resuming from the last checkpoint."
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """The last vote's outcome as metrics for a logger: ``fault_tolerance/groups`` (the groups whose gradients
+        were averaged), ``fault_tolerance/committed`` (1 or 0), ``fault_tolerance/step``; in a step where this group
+        healed also ``fault_tolerance/healed_from`` (the source group) and ``fault_tolerance/heal_seconds`` (the
+        transfer). Empty before the first vote."""
+        report = self.report
+        if report is None:
+            return {}
+        values = {"fault_tolerance/groups": float(report.groups), "fault_tolerance/committed": float(report.committed),
+                  "fault_tolerance/step": float(report.step)}
+        if report.healed_from is not None:
+            values["fault_tolerance/healed_from"] = float(report.healed_from)
+        if report.heal_seconds is not None:
+            values["fault_tolerance/heal_seconds"] = report.heal_seconds
+        return values
 
     @property
     def step(self) -> int:
@@ -261,6 +437,23 @@ class ReplicaGroups:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+class _Dropped(Exception):
+    """A collective of the step-0 comparison failed (already reported to torchft)."""
+
+
+def _options(kind: type, **values: Any) -> Any:
+    options = kind()
+    for name, value in values.items():
+        setattr(options, name, value)
+    return options
+
+
+def _group_of(replica_id: str) -> int | None:
+    """The group id in a replica id (``group<g>:<uuid>``, as this library names them)."""
+    name = replica_id.split(":", 1)[0]
+    return int(name[len("group"):]) if name.startswith("group") and name[len("group"):].isdigit() else None
 
 
 class _GroupVote:
@@ -280,34 +473,29 @@ class _GroupVote:
         self.levels: Tensor | None = None
         #: whether the last vote refused a step that the notes show wrong (a gradient missing on some rank)
         self.refused = False
+        #: whether this rank asks its group to give up (set before the vote), and whether some rank did (after it)
+        self.give_up = False
+        self.gave_up = False
+        #: the last quorum torchft received (its participants, the step-0 state, the healing source)
+        self.quorum: Any = None
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        return self._client._quorum(*args, **kwargs)
+        quorum = self._client._quorum(*args, **kwargs)
+        self.quorum = quorum
+        return quorum
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> bool:
         notes = self.notes
-        votes = torch.tensor([0 if should_commit else 1], dtype=torch.uint8, device=self._device)
+        votes = torch.tensor([int(self.give_up), 0 if should_commit else 1], dtype=torch.uint8, device=self._device)
         if notes is not None:
             votes = torch.cat([notes.levels.to(votes.device, torch.uint8), votes])
         if dist.get_world_size() > 1:
             dist.all_reduce(votes, op=dist.ReduceOp.MAX, async_op=True).wait(timeout)
-        self.levels = votes[:-1] if notes is not None else None
-        self.refused = notes is not None and notes.refuses(votes[:-1])
-        return int(votes[-1]) == 0 and not self.refused
+        self.levels = votes[:-2] if notes is not None else None
+        self.refused = notes is not None and notes.refuses(votes[:-2])
+        committed = int(votes[-1]) == 0 and not self.refused
+        self.gave_up = int(votes[-2]) > 0 and not committed
+        return committed
 
 
-def _grad_like(parameter: Tensor, values: Tensor) -> Tensor:
-    """A gradient for ``parameter`` (none on this group) holding ``values``, laid out as the parameter."""
-    if isinstance(parameter, DTensor):
-        shard = values.view(parameter.to_local().shape).clone()
-        return DTensor.from_local(shard, parameter.device_mesh, parameter.placements, run_check=False,
-                                  shape=parameter.shape, stride=parameter.stride())
-    return values.view(parameter.shape).clone()
-
-
-def group_store() -> tuple[str, int]:
-    """The group's ``TCPStore`` as torchrun and Lightning's launchers export it."""
-    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
-
-
-__all__ = ["ReplicaGroups", "group_store"]
+__all__ = ["ReplicaGroups", "StepReport"]

@@ -63,6 +63,8 @@ class TrackedState:
     Attributes:
         tensors: the module's parameters and buffers by name, captured once outside any forward (FSDP2 swaps the
             module's parameters for unsharded ones during a forward; these are the shards the optimizer steps).
+        buffers: the names among ``tensors`` that are buffers (what crosses the groups with the gradients when
+            buffers are broadcast, DDP's ``broadcast_buffers``).
         optimizers: the optimizers, read when the state is taken.
         extra: the front end's other state (schedulers, loop counters, data position), read when the state is taken.
         load_extra: applies a peer's ``extra``.
@@ -72,13 +74,31 @@ class TrackedState:
     optimizers: Callable[[], Sequence[Optimizer]]
     extra: Callable[[], dict[str, Any]] = dict
     load_extra: Callable[[dict[str, Any]], None] = lambda state: None
+    buffers: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, module: Module, optimizers: Callable[[], Sequence[Optimizer]],
            extra: Callable[[], dict[str, Any]] = dict,
            load_extra: Callable[[dict[str, Any]], None] = lambda state: None) -> TrackedState:
-        named: Iterable[tuple[str, Tensor]] = (*module.named_parameters(), *module.named_buffers())
-        return cls(list(named), optimizers, extra, load_extra)
+        buffers = list(module.named_buffers())
+        named: Iterable[tuple[str, Tensor]] = (*module.named_parameters(), *buffers)
+        return cls(list(named), optimizers, extra, load_extra, frozenset(name for name, _ in buffers))
+
+    def buffer_tensors(self) -> list[Tensor]:
+        """This rank's buffers, in the module's order."""
+        return [tensor for name, tensor in self.tensors if name in self.buffers]
+
+    def local_tensors(self) -> list[tuple[str, Tensor]]:
+        """Every tensor this rank holds of the state by name, as views of the live ones: its shards of the parameters,
+        its buffers, each optimizer's state tensors (in the parameters' order)."""
+        named = [(name, local(tensor)) for name, tensor in self.tensors]
+        for index, optimizer in enumerate(self.optimizers()):
+            parameters = [p for group in optimizer.param_groups for p in group["params"]]
+            for position, parameter in enumerate(parameters):
+                entry = optimizer.state.get(parameter, {})
+                named += [(f"optimizer{index}.{position}.{key}", local(value)) for key, value in sorted(entry.items())
+                          if isinstance(value, Tensor)]
+        return named
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, its tensors sharing storage with the live ones (torchft's transport serves them only

@@ -1,6 +1,10 @@
-"""How a healing group fetches a live peer's state: torchft's HTTP transport, bound to one address.
+"""The address a replica group is reached at, checked at setup, and how a healing group fetches a live peer's state:
+torchft's HTTP transport, bound to that address.
 
-torchft's ``HTTPTransport`` serves on every interface and advertises ``socket.gethostname()``, which in a cluster of
+Everything a group advertises to the others is at one address (``fault_tolerance.host``, by default the address of
+the interface that reaches the lighthouse): its store, where the process group across groups is built (torchft
+advertises ``MASTER_ADDR``, which torchrun sets to 127.0.0.1 unless told otherwise), its manager server, its process
+group across groups (:mod:`.crossing`) and its healing server. torchft's ``HTTPTransport`` serves on every interface and advertises ``socket.gethostname()``, which in a cluster of
 network namespaces (or any host whose name does not resolve to the address its peers reach) is the wrong address,
 and on every interface is more than it needs. Here each rank serves on the one address its peers reach it at, and
 advertises that address.
@@ -11,10 +15,13 @@ from __future__ import annotations
 import ipaddress
 import socket
 import threading
+import time
 from datetime import timedelta
 from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlparse
+
+from lightning_smp.errors import FaultToleranceError
 
 
 def _transport_class() -> type:
@@ -44,12 +51,14 @@ def _quiet(handler: Any) -> Any:
 
 
 def bound_http_transport(timeout: timedelta, host: str) -> Any:
-    """torchft's ``HTTPTransport`` serving on ``host`` (an IP address) only and advertising it."""
+    """torchft's ``HTTPTransport`` serving on ``host`` (an IP address) only and advertising it; its
+    ``received_seconds`` is how long the last healing transfer into this rank took."""
     base: Any = _transport_class()
 
     class BoundHTTPTransport(base):  # torchft's class, known at run time only
         _server: Any
         _thread: Any
+        received_seconds: float | None = None
 
         def __init__(self) -> None:
             super().__init__(timeout=timeout, num_chunks=0)
@@ -61,6 +70,12 @@ def bound_http_transport(timeout: timedelta, host: str) -> Any:
             self._server = _server_for(host, _quiet(handler))
             self._thread = threading.Thread(target=self._serve, daemon=True, name="lightning_smp-heal-server")
             self._thread.start()
+
+        def recv_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+            start = time.monotonic()
+            received = super().recv_checkpoint(*args, **kwargs)
+            self.received_seconds = time.monotonic() - start
+            return received
 
         def address(self) -> str:
             port = self._server.socket.getsockname()[1]
@@ -82,4 +97,43 @@ def address_towards(url: str) -> str:
         return str(probe.getsockname()[0])
 
 
-__all__ = ["address_towards", "bound_http_transport"]
+def check_host(host: str, group: int) -> None:
+    """``host`` must be an address of this machine: the other groups reach this group's store, its process group
+    across groups and its healing server there (nothing else is advertised)."""
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        raise FaultToleranceError(
+            f"replica group {group}: fault_tolerance host={host!r} is not an IP address. Fix: the address of this"
+            " machine's interface that the other groups reach (e.g. host='10.0.0.2'), or leave host out (the"
+            " interface that reaches the lighthouse)."
+        ) from None
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+    except OSError as err:
+        raise FaultToleranceError(
+            f"replica group {group}: the address {host} is not one of this machine's ({err.strerror}): the other"
+            " groups could not reach this group there. Fix: fault_tolerance host=<an address of this machine that"
+            " the other groups reach>, or leave host out (the interface that reaches the lighthouse)."
+        ) from None
+
+
+def check_store(host: str, port: int, group: int, timeout: float = 10.0) -> None:
+    """This group's ``TCPStore`` (torchrun's, at ``MASTER_PORT``) must answer at ``host``: the other groups meet
+    there to build the process group across groups. torch's store listens on every interface whatever
+    ``MASTER_ADDR`` says, so a store that does not answer is bound elsewhere or firewalled."""
+    from torch.distributed import TCPStore
+
+    try:
+        TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    except Exception as err:  # noqa: BLE001  # (torch raises RuntimeError or its DistNetworkError)
+        raise FaultToleranceError(
+            f"replica group {group}: this group's store (MASTER_PORT={port}) does not answer at {host}:{port}, the"
+            f" address the other groups would use ({type(err).__name__}: {str(err).splitlines()[0]}). Fix: let"
+            f" the store listen there (torchrun --master-addr {host}), or name the address the store answers at"
+            " with fault_tolerance host=..."
+        ) from None
+
+
+__all__ = ["address_towards", "bound_http_transport", "check_host", "check_store"]

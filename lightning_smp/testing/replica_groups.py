@@ -1,5 +1,8 @@
-"""Fault-tolerant replica groups on one machine, for tests and benchmarks: a lighthouse in this process and one
-``torchrun`` job per group, each group its own world (on loopback, or on a node of a
+"""Fault-tolerant replica groups on one machine, for tests and benchmarks.
+
+:func:`run_replica_groups` forks the ranks of every group from this process (each group its own world) beside a
+lighthouse in this process, and returns what each rank's function returned: runs with no failure, compared with DDP.
+:class:`ReplicaGroupJobs` starts a lighthouse in this process and one ``torchrun`` job per group, each group its own world (on loopback, or on a node of a
 :class:`~lightning_smp.testing.cluster.Cluster`), with what a test needs to kill a group and start it again and to read
 what every rank recorded.
 
@@ -10,16 +13,18 @@ JSON line per committed step to ``out/group{g}_rank{r}.jsonl`` (``benchmarks/fau
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from lightning_smp.fault_tolerance.lighthouse import Lighthouse, start_lighthouse
-from lightning_smp.testing import free_port
+from lightning_smp.testing import PROCESS_TIMEOUT, free_port, run_worlds
 
 #: ``launch(group, argv, env, log) -> process``: how a group's job starts (default: a process on this machine)
 Launch = Callable[[int, Sequence[str], dict[str, str], Any], subprocess.Popen]
@@ -143,6 +148,45 @@ class ReplicaGroupJobs:
         self.close()
 
 
+def run_replica_groups(fn: Callable[..., Any], groups: int, degree: int, *args: Any, min_groups: int | None = None,
+                       heartbeat_timeout: float = 2.0, timeout: float = PROCESS_TIMEOUT) -> list[list[Any]]:
+    """Run ``fn(group, rank, degree, lighthouse, *args)`` on ``groups`` replica groups of ``degree`` forked ranks each
+    (every group its own world: its own store and process group, as one ``torchrun`` job per group), beside a
+    lighthouse in this process whose address is ``lighthouse``; returns ``results[group][rank]``. ``min_groups``
+    (default: every group) is the lighthouse's: with all of them, every step has every group in it."""
+    with forked_lighthouse(min_groups=min_groups or groups, heartbeat_timeout=heartbeat_timeout) as lighthouse:
+        return run_worlds(fn, groups, degree, lighthouse, *args, timeout=timeout)
+
+
+@contextmanager
+def forked_lighthouse(*, min_groups: int, heartbeat_timeout: float = 2.0) -> Iterator[str]:
+    """A lighthouse on loopback in a process forked from this one (whose address it yields), so that this process,
+    which forks the ranks next, runs no thread of torchft's runtime: a fork copies only the forking thread, and a lock
+    another thread held would stay locked in the child."""
+    ctx = mp.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    process = ctx.Process(target=_serve_lighthouse, args=(theirs, min_groups, heartbeat_timeout), daemon=True)
+    process.start()
+    try:
+        if not ours.poll(60):
+            raise RuntimeError("the lighthouse process did not start within 60 s")
+        yield ours.recv()
+    finally:
+        ours.send("stop")
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _serve_lighthouse(pipe: Any, min_groups: int, heartbeat_timeout: float) -> None:
+    lighthouse = start_lighthouse("127.0.0.1:0", min_groups=min_groups, heartbeat_timeout=heartbeat_timeout,
+                                  join_timeout=30.0, quorum_tick=0.05)
+    pipe.send(lighthouse.address)
+    pipe.recv()
+    lighthouse.shutdown()
+
+
 def on_cluster(cluster: Any, script: Sequence[str], out: Path, *, degree: int = 2, heartbeat_timeout: float = 2.0,
                min_groups: int = 1) -> ReplicaGroupJobs:
     """Replica groups on a :class:`~lightning_smp.testing.cluster.Cluster`: group ``g`` is node ``g``'s job, and the
@@ -156,4 +200,4 @@ def on_cluster(cluster: Any, script: Sequence[str], out: Path, *, degree: int = 
                             launch=launch, address=lambda group: cluster.nodes[group].address)
 
 
-__all__ = ["Launch", "ReplicaGroupJobs", "on_cluster"]
+__all__ = ["Launch", "ReplicaGroupJobs", "forked_lighthouse", "on_cluster", "run_replica_groups"]
