@@ -1,9 +1,12 @@
 """One replica group of a fault-tolerant Fabric run (``fault_tolerance``), started by ``torchrun`` with
 ``hybrid_shard_degree`` ranks: every committed step writes one line per rank to ``--out`` (torchft's step, the wall
 time, a digest of this rank's shards and optimizer state, the loop's own counter, what the node sent on its link), so
-that ``make bench-fault`` and the tests compare groups step by step. ``--steps``: committed steps to reach;
-``--pause``: seconds per step (a slow step, for kills); ``--no_ft``: the same loop without fault tolerance, one world
-of ``--nodes`` nodes (the comparison: today's behaviour)."""
+that ``make bench-fault`` and the tests compare groups step by step; the strategy's ``replica_metrics`` go to a CSV
+logger (``--out``/metrics/group<g>). ``--steps``: committed steps to reach; ``--pause``: seconds per step (a slow step,
+for kills); ``--vanish_at``: this group vanishes inside the crossing after that committed step (``--vanish stop``: its
+processes freeze, as a node that lost power, no connection closed; ``kill``: they die, the connections close), having
+written the time to ``--out``/vanished<g>; ``--no_ft``: the same loop without fault tolerance, one world of ``--nodes``
+nodes (the comparison: today's behaviour)."""
 
 from __future__ import annotations
 
@@ -11,12 +14,15 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.loggers import CSVLogger
 
 from lightning_smp.fabric import HybridShardFSDPStrategy
 from lightning_smp.fault_tolerance.state import local, optimizer_local_state
@@ -51,6 +57,24 @@ class Heads(torch.nn.Module):
         return out + self.only_first(batch) if first else out
 
 
+def vanish_inside_the_crossing(replicas: Any, after: int, how: str, marker: Path) -> None:
+    """Make this rank vanish at the all-reduce of the gradients across groups of the first step after committed step
+    ``after``, while the other groups wait inside it: SIGSTOP (``how="stop"``: every thread frozen, the manager
+    server's heartbeats too, no connection closed) or SIGKILL itself. Writes the time to ``marker`` first (one rank
+    of the group)."""
+    process_group = replicas.process_group
+    issue = process_group.allreduce
+
+    def allreduce(tensors: list[torch.Tensor], options: Any) -> Any:
+        if replicas.step >= after and tensors[0].is_floating_point():  # (the gradients', not the start's check)
+            if not marker.exists():
+                marker.write_text(json.dumps({"time": time.time(), "step": replicas.step}))
+            os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+        return issue(tensors, options)
+
+    process_group.allreduce = allreduce
+
+
 def group_arguments() -> argparse.ArgumentParser:
     """What every replica group's script takes (``lightning_smp.testing.replica_groups`` passes the first four)."""
     parser = argparse.ArgumentParser()
@@ -78,6 +102,8 @@ def main() -> None:
     parser.add_argument("--checkpoint_every", type=int, default=3)
     parser.add_argument("--async_save", action="store_true", help="checkpoints written in the background")
     parser.add_argument("--unused", action="store_true", help="heads some or all ranks do not use (Heads)")
+    parser.add_argument("--vanish_at", type=int, default=None, help="vanish inside the crossing after this step")
+    parser.add_argument("--vanish", choices=["stop", "kill"], default="stop")
     args = parser.parse_args()
 
     fault_tolerance = None if args.no_ft else {"lighthouse": args.lighthouse, "group": args.group,
@@ -86,7 +112,8 @@ def main() -> None:
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=args.degree, fsdp_version=2,
                                        fault_tolerance=fault_tolerance, async_save=args.async_save or None,
                                        timeout=timedelta(seconds=args.collective_timeout))
-    fabric = L.Fabric(accelerator="cpu", devices=args.degree, num_nodes=args.nodes, strategy=strategy)
+    fabric = L.Fabric(accelerator="cpu", devices=args.degree, num_nodes=args.nodes, strategy=strategy,
+                      loggers=CSVLogger(Path(args.out) / "metrics", name=f"group{args.group}"))
     fabric.launch()
     torch.manual_seed(1234)  # (every group starts alike; replicas start from rank 0's weights anyway)
     module = Heads(args.width) if args.unused else torch.nn.Sequential(
@@ -108,6 +135,9 @@ def main() -> None:
     def step() -> int:  # torchft's committed steps (without fault_tolerance: the loop's own counter)
         return replicas.step if replicas is not None else state["iteration"]
 
+    if args.vanish_at is not None and replicas is not None:
+        vanish_inside_the_crossing(replicas, args.vanish_at, args.vanish, out / f"vanished{args.group}")
+
     while step() < args.steps:
         for micro in range(args.accumulate):
             # this group's data for this step: the same wherever and whenever the step runs
@@ -117,6 +147,7 @@ def main() -> None:
             with fabric.no_backward_sync(model, enabled=micro < args.accumulate - 1):
                 fabric.backward((model(batch, first) if args.unused else model(batch)).square().mean())
         optimizer.step()
+        fabric.log_dict(strategy.replica_metrics, step=step())
         committed = strategy.step_committed
         if committed:
             scheduler.step()
@@ -142,6 +173,7 @@ def main() -> None:
             if args.checkpoint and step() % args.checkpoint_every == 0:
                 fabric.save(Path(args.checkpoint) / f"step{step()}", state)
         time.sleep(args.pause)
+    fabric.logger.finalize("success")  # (the CSV logger writes what it holds)
     strategy.wait_for_checkpoint()  # (a background save's outcome, before the end)
     if replicas is not None:
         replicas.shutdown()

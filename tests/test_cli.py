@@ -16,7 +16,7 @@ import lightning_smp
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy
 from lightning_smp.cli import HybridShardCLI, main
 from lightning_smp.config import ENV_CLI, ENV_CONFIG, SMPConfig
-from lightning_smp.names import HYBRID_SHARD, SHARD_GRAD_OP
+from lightning_smp.names import FULL_SHARD, HYBRID_SHARD, SHARD_GRAD_OP
 from tests.helpers import PROCESS_TIMEOUT
 
 # the tests pass args while pytest's own argv is set; that is intended here
@@ -33,6 +33,8 @@ EXPECTED: dict[str, tuple | None] = {
     "hybrid_class_path.yaml": ((2, 2), HYBRID_SHARD, 1),
     "hybrid_zero2_notebook.yaml": ((1, 4), SHARD_GRAD_OP, 1),
     "hybrid_fsdp2_accumulation.yaml": ((2, 2), HYBRID_SHARD, 2),
+    # one replica group (2 ranks) of a fault-tolerant job; a plain 2-rank run without torchft's variables
+    "fault_tolerance.yaml": ((1, 2), FULL_SHARD, 2),
 }
 
 

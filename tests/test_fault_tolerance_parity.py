@@ -416,15 +416,44 @@ def test_each_training_pattern_equals_ddp_or_is_refused_before_any_step(tmp_path
 @pytest.mark.timeout(GLOO_TIMEOUT)
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
 def test_a_checkpoint_saved_by_one_job_resumes_in_another_as_ddp(tmp_path, front_end):
-    """The groups save at the end of the first epoch and stop; a new job (new groups, a new lighthouse) resumes from
-    that checkpoint and trains the second epoch: its steps equal DDP's uninterrupted run's."""
+    """The groups save at the end of the first epoch and stop (one group writes: every group holds the same state,
+    and the checkpoint records torchft's step); a new job (new groups, a new lighthouse) resumes from that checkpoint
+    and trains the second epoch: its steps equal DDP's uninterrupted run's, optimizer state included. A run without
+    fault tolerance reads the same checkpoint as any of this library's."""
+    from lightning_smp.checkpoint import read_full
+    from lightning_smp.checkpoint.format import REPLICA_GROUPS_KEY
+
     name, path = "checkpoint", tmp_path / ("saved.ckpt" if front_end == "trainer" else "saved")
     first, _ = _groups(front_end, 2, 2, Run(name, tmp_path / "first", stop=2, save=path))
-    assert len(first[0]) == 2 and path.exists()
+    saved = read_full(path)
+    assert saved[REPLICA_GROUPS_KEY]["step"] == 2 and len(first[0]) == 2
+    assert sorted(p.name for p in path.parent.iterdir() if not p.name.startswith("first")) == [path.name]
     resumed, _ = _groups(front_end, 2, 2, Run(name, tmp_path / "resumed", resume=path))
     reference = _ddp(front_end, name)
     _assert_equal_to_ddp(first, reference[:2])
     _assert_equal_to_ddp(resumed, reference, first_step=3)
+    plain = _seeded(Combined)
+    plain.load_state_dict(saved["state_dict"])  # (a module of its own, outside any strategy)
+
+
+@pytest.mark.timeout(GLOO_TIMEOUT)
+def test_replica_groups_resume_a_checkpoint_of_a_run_without_fault_tolerance_as_ddp(tmp_path):
+    """A synchronous run (hybrid sharding over 4 ranks, one world) saves after the first epoch; replica groups resume
+    from it (torchft's step from 0, the loop's own counter from the checkpoint) and train the second epoch as DDP
+    does: its optimizer state loads (torch.distributed.checkpoint creates a missing state with a step on zero
+    gradients, which is no step to vote on)."""
+    name, path = "checkpoint", tmp_path / "synchronous"
+    run_distributed(_synchronous_fabric, WORLD, Run(name, tmp_path, stop=2, save=path))
+    resumed, starts = _groups("fabric", 2, 2, Run(name, tmp_path / "resumed", resume=path))
+    assert starts == {"same"}  # (at torchft's step 0: compared, and equal)
+    _assert_equal_to_ddp(resumed, _ddp("fabric", name), first_step=3)
+
+
+def _synchronous_fabric(rank: int, world_size: int, run: Run) -> tuple[Record, str | None]:
+    strategy = FabricHybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=2, auto_wrap_policy={torch.nn.Linear})
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()
+    return _fabric_loop(fabric, PATTERNS[run.name], save=run.save, stop=run.stop)
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)

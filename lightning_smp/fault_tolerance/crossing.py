@@ -53,12 +53,18 @@ class LighthouseWatch:
         self.url = f"{lighthouse_url.rstrip('/')}/status"
         self.timeout = timeout
 
-    def silent(self, replica_ids: Sequence[str]) -> list[str]:
+    def heard(self) -> dict[str, bool] | None:
+        """Every replica group the lighthouse lists and whether it still hears from it; ``None``: no answer."""
         try:
             with urllib.request.urlopen(self.url, timeout=self.timeout) as page:
-                heard = heard_from(page.read().decode("utf-8", "replace"))
+                return heard_from(page.read().decode("utf-8", "replace"))
         except OSError as err:
             log.debug("the lighthouse's status page could not be read: %s", err)
+            return None
+
+    def silent(self, replica_ids: Sequence[str]) -> list[str]:
+        heard = self.heard()
+        if heard is None:
             return []
         return [replica for replica in replica_ids if not heard.get(replica, False)]
 

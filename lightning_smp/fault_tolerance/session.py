@@ -68,8 +68,9 @@ class StepReport:
 #: how long a crossing runs before the lighthouse's status page is read, and then how often
 WATCH_GRACE, WATCH_EVERY = 1.0, 0.5
 #: a group gives up when it has committed no step for ``quorum_timeout`` seconds, over at least this many uncommitted
-#: steps in a row (both: a slow first failure alone is not a streak)
-GIVE_UP_AFTER = 3
+#: steps in a row (both: one failure, however slow, is not a streak; a step that failed because a group vanished is
+#: followed by one without it)
+GIVE_UP_AFTER = 2
 
 
 class ReplicaGroups:
@@ -94,7 +95,7 @@ class ReplicaGroups:
         timeout = timedelta(seconds=settings.timeout)
         #: the address every other group reaches this one at
         self.host = settings.host or address_towards(settings.lighthouse_url)
-        check_host(self.host, settings.group)
+        check_host(self.host, settings.group, settings.lighthouse_url)
         check_store(self.host, store_port, settings.group)
         self.store_port = store_port
         self._tracked: TrackedState | None = None
@@ -113,7 +114,9 @@ class ReplicaGroups:
         )
         # the commit vote inside the group: one all-reduce over the group's own ranks instead of torchft's gRPC
         # barrier at group rank 0 (the same decision), so that it also carries the unused-parameter notes
-        self._vote = _GroupVote(self.manager._client, device)
+        # (the vote waits for a rank that may still be in the step's quorum, its configuration, crossing and heal)
+        self._vote = _GroupVote(self.manager._client, device, group=settings.group,
+                                wait=timedelta(seconds=settings.quorum_timeout + 3 * settings.timeout))
         self.manager._client = self._vote
         self.manager.register_state_dict_fn("lightning_smp", self._load_tracked, self._tracked_state)
         self._watch = LighthouseWatch(settings.lighthouse_url)
@@ -315,10 +318,20 @@ class ReplicaGroups:
         try:
             self.manager.wait_quorum()
         except Exception as err:  # (torchft's client raises TimeoutError, or its transport's errors)
+            settings, heard = self.settings, self._watch.heard()
+            if heard is not None:
+                alive = sorted(replica.split(":", 1)[0] for replica, hearing in heard.items() if hearing)
+                raise FaultToleranceError(
+                    f"replica group {settings.group}: no quorum of replica groups within quorum_timeout="
+                    f"{settings.quorum_timeout:g} s ({type(err).__name__}: {err}). The lighthouse at"
+                    f" {settings.lighthouse} answers and hears from {', '.join(alive) or 'no group'}: fewer groups"
+                    f" than min_groups={settings.min_groups} asked for a quorum (the others are gone, or failed and"
+                    " gave up). Fix: start the missing groups again (they heal from a live one), or lower min_groups."
+                ) from err
             raise FaultToleranceError(
-                f"replica group {self.settings.group}: no quorum of replica groups within quorum_timeout="
-                f"{self.settings.quorum_timeout:g} s ({type(err).__name__}: {err}). The lighthouse at"
-                f" {self.settings.lighthouse} does not answer: it died, or this group lost its link to it. The job"
+                f"replica group {settings.group}: no quorum of replica groups within quorum_timeout="
+                f"{settings.quorum_timeout:g} s ({type(err).__name__}: {err}). The lighthouse at"
+                f" {settings.lighthouse} does not answer: it died, or this group lost its link to it. The job"
                 " survives the death of a replica group, not of the lighthouse. Fix: start a lighthouse and every"
                 " group again, resuming from the last checkpoint."
             ) from err
@@ -464,9 +477,13 @@ class _GroupVote:
     collective inside the group between the all-reduce across groups and the optimizer step, as, in a run without
     fault tolerance, the engine's own reduction of the notes is."""
 
-    def __init__(self, client: Any, device: torch.device) -> None:
+    def __init__(self, client: Any, device: torch.device, wait: timedelta | None = None, group: int = 0) -> None:
         self._client = client
         self._device = device
+        #: how long a rank waits for the group's other ranks (``None``: torchft's timeout): as long as one of them may
+        #: still be in the step's quorum, its process group's setup, its crossing or its heal
+        self._wait = wait
+        self._group = group
         #: the step's notes, if any (their ``levels``: this rank's, or this rank's pair's across the groups)
         self.notes: UnusedNotes | None = None
         #: every rank's levels (MAX), after :meth:`should_commit`
@@ -490,7 +507,16 @@ class _GroupVote:
         if notes is not None:
             votes = torch.cat([notes.levels.to(votes.device, torch.uint8), votes])
         if dist.get_world_size() > 1:
-            dist.all_reduce(votes, op=dist.ReduceOp.MAX, async_op=True).wait(timeout)
+            wait = self._wait or timeout
+            try:
+                dist.all_reduce(votes, op=dist.ReduceOp.MAX, async_op=True).wait(wait)
+            except RuntimeError as err:
+                raise FaultToleranceError(
+                    f"replica group {self._group}: rank {group_rank}'s commit vote waited {wait.total_seconds():g} s"
+                    f" for the group's other ranks ({err}): one of them is stuck or gone (its step's quorum, the"
+                    " process group across groups, its crossing and its heal each end within their timeout). Fix:"
+                    " look at that rank's log; restart the group (it heals from a live peer)."
+                ) from err
         self.levels = votes[:-2] if notes is not None else None
         self.refused = notes is not None and notes.refuses(votes[:-2])
         committed = int(votes[-1]) == 0 and not self.refused

@@ -97,17 +97,27 @@ def address_towards(url: str) -> str:
         return str(probe.getsockname()[0])
 
 
-def check_host(host: str, group: int) -> None:
-    """``host`` must be an address of this machine: the other groups reach this group's store, its process group
-    across groups and its healing server there (nothing else is advertised)."""
+def check_host(host: str, group: int, lighthouse_url: str) -> None:
+    """``host`` must be an address of this machine, and not a loopback address unless the lighthouse is on loopback
+    too: the other groups reach this group's store, its process group across groups and its healing server there
+    (nothing else is advertised)."""
     try:
-        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+        address = ipaddress.ip_address(host)
+        family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
     except ValueError:
         raise FaultToleranceError(
             f"replica group {group}: fault_tolerance host={host!r} is not an IP address. Fix: the address of this"
             " machine's interface that the other groups reach (e.g. host='10.0.0.2'), or leave host out (the"
             " interface that reaches the lighthouse)."
         ) from None
+    towards = urlparse(lighthouse_url if "://" in lighthouse_url else f"http://{lighthouse_url}").hostname or ""
+    if address.is_loopback and not _is_loopback(towards):
+        raise FaultToleranceError(
+            f"replica group {group}: fault_tolerance host={host} is a loopback address, but the lighthouse"
+            f" ({towards}) is not on loopback: groups on other machines would dial {host}, their own machine. Fix:"
+            " the address of this machine that the other groups reach (or leave host out: the interface that"
+            " reaches the lighthouse)."
+        )
     try:
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.bind((host, 0))
@@ -117,6 +127,13 @@ def check_host(host: str, group: int) -> None:
             " groups could not reach this group there. Fix: fault_tolerance host=<an address of this machine that"
             " the other groups reach>, or leave host out (the interface that reaches the lighthouse)."
         ) from None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def check_store(host: str, port: int, group: int, timeout: float = 10.0) -> None:

@@ -93,6 +93,10 @@ class ReplicaGroupJobs:
         job.wait()
         return time.time()
 
+    def expect_end(self, group: int) -> None:
+        """Group ``group`` is expected to end on its own (it kills itself): :meth:`wait_for` does not fail on it."""
+        self._killed.add(group)
+
     def records(self, group: int, rank: int = 0) -> list[dict[str, Any]]:
         """What group ``group``'s rank ``rank`` recorded so far, one entry per committed step."""
         path = self.out / f"group{group}_rank{rank}.jsonl"

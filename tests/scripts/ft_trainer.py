@@ -12,6 +12,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.fault_run import digest, group_arguments, optimizer_tensors
@@ -84,8 +85,10 @@ def main() -> None:
         hybrid_shard_degree=args.degree, fsdp_version=args.fsdp_version,
         fault_tolerance={"lighthouse": args.lighthouse, "group": args.group, "groups": args.groups, "timeout": 10.0,
                          "quorum_timeout": 30.0})
+    # (the strategy logs each step's groups, commit and heal to every logger: fault_tolerance/...)
+    logger = CSVLogger(out / "metrics", name=f"group{args.group}")
     trainer = L.Trainer(accelerator="cpu", devices=args.degree, strategy=strategy, max_steps=args.steps,
-                        accumulate_grad_batches=args.accumulate, enable_checkpointing=False, logger=False,
+                        accumulate_grad_batches=args.accumulate, enable_checkpointing=False, logger=logger,
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Record(out, args.group, args.pause)])
     model = Model()
