@@ -137,6 +137,7 @@ def main() -> None:
 
     if args.vanish_at is not None and replicas is not None:
         vanish_inside_the_crossing(replicas, args.vanish_at, args.vanish, out / f"vanished{args.group}")
+    loop_start = time.time()  # (the first step's time after it: what the start costs)
 
     while step() < args.steps:
         for micro in range(args.accumulate):
@@ -155,7 +156,7 @@ def main() -> None:
         optimizer.zero_grad()
         if committed:
             tensors = [local(p) for p in model.parameters()]
-            line = {"step": step(), "time": time.time(), "model": digest(tensors),
+            line = {"step": step(), "time": time.time(), "loop_start": loop_start, "model": digest(tensors),
                     "optimizer": digest(optimizer_tensors(optimizer)), "iteration": state["iteration"],
                     "lr": scheduler.get_last_lr()[0], "healed_at": replicas.healed_at if replicas else None,
                     "groups": replicas.manager.num_participants() if replicas else args.nodes,

@@ -12,8 +12,20 @@ On the cluster harness (2 nodes x 2 ranks, a real link throttled to ``--rate``, 
   every ``--checkpoint_every`` steps. Killing node 1 ends the job (node 0's ranks fail at their next collective,
   after the strategy's ``timeout``); it is then started again from its last checkpoint. Measured alike: the time
   until a step is committed again, and the steps lost (done since the last checkpoint);
+- **a node that vanishes inside the crossing**: ``--trials`` times each, node 1 dies the moment the all-reduce
+  across groups is in flight, found by reading its link's byte counter (a wider model, ``--crossing_width``, so that
+  the crossing lasts): ``vanish``, the link set down and then every process of node 1 killed (no FIN or RST reaches
+  the survivor; the link comes back after ``--mend_after`` seconds), and ``kill``, every process killed with the link
+  up (the connections close). Measured: every time from the death to the survivor's next committed step
+  (``recovery_in_crossing_s``, each listed; target: the heartbeat timeout + 5 s, against the collective timeout
+  it took before); node 1 is started again after each and heals;
 - **overhead**: the step time with no failure, fault tolerance against the same configuration without it, runs
-  interleaved over ``--rounds`` rounds (target: <= 1.05).
+  interleaved over ``--rounds`` rounds (target: <= 1.05), and what the start costs (the first step's time from the
+  loop's start, fault tolerance's less the plain run's: the step-0 quorum before the first forward and the groups'
+  comparison);
+- **no failure against DDP**: the groups (forked on this machine, 2 x 2 ranks) against Lightning's DDP on 4 ranks,
+  the same loop, seed and data: the largest difference of any weight after ``--parity_steps`` steps, and the parity
+  bound of the synchronous tests.
 
 Writes ``benchmarks/results/fault_tolerance.{md,json,png}``: the step timeline of every group (a plot: step against
 wall time) and the figures above side by side.
@@ -80,6 +92,7 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from lightning_smp.testing.cluster import Cluster, LinkShape
 
     ratios, ft_steps, plain_steps = [], [], []
+    firsts: dict[str, list[float]] = {"ft": [], "plain": []}
     for round_ in range(args.rounds):
         order = ["ft", "plain"] if round_ % 2 == 0 else ["plain", "ft"]
         medians: dict[str, float] = {}
@@ -108,11 +121,15 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             times = _step_times(records, args.warmup)
             medians[kind] = statistics.median(times)
             (ft_steps if kind == "ft" else plain_steps).extend(times)
+            firsts[kind].append(records[0]["time"] - records[0]["loop_start"])
         ratios.append(medians["ft"] / medians["plain"])
         print(f"round {round_}: step {medians['ft'] * 1e3:.1f} ms with fault tolerance, {medians['plain'] * 1e3:.1f}"
               f" ms without: {ratios[-1]:.3f}", flush=True)
-    return {"overhead_ratio": statistics.median(ratios), "overhead_ratios": ratios,
-            "step_s_ft": statistics.median(ft_steps), "step_s_plain": statistics.median(plain_steps)}
+    return {"overhead_ratio": statistics.median(ratios), "overhead_ratios": ratios, "steps_per_round": args.steps,
+            "pooled_ratio": statistics.median(ft_steps) / statistics.median(plain_steps),
+            "step_s_ft": statistics.median(ft_steps), "step_s_plain": statistics.median(plain_steps),
+            "first_step_s_ft": statistics.median(firsts["ft"]), "first_step_s_plain": statistics.median(firsts["plain"]),
+            "start_cost_s": statistics.median(firsts["ft"]) - statistics.median(firsts["plain"])}
 
 
 def fault_tolerant_failure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -190,6 +207,108 @@ def baseline_failure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "restart_s": restarted - t0, "timeline": timeline}
 
 
+def _crossing_started(cluster: Any, node: int, threshold: int, timeout: float) -> float:
+    """Poll node ``node``'s link counter until it sends ``threshold`` bytes or more between two reads (a crossing: the
+    rest of a step sends heartbeats and quorum calls, a few hundred bytes); returns when."""
+    deadline = time.monotonic() + timeout
+    last = cluster.link_bytes()[node]
+    while time.monotonic() < deadline:
+        now = cluster.link_bytes()[node]
+        if now - last >= threshold:
+            return time.time()
+        last = now
+    raise TimeoutError(f"no crossing seen on node {node}'s link within {timeout} s")
+
+
+def in_crossing(args: argparse.Namespace, work: Path, how: str) -> list[dict[str, Any]]:
+    """``args.trials`` deaths of node 1 inside the crossing (``how``: ``vanish`` or ``kill``), each followed by a
+    restart and a heal; every recovery time."""
+    from lightning_smp.testing.cluster import Cluster, LinkShape
+
+    trials = []
+    width = ["--width", str(args.crossing_width), "--pause", str(args.pause)]
+    # (the gradients' bytes one rank of node 1 sends in a crossing: half of them, 2 groups)
+    threshold = 64 * 1024
+    with Cluster(2, LinkShape(rate=args.rate)) as cluster, _ft_run(cluster, work / f"crossing_{how}", args) as jobs:
+        for group in (0, 1):
+            jobs.start(group, "--steps", "100000", *width)
+        seen = 0
+        for trial in range(args.trials):
+            jobs.wait_for(lambda seen=seen: len(jobs.records(1)) >= seen + 3, args.timeout, "node 1 committing steps")
+            begun = _crossing_started(cluster, 1, threshold, args.timeout)
+            if how == "vanish":
+                cluster.cut("down")  # (both ends: whatever node 1 sends from now on never arrives)
+            cluster.kill_node(1)
+            died = time.time()
+            jobs.kill(1)
+            jobs.wait_for(lambda died=died: any(r["time"] > died for r in jobs.records(0)), args.timeout,
+                          "the survivor's next committed step")
+            recovery = min(r["time"] for r in jobs.records(0) if r["time"] > died) - died
+            seen = len(jobs.records(1))
+            trials.append({"recovery_s": recovery, "in_crossing_for_s": died - begun,
+                           "after_step": jobs.records(1)[-1]["step"]})
+            print(f"{how} inside the crossing, trial {trial}: next committed step after {recovery:.2f} s", flush=True)
+            if how == "vanish":
+                time.sleep(args.mend_after)
+                cluster.mend()
+            jobs.start(1, "--steps", "100000", *width)
+    return trials
+
+
+def parity(args: argparse.Namespace) -> dict[str, Any]:
+    """The groups against DDP with no failure, forked on this machine (2 groups x 2 ranks; DDP on 4)."""
+    from lightning_smp.testing import run_distributed
+    from lightning_smp.testing.replica_groups import run_replica_groups
+
+    groups = run_replica_groups(_parity_group, 2, DEGREE, args.parity_steps)
+    ddp = run_distributed(_parity_ddp, 2 * DEGREE, args.parity_steps)[0]
+    ours = groups[0][0]
+    difference = max(abs(a - b) for key in ddp for a, b in zip(ours[key], ddp[key]))
+    # the synchronous tests' bound (tests/helpers.parity_bound): steps x lr x (world - 1) x u x elements
+    elements = sum(len(values) for values in ddp.values())
+    bound = args.parity_steps * 1e-2 * (2 * DEGREE - 1) * 2.0 ** -24 * elements
+    return {"max_abs_difference": difference, "parity_bound": bound, "steps": args.parity_steps,
+            "groups_bit_equal": groups[0][0] == groups[1][0]}
+
+
+def _parity_loop(fabric: Any, steps: int) -> dict[str, list[float]]:
+    import torch
+
+    torch.manual_seed(1234)
+    model = fabric.setup_module(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    part = fabric.strategy.distributed_sampler_kwargs  # (each rank its part: the groups' as DDP's)
+    for step in range(steps):
+        batch = torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * step + part["rank"]))
+        fabric.backward(model(batch).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    strategy = fabric.strategy
+    state = strategy.full_state_dict(model) if hasattr(strategy, "full_state_dict") else model.state_dict()
+    return {key: value.reshape(-1).tolist() for key, value in state.items()}
+
+
+def _parity_group(group: int, rank: int, degree: int, lighthouse: str, steps: int) -> dict[str, list[float]]:
+    import lightning as L
+
+    from lightning_smp.fabric import HybridShardFSDPStrategy
+
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=2, fault_tolerance={
+        "lighthouse": lighthouse, "group": group, "groups": 2, "min_groups": 2})
+    fabric = L.Fabric(accelerator="cpu", devices=degree, strategy=strategy)
+    fabric.launch()
+    return _parity_loop(fabric, steps)
+
+
+def _parity_ddp(rank: int, world_size: int, steps: int) -> dict[str, list[float]]:
+    import lightning as L
+    from lightning.fabric.strategies import DDPStrategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=DDPStrategy())
+    fabric.launch()
+    return _parity_loop(fabric, steps)
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -215,6 +334,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def markdown(result: dict[str, Any]) -> str:
     ft, base, over, settings = result["fault_tolerance"], result["baseline"], result["overhead"], result["settings"]
+    par = result["parity"]
+    crossing = result.get("crossing_settings") or {"width": settings["crossing_width"], "trials": settings["trials"]}
     hb = settings["heartbeat_timeout"]
     rows = [
         ("time from the kill to the next committed step", f"{ft['recovery_s']:.2f} s (target <= {hb + 5:g} s)",
@@ -225,18 +346,32 @@ def markdown(result: dict[str, Any]) -> str:
          f"{base['steps_lost']} (resumed from step {base['resumed_from_step']})"),
         ("healed group bit-equal to the survivor", str(ft["bit_equal"]), "-"),
         ("step time with no failure", f"{over['step_s_ft'] * 1e3:.1f} ms", f"{over['step_s_plain'] * 1e3:.1f} ms"),
+        ("a node that vanishes inside the crossing (link down, then killed): to the next committed step",
+         ", ".join(f"{t['recovery_s']:.2f}" for t in result["in_crossing"]["vanish"]) + f" s (target <= {hb + 5:g} s)",
+         "(the job ends)"),
+        ("a node killed inside the crossing: to the next committed step",
+         ", ".join(f"{t['recovery_s']:.2f}" for t in result["in_crossing"]["kill"]) + f" s (target <= {hb + 5:g} s)",
+         "(the job ends)"),
+        ("the start: the first step, from the loop's start", f"{over['first_step_s_ft']:.2f} s",
+         f"{over['first_step_s_plain']:.2f} s"),
+        ("no failure against DDP: max abs difference", f"{par['max_abs_difference']:.1e} after {par['steps']} steps"
+         f" (parity bound {par['parity_bound']:.1e}); groups bit-equal: {par['groups_bit_equal']}", "-"),
     ]
     lines = ["# A node dies: fault-tolerant replica groups against today's behaviour", "",
              f"`make bench-fault`: 2 nodes x {DEGREE} ranks on the cluster harness, link {settings['rate']}, FSDP2 at"
              f" degree 2, a model of width {settings['width']}; heartbeat timeout {hb:g} s, node 1 started again"
              f" {settings['restart_after']:g} s after its kill; today's job checkpoints every"
              f" {settings['checkpoint_every']} steps and its collectives time out after"
-             f" {settings['collective_timeout']:g} s.", "",
+             f" {settings['collective_timeout']:g} s. Inside the crossing: a model of width"
+             f" {crossing['width']}, {crossing['trials']} trials each; every recovery is listed.", "",
              "| | fault_tolerance= | today |", "|---|---|---|",
              *(f"| {a} | {b} | {c} |" for a, b, c in rows), "",
-             f"Overhead with no failure (median of per-round ratios, {settings['rounds']} interleaved rounds):"
+             f"Overhead with no failure (median of per-round ratios, {len(over['overhead_ratios'])} interleaved"
+             f" rounds of {over.get('steps_per_round', settings.get('steps'))} steps):"
              f" **{over['overhead_ratio']:.3f}** (target <= 1.05); rounds: "
-             + ", ".join(f"{r:.3f}" for r in over["overhead_ratios"]) + ".", "",
+             + ", ".join(f"{r:.3f}" for r in over["overhead_ratios"])
+             + f"; the medians of all their steps: {over['step_s_ft'] * 1e3:.1f} ms against"
+             f" {over['step_s_plain'] * 1e3:.1f} ms, {over['step_s_ft'] / over['step_s_plain']:.3f}.", "",
              "![step timeline](fault_tolerance.png)", ""]
     return "\n".join(lines)
 
@@ -256,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint_every", type=int, default=10)
     parser.add_argument("--collective_timeout", type=float, default=10.0)
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--trials", type=int, default=3, help="deaths inside the crossing, of each kind")
+    parser.add_argument("--crossing_width", type=int, default=65536, help="the model's width for those")
+    parser.add_argument("--mend_after", type=float, default=5.0, help="seconds the link stays down after a vanish")
+    parser.add_argument("--parity_steps", type=int, default=30)
+    parser.add_argument("--only", choices=["failure", "crossing", "overhead", "parity"], default=None,
+                        help="one part (the others are kept from the last results)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     from lightning_smp.testing.cluster import netadmin_problem
@@ -265,15 +406,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench-fault needs the cluster harness: {problem}")
         return 1
     work = Path(tempfile.mkdtemp(prefix="bench-fault-"))
+    previous = args.out / "fault_tolerance.json"
+    result: dict[str, Any] = json.loads(previous.read_text()) if args.only and previous.exists() else {}
+    result["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "only"}
     try:
-        result: dict[str, Any] = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-        result["fault_tolerance"] = fault_tolerant_failure(args, work)
-        print(f"fault tolerance: recovery {result['fault_tolerance']['recovery_s']:.2f} s, heal"
-              f" {result['fault_tolerance']['heal_s']:.2f} s", flush=True)
-        result["baseline"] = baseline_failure(args, work)
-        print(f"today: recovery {result['baseline']['recovery_s']:.2f} s, {result['baseline']['steps_lost']} steps"
-              " lost", flush=True)
-        result["overhead"] = overhead(args, work)
+        if args.only in (None, "failure"):
+            result["fault_tolerance"] = fault_tolerant_failure(args, work)
+            print(f"fault tolerance: recovery {result['fault_tolerance']['recovery_s']:.2f} s, heal"
+                  f" {result['fault_tolerance']['heal_s']:.2f} s", flush=True)
+            result["baseline"] = baseline_failure(args, work)
+            print(f"today: recovery {result['baseline']['recovery_s']:.2f} s, {result['baseline']['steps_lost']}"
+                  " steps lost", flush=True)
+        if args.only in (None, "crossing"):
+            result["in_crossing"] = {how: in_crossing(args, work, how) for how in ("vanish", "kill")}
+            result["crossing_settings"] = {"width": args.crossing_width, "trials": args.trials}
+        if args.only in (None, "overhead"):
+            result["overhead"] = overhead(args, work)
+        if args.only in (None, "parity"):
+            result["parity"] = parity(args)
     except BaseException:
         print(f"bench-fault failed; its logs are kept in {work}")
         raise
@@ -281,6 +431,10 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("recovery_s", "heal_s", "steps_lost", "bit_equal"):
         result[key] = result["fault_tolerance"][key]
     result["overhead_ratio"] = result["overhead"]["overhead_ratio"]
+    result["recovery_in_crossing_s"] = {how: [t["recovery_s"] for t in trials]
+                                        for how, trials in result["in_crossing"].items()}
+    result["start_cost_s"] = result["overhead"]["start_cost_s"]
+    result["no_failure_vs_ddp_max_abs_difference"] = result["parity"]["max_abs_difference"]
     args.out.mkdir(parents=True, exist_ok=True)
     plot(result, args.out / "fault_tolerance.png")
     (args.out / "fault_tolerance.json").write_text(json.dumps(result, indent=1) + "\n")

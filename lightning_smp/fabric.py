@@ -431,6 +431,12 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         return self._module_engine if module is self._module else engine_of(module)
 
     @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        if self._replicas is not None:
+            self._settle(optimizer)  # (the gradients averaged across groups are clipped, as DDP's)
+        super().clip_gradients_value(module, optimizer, clip_val)
+
+    @override
     def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: float | int,
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> Tensor:
         """The norm over ``optimizer``'s parameters, every shard counted once and replicas not double-counted, as

@@ -385,7 +385,9 @@ class HybridShardFrontEnd:
             replicas.track(TrackedState.of(module, optimizers, extra, load_extra))
             if self._before_forward is not None:
                 self._before_forward.remove()  # (a model set up again: one hook)
-            self._before_forward = module.register_forward_pre_hook(lambda *_: replicas.before_forward())
+            # (first: FSDP2 gathers the root's parameters in its own pre-hook, and a copy from another group made
+            # after it would not be what the first forward computes with)
+            self._before_forward = module.register_forward_pre_hook(lambda *_: replicas.before_forward(), prepend=True)
 
     def _replica_checkpoint_state(self) -> dict[str, Any]:
         """What a persistent checkpoint records of the replica groups (torchft's step), to resume from."""

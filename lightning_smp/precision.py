@@ -146,6 +146,12 @@ class HybridShardPrecision(_OnDeviceType, FSDPPrecision):
         return super().pre_backward(tensor, module)
 
     @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: float | int) -> None:
+        if self.reduce_across_groups is not None:
+            self._settle(optimizer)  # (fault tolerance: the gradients averaged across groups are clipped, as DDP's)
+        super().clip_grad_by_value(optimizer, clip_val)
+
+    @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float | int) -> None:
         if self.reduce_across_groups is not None:
             self._settle(optimizer)  # (fault tolerance: the norm of the gradients averaged across groups, as DDP's)

@@ -401,18 +401,25 @@ def test_the_fault_benchmark_reports_every_figure_it_names(tmp_path, monkeypatch
     timeline = {"group 0": [(0.5 * i, i) for i in range(1, 40)], "group 1": [(0.5 * i, i) for i in range(1, 10)]}
     result = {
         "settings": {"rate": "100mbit", "width": 64, "heartbeat_timeout": 2.0, "restart_after": 10.0,
-                     "checkpoint_every": 10, "collective_timeout": 10.0, "rounds": 2},
+                     "checkpoint_every": 10, "collective_timeout": 10.0, "rounds": 2, "crossing_width": 4096,
+                     "trials": 2},
         "fault_tolerance": {"recovery_s": 2.1, "heal_s": 4.9, "steps_lost": 0, "bit_equal": True,
                             "healed_at_step": 30, "kill_s": 5.0, "restart_s": 15.0, "timeline": timeline},
         "baseline": {"recovery_s": 19.0, "steps_lost": 5, "resumed_from_step": 10, "kill_s": 5.0, "restart_s": 25.0,
                      "job_ended_s": 10.5, "timeline": {"one job": timeline["group 0"]}},
         "overhead": {"overhead_ratio": 1.02, "overhead_ratios": [1.01, 1.03], "step_s_ft": 0.061,
-                     "step_s_plain": 0.06},
+                     "step_s_plain": 0.06, "first_step_s_ft": 0.3, "first_step_s_plain": 0.25},
+        "in_crossing": {"vanish": [{"recovery_s": 2.2}, {"recovery_s": 2.3}], "kill": [{"recovery_s": 2.0},
+                                                                                       {"recovery_s": 2.1}]},
+        "parity": {"max_abs_difference": 6e-8, "parity_bound": 7.2e-5, "steps": 30, "groups_bit_equal": True},
     }
     text = bench.markdown(result)
     assert "| time from the kill to the next committed step | 2.10 s (target <= 7 s) | 19.00 s |" in text
     assert "| committed steps lost | 0 (target 0) | 5 (resumed from step 10) |" in text
-    assert "**1.020** (target <= 1.05); rounds: 1.010, 1.030." in text
+    assert "**1.020** (target <= 1.05); rounds: 1.010, 1.030; the medians of all their steps: 61.0 ms" in text
+    assert "(link down, then killed): to the next committed step | 2.20, 2.30 s (target <= 7 s) |" in text
+    assert "| a node killed inside the crossing: to the next committed step | 2.00, 2.10 s (target <= 7 s) |" in text
+    assert "| 6.0e-08 after 30 steps (parity bound 7.2e-05); groups bit-equal: True |" in text
     bench.plot(result, tmp_path / "fault.png")
     assert (tmp_path / "fault.png").stat().st_size > 10_000
     monkeypatch.setattr("lightning_smp.testing.cluster.netadmin_problem", lambda: "needs root")

@@ -820,10 +820,44 @@ def test_steps_that_keep_failing_end_every_rank_naming_the_group_the_address_and
         assert len(kinds) == 1, ranks  # (every rank of a group alike)
         for message in ranks:
             if "no quorum" in message:
-                assert f"answers and hears from group{1 - group}" not in message and "min_groups=2" in message
+                assert f"answers and hears from group{1 - group:04d}" not in message and "min_groups=2" in message
                 continue
             gave_up += 1
             assert message.startswith(f"replica group {group}: no step committed for more than quorum_timeout=4 s")
-            assert "This group is reached at 127.0.0.1 (its store at 127.0.0.1:" in message
-            assert "this rank's groups meet at 127.0.0.1:" in message and "The last failure: " in message
+            assert "This rank is reached at 127.0.0.1 (its group's store at 127.0.0.1:" in message
+            assert "its groups meet at 127.0.0.1:" in message and "The last failure: " in message
     assert gave_up >= 2, messages
+
+
+def test_the_start_s_fingerprint_sees_values_that_moved_and_constants_an_xor_would_cancel():
+    from lightning_smp.fault_tolerance.start import fingerprints
+
+    base = torch.arange(12.0).reshape(3, 4)
+    same = fingerprints([("w", base.clone())])
+    assert fingerprints([("w", base)]) == same
+    assert fingerprints([("w", base.flip(0))])[0] != same[0]  # (the same values, rows swapped)
+    assert fingerprints([("b", torch.full((4,), 1.0))])[0] != fingerprints([("b", torch.full((4,), 2.0))])[0]
+    assert fingerprints([("w", base.reshape(4, 3))])[1] != same[1]  # (another shape: another structure)
+
+
+def test_a_wrapped_accelerator_work_is_asked_whether_it_ended_through_the_one_it_wraps():
+    """torchft wraps an NCCL/XCCL work in a Python Work whose own ``is_completed()`` is always False: the crossing
+    asks the work it wraps, and does not spin until its timeout."""
+    from lightning_smp.fault_tolerance.crossing import wait_for_crossing
+
+    class Ended:
+        def is_completed(self) -> bool:
+            return True
+
+    class Wrapper:
+        _work = Ended()
+
+        def is_completed(self) -> bool:
+            return False
+
+        def wait(self, timeout=None) -> bool:
+            return True
+
+    started = time.monotonic()
+    assert wait_for_crossing(Wrapper(), object(), silent=list, timeout=5.0).completed
+    assert time.monotonic() - started < 1.0

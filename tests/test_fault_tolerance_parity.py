@@ -13,6 +13,7 @@ and resumed by a new job.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -159,6 +160,8 @@ class Run:
     resume: Path | None = None
     #: a group's rank 0 returns the error that ended it (its type's name and message) instead of raising it
     catch: bool = False
+    #: the strategies' auto_wrap_policy (``None``: one unit, the root, owns every parameter)
+    policy: frozenset[type] | None = frozenset({torch.nn.Linear})
 
     def seed_of(self, index: int) -> int:
         return self.seeds[min(index, len(self.seeds) - 1)]
@@ -168,7 +171,15 @@ class Run:
 
 
 class RecordSteps(L.Callback):
-    """The full state after every committed optimizer step, on rank 0 of the group (of the job, under DDP)."""
+    """The full state after every committed optimizer step, on rank 0 of the group (of the job, under DDP); what the
+    progress bar shows at the end, to ``progress_bar.json`` in the Trainer's folder."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            folder = Path(trainer.default_root_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "progress_bar.json").write_text(json.dumps({k: float(v) for k, v in
+                                                                   trainer.progress_bar_metrics.items()}))
 
     def __init__(self) -> None:
         self.steps: Record = []
@@ -228,7 +239,7 @@ def _caught(run: Run, rank: int, body: Callable[[], tuple[Record, str | None]]) 
 
 
 def _trainer_group(group: int, rank: int, degree: int, lighthouse: str, run: Run) -> Any:
-    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=2, auto_wrap_policy={torch.nn.Linear},
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=2, auto_wrap_policy=run.policy,
                                        fault_tolerance=_fault_tolerance(lighthouse, group, run.groups))
     return _caught(run, rank, lambda: _fit(strategy, PATTERNS[run.name], degree, run.folder / f"group{group}",
                                            seed=run.seed_of(group), stop=run.stop, save=run.save, resume=run.resume))
@@ -314,8 +325,7 @@ def _gan_step(fabric: L.Fabric, model: Any, optimizers: list[Any], batch: Any) -
 
 def _fabric_group(group: int, rank: int, degree: int, lighthouse: str, run: Run) -> Any:
     pattern = PATTERNS[run.name]
-    strategy = FabricHybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=2,
-                                             auto_wrap_policy={torch.nn.Linear},
+    strategy = FabricHybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=2, auto_wrap_policy=run.policy,
                                              fault_tolerance=_fault_tolerance(lighthouse, group, run.groups))
     fabric = L.Fabric(accelerator="cpu", devices=degree, strategy=strategy, precision=pattern.precision)
     fabric.launch()  # (the ranks exist already: this sets the strategy up)
@@ -390,6 +400,10 @@ def test_a_run_with_no_failure_equals_ddp_at_every_step(tmp_path, front_end, deg
     assert starts == {"same"}
     _assert_equal_to_ddp(records, _ddp(front_end, name))
     assert any("running_mean" in key for key in records[0][0])
+    if front_end == "trainer":  # (every group's progress bar: the groups in the last step, and its commit)
+        for group in range(groups):
+            bar = json.loads((tmp_path / f"group{group}" / "progress_bar.json").read_text())
+            assert bar["fault_tolerance/groups"] == groups and bar["fault_tolerance/committed"] == 1
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
@@ -461,8 +475,9 @@ def _synchronous_fabric(rank: int, world_size: int, run: Run) -> tuple[Record, s
 def test_groups_that_start_from_different_weights_all_take_the_first_group_s_whole(tmp_path, front_end):
     """Group 1 seeded otherwise than group 0 (an unseeded model): before the first forward every group holds group 0's
     weights, every shard whole, and the run equals DDP whose rank 0 (group 0's first rank) had group 0's seed (DDP
-    broadcasts rank 0's weights)."""
+    broadcasts rank 0's weights). One FSDP2 unit, the root, owns every parameter: its forward gathers them after
+    the copy."""
     name = "accumulation_buffers_clipping"
-    records, starts = _groups(front_end, 2, 2, Run(name, tmp_path, seeds=(0, 1)))
+    records, starts = _groups(front_end, 2, 2, Run(name, tmp_path, seeds=(0, 1), policy=None))
     assert starts == {"made_same"}
     _assert_equal_to_ddp(records, _ddp(front_end, name, seeds=(0, 1)))

@@ -19,6 +19,7 @@ groups are torchft's own, whose ``abort()`` ends an operation in flight.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -58,7 +59,7 @@ class LighthouseWatch:
         try:
             with urllib.request.urlopen(self.url, timeout=self.timeout) as page:
                 return heard_from(page.read().decode("utf-8", "replace"))
-        except OSError as err:
+        except Exception as err:  # noqa: BLE001  # (OSError, or an answer cut short: no verdict either way)
             log.debug("the lighthouse's status page could not be read: %s", err)
             return None
 
@@ -113,6 +114,7 @@ def _accelerator_types() -> list[str]:
             if available]
 
 
+@functools.cache  # (one class: isinstance tells a gloo group across groups from torchft's NCCL one)
 def _bound_gloo_class() -> type:
     from torch._C._distributed_c10d import ProcessGroupGloo as GlooBackend
     from torch.distributed import ProcessGroup as BaseProcessGroup
@@ -183,21 +185,27 @@ class Crossing:
         return self.error is None and not self.silent
 
 
-def wait_for_crossing(work: Any, process_group: Any, *, silent: Callable[[], list[str]], grace: float = 1.0,
-                      every: float = 0.5) -> Crossing:
+def wait_for_crossing(work: Any, process_group: Any, *, silent: Callable[[], list[str]], timeout: float,
+                      grace: float = 1.0, every: float = 0.5) -> Crossing:
     """Wait for ``work`` (a collective on ``process_group``, torchft's); from ``grace`` seconds on, every ``every``
     seconds, ask ``silent()`` which participants the lighthouse stopped hearing from, and abandon the collective if
-    any. Returns how it ended (never raises for the collective's own failure)."""
+    any, or once it has run ``timeout`` seconds (gloo's own timeout ends it first; NCCL's is torchft's). Returns how it
+    ended (never raises for the collective's own failure)."""
     start = time.monotonic()
     look_at = start + grace
     on_cpu = isinstance(process_group, _bound_gloo_class())
     while True:
+        if time.monotonic() - start > timeout:
+            _abandon(work, process_group, on_cpu)
+            return Crossing(error=TimeoutError(f"the collective ran past its timeout ({timeout:g} s)"))
         try:
             if on_cpu:
                 # gloo: wait() blocks up to the slice and returns the moment the collective ends
                 work.wait(timedelta(seconds=max(0.01, min(every, look_at - time.monotonic()))))
                 return Crossing()
-            if work.is_completed():  # (NCCL, XCCL: wait() only orders the stream; is_completed() does not block)
+            # (NCCL, XCCL: wait() only orders the stream; is_completed() does not block. torchft wraps the work in a
+            # Python Work whose own is_completed() is always False: the one it wraps is asked)
+            if getattr(work, "_work", work).is_completed():
                 work.wait()
                 return Crossing()
             time.sleep(0.001)
@@ -207,12 +215,16 @@ def wait_for_crossing(work: Any, process_group: Any, *, silent: Callable[[], lis
         if time.monotonic() >= look_at:
             gone = silent()
             if gone:
-                if on_cpu:
-                    process_group.abandon(work)
-                else:
-                    process_group.abort()  # (torchft's NCCL/XCCL abort ends the operation in flight)
+                _abandon(work, process_group, on_cpu)
                 return Crossing(silent=tuple(gone))
             look_at = time.monotonic() + every
+
+
+def _abandon(work: Any, process_group: Any, on_cpu: bool) -> None:
+    if on_cpu:
+        process_group.abandon(work)  # (dropped by the reaper once gloo's own timeout has ended it)
+    else:
+        process_group.abort()  # (torchft's NCCL/XCCL abort ends the operation in flight)
 
 
 __all__ = ["REAPER", "Crossing", "LighthouseWatch", "crossing_process_group", "heard_from", "wait_for_crossing"]

@@ -93,10 +93,13 @@ class ReplicaGroups:
         self.device = device
         self.sync_buffers = sync_buffers
         timeout = timedelta(seconds=settings.timeout)
-        #: the address every other group reaches this one at
+        #: the address every other group reaches this rank at (its process group across groups, its healing server)
         self.host = settings.host or address_towards(settings.lighthouse_url)
         check_host(self.host, settings.group, settings.lighthouse_url)
-        check_store(self.host, store_port, settings.group)
+        #: the group's store is group rank 0's (torchrun's agent beside it): advertised at rank 0's address, which the
+        #: group's ranks on other nodes reach too
+        self.store_host = _from_group_rank_0(self.host)
+        check_store(self.store_host, store_port, settings.group)
         self.store_port = store_port
         self._tracked: TrackedState | None = None
         self.process_group = crossing_process_group(device, timeout, self.host)
@@ -105,8 +108,9 @@ class ReplicaGroups:
             pg=self.process_group, load_state_dict=None, state_dict=None,
             min_replica_size=settings.min_groups, use_async_quorum=True, timeout=timeout,
             quorum_timeout=timedelta(seconds=settings.quorum_timeout), connect_timeout=timeout, rank=rank,
-            world_size=world_size, store_addr=self.host, store_port=store_port,
-            lighthouse_addr=settings.lighthouse_url, replica_id=f"group{settings.group}", hostname=self.host,
+            world_size=world_size, store_addr=self.store_host, store_port=store_port,
+            # (zero-padded: torchft orders the groups by replica id as text, and the first is the start's source)
+            lighthouse_addr=settings.lighthouse_url, replica_id=f"group{settings.group:04d}", hostname=self.host,
             checkpoint_transport=self._transport,
             # (step 0: the groups' states are compared and, where they differ, made whole from one group:
             # lightning_smp.fault_tolerance.start; torchft's own init_sync heals a mosaic and drops gradients)
@@ -229,7 +233,7 @@ class ReplicaGroups:
 
     def _wait(self, operation: str, work: Any) -> bool:
         crossing = wait_for_crossing(work, self.process_group, silent=self._silent, grace=WATCH_GRACE,
-                                     every=WATCH_EVERY)
+                                     every=WATCH_EVERY, timeout=self.settings.timeout + WATCH_GRACE)
         if crossing.completed:
             return True
         if crossing.silent:
@@ -271,8 +275,7 @@ class ReplicaGroups:
         (:meth:`before_forward`) or, for a step that had none, before the crossing: the same point of every group's
         step. ``False`` if the comparison failed (reported: the step is dropped; the next quorum compares again)."""
         quorum, manager = self._vote.quorum, self.manager
-        if (quorum is None or quorum.max_step != 0 or quorum.quorum_id in self._agreed or self._tracked is None
-                or manager.errored()):
+        if quorum is None or quorum.max_step != 0 or quorum.quorum_id in self._agreed or self._tracked is None:
             return quorum is None or quorum.quorum_id not in self._failed_start
         self._agreed.add(quorum.quorum_id)  # (attempted: never twice in one quorum, whatever the outcome)
         if quorum.replica_world_size == 1:
@@ -280,30 +283,31 @@ class ReplicaGroups:
             return True
         operation = "comparing the groups' state at step 0"
 
-        def all_reduce_max(tensor: Tensor) -> None:
-            work = self._collective(operation, self.process_group.allreduce, [tensor],
-                                    _options(AllreduceOptions, reduceOp=dist.ReduceOp.MAX))
-            if work is None or not self._wait(operation, work):
-                raise _Dropped
-
-        def broadcast_from_first(tensor: Tensor) -> None:
+        def cross(call: Any, tensor: Tensor, options: Any) -> bool:
             sent = tensor.to(self.device) if tensor.device != self.device else tensor
-            work = self._collective(operation, self.process_group.broadcast, [sent],
-                                    _options(BroadcastOptions, rootRank=0, rootTensor=0))
+            work = self._collective(operation, call, [sent], options)
             if work is None or not self._wait(operation, work):
-                raise _Dropped
+                return False
             if sent is not tensor:
                 tensor.copy_(sent)
+            return True
 
         buffers = self._tracked.buffers
-        try:
-            # (only a collective's failure drops the step: anything else raises, as the same on every rank)
-            self.start = agree_on_start(self._tracked.local_tensors(), compared=lambda name: name not in buffers,
-                                        device=self.device, all_reduce_max=all_reduce_max,
-                                        broadcast_from_first=broadcast_from_first, group=self.settings.group)
-        except _Dropped:
+        # (every rank takes part in the group's agreement whatever happened on it, so that no rank of the group goes
+        # on to its forward while another waits for it; only a collective's failure drops the step)
+        start = agree_on_start(
+            self._tracked.local_tensors(), compared=lambda name: name not in buffers, device=self.device,
+            all_reduce_max=lambda t: cross(self.process_group.allreduce, t,
+                                           _options(AllreduceOptions, reduceOp=dist.ReduceOp.MAX)),
+            broadcast_from_first=lambda t: cross(self.process_group.broadcast, t,
+                                                 _options(BroadcastOptions, rootRank=0, rootTensor=0)),
+            group=self.settings.group, usable=manager.errored() is None)
+        if start is None:
             self._failed_start.add(quorum.quorum_id)
+            if manager.errored() is None:  # (another rank of the group failed: this one drops the step too)
+                self._fail(operation, FaultToleranceError("it failed on another rank of this group"))
             return False
+        self.start = start
         if self.start is Start.MADE_SAME and dist.get_rank() == 0:
             first = _group_of(sorted(quorum.replica_ids)[0])
             warnings.warn(
@@ -414,7 +418,7 @@ class ReplicaGroups:
         return (
             f"replica group {self.settings.group}: no step committed for more than quorum_timeout="
             f"{self.settings.quorum_timeout:g} s ({self._uncommitted} steps in a row). The last failure: {failure}."
-            f" This group is reached at {self.host} (its store at {self.host}:{self.store_port}); this rank's groups"
+            f" This rank is reached at {self.host} (its group's store at {self.store_host}:{self.store_port}); its groups"
             f" meet at {meet}. Fix: every group must reach that address and port and this one's (a firewall, the"
             " interface: fault_tolerance host=...; torchrun sets MASTER_ADDR=127.0.0.1, which this library does not"
             " advertise), then start the groups again, resuming from the last checkpoint."
@@ -452,15 +456,20 @@ class ReplicaGroups:
         self.manager.shutdown(wait=False)
 
 
-class _Dropped(Exception):
-    """A collective of the step-0 comparison failed (already reported to torchft)."""
-
-
 def _options(kind: type, **values: Any) -> Any:
     options = kind()
     for name, value in values.items():
         setattr(options, name, value)
     return options
+
+
+def _from_group_rank_0(value: str) -> str:
+    """``value`` as the group's rank 0 has it (a broadcast over the group's own ranks)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return str(holder[0])
 
 
 def _group_of(replica_id: str) -> int | None:

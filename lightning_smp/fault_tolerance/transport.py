@@ -130,10 +130,15 @@ def check_host(host: str, group: int, lighthouse_url: str) -> None:
 
 
 def _is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address, or a name: every address it resolves to) is on loopback."""
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return host == "localhost"
+        pass
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+    except OSError:
+        return False
 
 
 def check_store(host: str, port: int, group: int, timeout: float = 10.0) -> None:

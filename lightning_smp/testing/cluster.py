@@ -227,6 +227,12 @@ class Cluster:
             else:
                 self.shape(node.index, LinkShape(rate=None, loss_pct=100.0, mtu=self.link.mtu))
 
+    def mend(self) -> None:
+        """Undo :meth:`cut`: every node interface up again, shaped as the cluster's link."""
+        for node in self.nodes:
+            _ip("-n", node.namespace, "link", "set", node.interface, "up")
+            self.shape(node.index, self.link)
+
     def pids(self, index: int | None = None) -> list[int]:
         """Every process that runs inside node ``index``'s namespace now (every node's: ``None``); torchrun's workers
         start sessions of their own, so this, not the agent's process group, is what a node runs."""
