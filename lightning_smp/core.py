@@ -34,7 +34,7 @@ from lightning_smp.checkpoint import CheckpointRun, ShardedModel
 from lightning_smp.collectives import Collectives
 from lightning_smp.config import SMPConfig, resolve_config
 from lightning_smp.config.fault_tolerance import FaultTolerance, check_fault_tolerant_layout, check_torchft
-from lightning_smp.config.options import ASYNC_FULL, StrategyOptions
+from lightning_smp.config.options import ASYNC_FULL, StrategyOptions, engine_facing
 from lightning_smp.degree import Layout, resolve_strategy_layout
 from lightning_smp.engines import (
     Engine,
@@ -46,6 +46,7 @@ from lightning_smp.engines import (
     options_for,
     own_offload_config,
     scalars,
+    selected_by,
 )
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.mesh import build_device_mesh
@@ -133,10 +134,11 @@ class HybridShardCore:
         engine.check_options(options_for(engine, self.engine_options), self.mixed_precision, self.cpu_offload)
         accumulation = self.options.gradient_accumulation
         if accumulation is not None and accumulation not in engine.capabilities.accumulations:
+            needs = selected_by(lambda capabilities: accumulation in capabilities.accumulations)
             raise HybridShardConfigError(
-                f"gradient_accumulation={accumulation!r} needs fsdp_version=2; fsdp_version="
+                f"gradient_accumulation={accumulation!r} needs {needs}; fsdp_version="
                 f"{engine.version} implements " + ", ".join(repr(g) for g in engine.capabilities.accumulations)
-                + ". Fix: pass fsdp_version=2, or one of those."
+                + f". Fix: pass {needs}, or one of those."
             )
 
     # ------------------------------------------------------------------ 2. configuration, at the front end's creation
@@ -161,7 +163,13 @@ class HybridShardCore:
             check_torchft(_installed("torchft"))
             fixed = ("device_mesh" if self.options.device_mesh is not None else
                      "process_group" if self.engine_options.get("process_group") is not None else None)
-            check_fault_tolerant_layout(settings, self.layout, self.engine.name, fixed_by=fixed, auto=self.auto)
+            check_fault_tolerant_layout(settings, self.layout, fixed_by=fixed, auto=self.auto)
+            if not self.engine.capabilities.fault_tolerance:
+                raise HybridShardConfigError(
+                    f"fault_tolerance does not run on the {self.engine.name} engine: the reduction across groups"
+                    " needs each rank's part of each parameter's gradient after the group's own reduction. Fix: pass"
+                    f" {selected_by(lambda capabilities: capabilities.fault_tolerance)}."
+                )
         return self.layout
 
     def _set_layout(self, layout: Layout | None) -> None:
@@ -321,7 +329,7 @@ class HybridShardCore:
         return ShardingPlan(layout=self.layout, device=device, mesh=mesh, mixed_precision=mixed_precision,
                             cpu_offload=cpu_offload, options=options_for(self.engine, options), precision=precision,
                             steps_inside_a_step=steps_inside_a_step,
-                            broadcast_buffers=self.options.broadcast_buffers)
+                            **engine_facing(self.options, self.config))
 
     # ------------------------------------------------------------------ 4. sharding the module
 

@@ -125,7 +125,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             :class:`~lightning_smp.precision.HybridShardFabricPrecision`, which autocasts on the root device's type.
         process_group_backend, timeout, cpu_offload, mixed_precision, auto_wrap_policy, activation_checkpointing,
             activation_checkpointing_policy: as for :class:`lightning_smp.HybridShardFSDPStrategy`.
-        (the options, written from their declarations by python -m lightning_smp.config:)
+        (the options, written from their declarations by python -m lightning_smp.generate:)
         hybrid_shard_degree: ``0`` (native FSDP: ``HYBRID_SHARD`` shards inside a node, ``FULL_SHARD`` over
             all ranks), ``1`` (no sharding: full replicas kept in sync like DDP), any divisor ``d >= 2`` of
             the world size (shard groups of ``d`` consecutive ranks, ``world_size / d`` replicas), or
@@ -222,7 +222,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         auto_wrap_policy: _POLICY | None = None,
         activation_checkpointing: type[Module] | list[type[Module]] | None = None,
         activation_checkpointing_policy: _POLICY | None = None,
-        # the options: generated from lightning_smp.config.options (python -m lightning_smp.config)
+        # the options: generated from lightning_smp.config.options (python -m lightning_smp.generate)
         sharding_strategy: ShardingStrategy | ShardingStrategyName = "HYBRID_SHARD",
         state_dict_type: StateDictType = "sharded",
         device_mesh: tuple[int, int] | DeviceMesh | None = None,

@@ -12,7 +12,6 @@ import inspect
 import logging
 import os
 import typing
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -36,8 +35,6 @@ from lightning_smp.config.options import (
     DOC_END,
     StrategyOptions,
     arguments_doc,
-    docstring_source,
-    generated_part,
     option_names,
     signature_parameters,
 )
@@ -75,10 +72,10 @@ def with_options(cls: _Strategy) -> _Strategy:
     ``help()``, notebooks and LightningCLI (``lightning-smp fit --help``, ``--print_config``) read.
 
     The library's strategies list Lightning's own arguments, then the options, and document them, as written from
-    their declarations by ``python -m lightning_smp.config`` (what static type checkers and IDEs read; their
-    docstring holds the options' entries between ``DOC_BEGIN`` and ``DOC_END``): a constructor or docstring that
-    differs from the declarations warns, naming that command. Options that are positional parameters of the
-    Lightning base class (``sharding_strategy``, ``state_dict_type``, ``device_mesh``) keep their place and kind
+    their declarations by ``python -m lightning_smp.generate`` (what static type checkers and IDEs read; their
+    docstring holds the options' entries between ``DOC_BEGIN`` and ``DOC_END``; ``tests/test_how_to_add.py`` holds
+    the source equal to what the command writes: nothing here checks it). Options that are positional parameters of
+    the Lightning base class (``sharding_strategy``, ``state_dict_type``, ``device_mesh``) keep their place and kind
     there: a drop-in replacement; the others are keyword-only. A subclass that only adds options (its own
     ``options_type``, no constructor) gets them in its runtime signature, taken through ``**kwargs``
     (:meth:`HybridShardFrontEnd._take_options`)."""
@@ -112,18 +109,14 @@ def with_options(cls: _Strategy) -> _Strategy:
         if parameter.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD or parameter.name not in declared:
             break
         positional.append(declared.pop(parameter.name).replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD))
-    signature = inspect.Signature([*own, *positional, *declared.values(), *rest], return_annotation=None)
-    if generated and _shape(inspect.signature(init)) != _shape(signature):
-        _warn_stale(f"{cls.__qualname__}.__init__'s option parameters")
-    init.__signature__ = signature
+    init.__signature__ = inspect.Signature([*own, *positional, *declared.values(), *rest], return_annotation=None)
     init.__annotations__ = {**init.__annotations__, **{p.name: p.annotation for p in [*positional, *declared.values()]}}
-    if generated:  # the options' entries are in the source's docstring too (static IDEs show it)
-        indent, entries = generated_part(doc, DOC_BEGIN, DOC_END)
-        current = docstring_source(indent, cls.options_type)
-        if entries != current:
-            _warn_stale(f"{cls.__qualname__}'s docstring entries")
-        doc = doc.replace(entries, current)  # (at run time, the declarations' in any case)
-        cls.__doc__ = "\n".join(line for line in doc.splitlines() if line.strip() not in (DOC_BEGIN, DOC_END))
+    if generated:  # the options' entries, at run time the declarations' (without the two lines around them)
+        lines = doc.splitlines()
+        first = next(i for i, line in enumerate(lines) if line.strip() == DOC_BEGIN)
+        last = next(i for i, line in enumerate(lines) if line.strip() == DOC_END)
+        indent = lines[first][: len(lines[first]) - len(lines[first].lstrip())]
+        cls.__doc__ = "\n".join([*lines[:first], arguments_doc(indent, cls.options_type), *lines[last + 1:]])
         return cls
     line = next((line for line in doc.splitlines() if line.strip() == OPTIONS_LINE), None)
     if line is None:  # (a subclass's own docstring, or none): the options as its arguments section
@@ -132,19 +125,6 @@ def with_options(cls: _Strategy) -> _Strategy:
         indent = line[: len(line) - len(line.lstrip())]
         cls.__doc__ = doc.replace(line, arguments_doc(indent, cls.options_type))
     return cls
-
-
-def _warn_stale(what: str) -> None:
-    """The library's own strategies, edited without rewriting their options (a developer's mistake: the runtime
-    signature and docstring come from the declarations all the same; only what static type checkers read is stale).
-    A warning, not an error: the command that rewrites them imports the package."""
-    warnings.warn(f"{what} differ from the options' declarations in lightning_smp.config.options (static type"
-                  " checkers and IDEs read them). Fix: python -m lightning_smp.config (it rewrites them).", stacklevel=3)
-
-
-def _shape(signature: inspect.Signature) -> list[tuple[str, Any, Any]]:
-    """A signature's parameters without their annotations (source text in one, resolved types in the other)."""
-    return [(p.name, p.kind, p.default) for p in signature.parameters.values()]
 
 
 class HybridShardFrontEnd:

@@ -53,7 +53,7 @@ class Links:
         except (TypeError, ValueError):
             raise HybridShardConfigError(
                 f"Links(engine_costs={self.engine_costs!r}) is not a map of engine name to (seconds, seconds per"
-                " byte). Fix: pass e.g. engine_costs={'fsdp2': (1.5e-3, 3.5e-9)}, or leave it out (calibrate()"
+                " byte). Fix: pass e.g. engine_costs={strategy.engine.name: (1.5e-3, 3.5e-9)}, or leave it out (calibrate()"
                 " measures it on CPU)."
             ) from None
         object.__setattr__(self, "engine_costs", costs)

@@ -57,6 +57,19 @@ NO_SYNC: Final[GradientAccumulation] = "no_sync"
 EVERY_MICRO_BATCH: Final[GradientAccumulation] = "every_micro_batch"
 DEFER_ALL_REDUCE: Final[GradientAccumulation] = "defer_all_reduce"
 
+#: The front ends, each where an option can act: Lightning's Trainer strategy, Fabric's, and ``lightning_smp.init()``
+#: (plain PyTorch ``FSDP(...)``/``fully_shard`` calls). An option declares those it acts in; the others refuse it.
+FrontEndName = Literal["trainer", "fabric", "init"]
+FRONT_ENDS: Final[tuple[FrontEndName, ...]] = get_args(FrontEndName)
+
+#: Where an option acts, part of its declaration (``config.options.option``, ``config.keys.smp_key``): ``layout``
+#: (the core settles the layout, the mesh and the engine from it), ``engines`` (every engine reads it from the
+#: ``ShardingPlan``, a field of the option's name that the core fills from the declaration), ``planner`` (what
+#: ``hybrid_shard_degree="auto"`` chooses with), ``checkpoint`` (how checkpoints are written), ``front_ends`` (the
+#: strategies' own steps and hooks, and what they hand an engine's training calls each step).
+ActsIn = Literal["layout", "engines", "planner", "checkpoint", "front_ends"]
+ACTS_IN: Final[tuple[ActsIn, ...]] = get_args(ActsIn)
+
 #: Names registered in Lightning's strategy registry on ``import lightning_smp``: (name, description, init args).
 STRATEGY_NAMES: Final[tuple[tuple[str, str, dict[str, Any]], ...]] = (
     ("smp_hybrid", "SMP-style hybrid sharded data parallelism (FSDP HYBRID_SHARD)", {"sharding_strategy": HYBRID_SHARD}),
@@ -78,14 +91,18 @@ STRATEGY_NAMES: Final[tuple[tuple[str, str, dict[str, Any]], ...]] = (
 )
 
 __all__ = [
+    "ACTS_IN",
     "AUTO",
     "DEFER_ALL_REDUCE",
     "EVERY_MICRO_BATCH",
+    "FRONT_ENDS",
     "FSDP_VERSIONS",
     "FULL",
     "GRADIENT_ACCUMULATIONS",
     "NO_SYNC",
     "FSDPVersion",
+    "FrontEndName",
+    "ActsIn",
     "GradientAccumulation",
     "FULL_SHARD",
     "HYBRID_SHARD",

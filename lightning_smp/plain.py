@@ -50,10 +50,12 @@ import torch.distributed as dist
 from torch.nn import Module
 
 from lightning_smp.collectives import release_process_groups_at_exit
-from lightning_smp.config import configured_degree, load_config, set_init_config
+from lightning_smp.config import configured_degree, load_config, resolve_config, set_init_config
+from lightning_smp.config.keys import refuse_unacted, unacted
+from lightning_smp.config.sources import TORCHFT_SOURCE, config_source
 from lightning_smp.degree import Layout, resolve_layout
 from lightning_smp.engines import ENGINES
-from lightning_smp.engines.base import Wrapping
+from lightning_smp.engines.base import Engine
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.mesh import build_device_mesh
 from lightning_smp.names import AUTO, FULL_SHARD, HYBRID_SHARD
@@ -156,17 +158,18 @@ def _mesh_for(layout: Layout, device_type: str) -> DeviceMesh:
 class _PlainCalls:
     """:class:`~lightning_smp.engines.base.PlainCalls`: the configured degree applied to the user's own calls."""
 
-    def rewrite(self, engine: Wrapping, arguments: dict[str, Any]) -> Callable[[Module], None] | None:
+    def rewrite(self, engine: Engine, arguments: dict[str, Any]) -> Callable[[Module], None] | None:
         return _rewrite(engine, arguments)
 
-    def default_mesh(self, engine: Wrapping) -> DeviceMesh | None:
+    def default_mesh(self, engine: Engine) -> DeviceMesh | None:
         return _default_mesh(engine)
 
 
-def _default_mesh(engine: Wrapping) -> DeviceMesh | None:
+def _default_mesh(engine: Engine) -> DeviceMesh | None:
     """The mesh a ``fully_shard`` call without ``mesh=`` gets: the configured degree's (``None``: torch's default)."""
     if _SESSION is None or not (dist.is_available() and dist.is_initialized()):
         return None  # (no session: a patch left in place after shutdown() because another came after it)
+    _refuse_unacted("a plain fully_shard(...) call")
     degree = configured_degree()
     if degree == 0:
         return None
@@ -175,7 +178,7 @@ def _default_mesh(engine: Wrapping) -> DeviceMesh | None:
             "hybrid_shard_degree='auto' cannot be chosen inside a plain fully_shard(...) call: fully_shard is called"
             " block by block, so no call sees the whole model. Fix: choose with"
             " lightning_smp.plan(model, world_size=..., budget_bytes=...) and configure its .degree, or pass mesh=,"
-            " or train with HybridShardFSDPStrategy(hybrid_shard_degree='auto', fsdp_version=2)."
+            f" or train with HybridShardFSDPStrategy(hybrid_shard_degree='auto', fsdp_version={engine.version})."
         )
     # FSDP2 has no sharding strategy to override: the degree alone decides (reshard_after_forward is the caller's)
     layout = resolve_layout(dist.get_world_size(), int(degree), HYBRID_SHARD)
@@ -186,12 +189,13 @@ def _default_mesh(engine: Wrapping) -> DeviceMesh | None:
     return engine.mesh_for(_mesh_for(layout, device_type), layout)
 
 
-def _rewrite(engine: Wrapping, arguments: dict[str, Any]) -> Callable[[Module], None] | None:
+def _rewrite(engine: Engine, arguments: dict[str, Any]) -> Callable[[Module], None] | None:
     """Apply the configured degree to one FSDP call's arguments in place; return a post-wrap hook or None."""
     if arguments.get("device_mesh") is not None or arguments.get("process_group") is not None:
         return None
     if _SESSION is None or not (dist.is_available() and dist.is_initialized()):
         return None
+    _refuse_unacted("a plain FSDP(...) call")
     degree = configured_degree()
     if degree == 0:
         return None
@@ -201,7 +205,7 @@ def _rewrite(engine: Wrapping, arguments: dict[str, Any]) -> Callable[[Module], 
     requested = arguments.get("sharding_strategy") or FULL_SHARD  # FSDP's own default
     device = _root_device(module, arguments.get("device_id"))
     if degree == AUTO:
-        degree = _auto_degree(module, arguments, requested, device)
+        degree = _auto_degree(engine, module, arguments, requested, device)
     layout = resolve_layout(dist.get_world_size(), int(degree), requested)
     mesh = _mesh_for(layout, device.type)
     _log_once(layout)
@@ -218,14 +222,22 @@ def _rewrite(engine: Wrapping, arguments: dict[str, Any]) -> Callable[[Module], 
     return lambda wrapped: broadcast_across_replicas(wrapped, mesh, device)
 
 
-def _auto_degree(module: Module, arguments: dict[str, Any], requested: Any, device: torch.device) -> int:
+def _refuse_unacted(what: str) -> None:
+    """The configuration's keys that only the strategies act on (``async_save``, ``fault_tolerance``: their
+    declaration's ``front_ends``), refused in a plain call; torchft's own variables are left alone (a plain script
+    that drives torchft itself sets them for torchft)."""
+    config = resolve_config()
+    refuse_unacted(config, [key for key in unacted(config, "init") if config_source(key) != TORCHFT_SOURCE], what)
+
+
+def _auto_degree(engine: Engine, module: Module, arguments: dict[str, Any], requested: Any,
+                 device: torch.device) -> int:
     """``hybrid_shard_degree="auto"`` in a plain ``FSDP(model, ...)`` call: planned once, from the outermost call's
     module (inner units that ``auto_wrap_policy`` wraps run inside it and reuse the choice), on every rank alike
     (:func:`~lightning_smp.planner.agree.plan_on_every_rank`)."""
     session = _session()
     if session.auto_degree is None:
         from lightning_smp.collectives import Collectives
-        from lightning_smp.config import resolve_config
         from lightning_smp.planner.agree import plan_on_every_rank
 
         # the ranks of this node, from the hosts themselves (LOCAL_WORLD_SIZE is torchrun's, not everyone's)
@@ -234,7 +246,7 @@ def _auto_degree(module: Module, arguments: dict[str, Any], requested: Any, devi
         chosen = plan_on_every_rank(
             module, configured_budget=resolve_config().memory_budget, configured_links=resolve_config().links,
             device=device, local_ranks=local_ranks,
-            world_size=dist.get_world_size(), devices_per_node=local_ranks, fsdp_version=1,
+            world_size=dist.get_world_size(), devices_per_node=local_ranks, fsdp_version=engine.version,
             auto_wrap_policy=arguments.get("auto_wrap_policy"), sharding_strategy=getattr(requested, "name", requested),
         )
         if dist.get_rank() == 0:

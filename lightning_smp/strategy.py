@@ -48,7 +48,7 @@ from lightning_smp.checkpoint.atomic import remove_atomically
 from lightning_smp.checkpoint.format import REPLICA_GROUPS_KEY
 from lightning_smp.checkpoint.local import model_state_to_save, optimizer_state_to_save
 from lightning_smp.collectives import Collectives
-from lightning_smp.engines import ShardingPlan, own_offload_config
+from lightning_smp.engines import ShardingPlan, own_offload_config, selected_by
 from lightning_smp.errors import CheckpointError, HybridShardConfigError, UnsupportedOptionError
 from lightning_smp.fault_tolerance.trainer_state import check_data_can_follow, load_loop_state, loop_state, uncount_step
 from lightning_smp.frontend import HybridShardFrontEnd, with_options
@@ -98,7 +98,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             the root module (one FSDP unit).
         activation_checkpointing: deprecated in Lightning, use ``activation_checkpointing_policy``.
         activation_checkpointing_policy: a set of layer classes or a policy, as for ``auto_wrap_policy``.
-        (the options, written from their declarations by python -m lightning_smp.config:)
+        (the options, written from their declarations by python -m lightning_smp.generate:)
         hybrid_shard_degree: ``0`` (native FSDP: ``HYBRID_SHARD`` shards inside a node, ``FULL_SHARD`` over
             all ranks), ``1`` (no sharding: full replicas kept in sync like DDP), any divisor ``d >= 2`` of
             the world size (shard groups of ``d`` consecutive ranks, ``world_size / d`` replicas), or
@@ -208,7 +208,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         auto_wrap_policy: _POLICY | None = None,
         activation_checkpointing: type[Module] | list[type[Module]] | None = None,
         activation_checkpointing_policy: _POLICY | None = None,
-        # the options: generated from lightning_smp.config.options (python -m lightning_smp.config)
+        # the options: generated from lightning_smp.config.options (python -m lightning_smp.generate)
         sharding_strategy: ShardingStrategy | ShardingStrategyName = "HYBRID_SHARD",
         state_dict_type: StateDictType = "sharded",
         device_mesh: tuple[int, int] | DeviceMesh | None = None,
@@ -319,9 +319,10 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
                 and not self.engine.capabilities.steps_inside_a_step):
             raise UnsupportedOptionError(
                 f"automatic_optimization=False with fsdp_version={self.fsdp_version}: a Lightning step runs inside"
-                " the sharded root's forward, and FSDP1 cannot run manual_backward there (Lightning's FSDPStrategy"
-                " fails alike). Fix: fsdp_version=2, which runs manual optimization (several backward passes and"
-                " optimizers per step included), or automatic optimization."
+                f" the sharded root's forward, and the {self.engine.name} engine cannot run manual_backward there"
+                " (Lightning's FSDPStrategy fails alike). Fix:"
+                f" {selected_by(lambda capabilities: capabilities.steps_inside_a_step)}, which runs manual"
+                " optimization (several backward passes and optimizers per step included), or automatic optimization."
             )
         if module is not None and self.core.auto_pending:
             # hybrid_shard_degree="auto": chosen from the finished model, before sharding
@@ -395,10 +396,12 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         extra = no_sync_extra_bytes(self.model)
         if extra > 0:
             rank_zero_warn(
-                f"accumulate_grad_batches={micro_batches} runs FSDP{self.fsdp_version}'s {mode.name}: between micro-batches"
-                f" every rank holds the full unsharded gradient, {fmt_bytes(extra)} ({extra} bytes) more per rank than"
-                " the sharded one. Fix: fsdp_version=2 (gradients stay sharded and cross the replicas once per"
-                " optimizer step), or gradient_accumulation='every_micro_batch' (sharded, but"
+                f"accumulate_grad_batches={micro_batches} runs the {self.engine.name} engine's {mode.name}: between"
+                f" micro-batches every rank holds the full unsharded gradient, {fmt_bytes(extra)} ({extra} bytes) more"
+                " per rank than the sharded one. Fix:"
+                f" {selected_by(lambda capabilities: not accumulation_mode(capabilities.default_accumulation).holds_unsharded)}"
+                " (gradients stay sharded and cross the replicas once per optimizer step), or"
+                " gradient_accumulation='every_micro_batch' (sharded, but"
                 f" {micro_batches}x the gradient traffic). gradient_accumulation='no_sync' keeps this and silences"
                 " the warning."
             )

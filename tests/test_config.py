@@ -20,11 +20,13 @@ from lightning_smp.config import (
     ENV_CONFIG,
     ENV_INIT,
     ENV_SAGEMAKER,
+    KNOWN_KEYS,
     config_source,
     configured_degree,
     resolve_config,
     set_cli_config,
 )
+from lightning_smp.config.keys import UNIMPLEMENTED_KEYS
 from tests.helpers import cpu_trainer
 
 ALL_ENV = (ENV_CONFIG, ENV_SAGEMAKER, ENV_CLI, ENV_INIT)
@@ -210,8 +212,16 @@ def test_unknown_key_suggests_the_right_one(source, expected):
         else:
             set_cli_config(bad)
     assert str(err.value).startswith(expected)
-    assert ("Known keys: hybrid_shard_degree, fsdp_version, memory_budget, links, async_save, fault_tolerance,"
-            " tensor_parallel_degree") in str(err.value)
+    assert f"Known keys: {', '.join(KNOWN_KEYS)}." in str(err.value)
+
+
+def test_a_key_both_implemented_and_not_is_refused_on_import():
+    from lightning_smp.config.keys import check_key_lists
+
+    with pytest.raises(RuntimeError, match="async_save both implemented .* Fix: remove its UNIMPLEMENTED_KEYS rule"):
+        check_key_lists(["hybrid_shard_degree", "async_save"], ["async_save"], ["hybrid_shard_degree", "async_save"])
+    with pytest.raises(RuntimeError, match=r"fields without a rule \['links'\]"):
+        check_key_lists(["hybrid_shard_degree"], [], ["hybrid_shard_degree", "links"])
 
 
 def test_unknown_key_without_close_match_lists_known_keys():
@@ -283,12 +293,15 @@ def test_unimplemented_smp_features_that_change_training_fail(key, value, expect
     assert configured_degree() == 0  # the failed init() set nothing
 
 
-@pytest.mark.parametrize(
-    ("key", "value"),
-    [("tensor_parallel_degree", 1), ("context_parallel_degree", 1), ("expert_parallel_degree", 1),
-     ("sm_activation_offloading", False), ("activation_loading_horizon", 2), ("fsdp_cache_flush_warnings", True),
-     ("allow_empty_shards", True), ("random_seed", 12345)],
-)
+def _harmless(key: str) -> object:
+    """A value of an SMP key this library does not implement that changes nothing: its smallest (int) or false."""
+    rule = UNIMPLEMENTED_KEYS[key]
+    value = rule.minimum if rule.kind is int else False
+    assert not rule.changes_training(value), key
+    return value
+
+
+@pytest.mark.parametrize(("key", "value"), [(key, _harmless(key)) for key in UNIMPLEMENTED_KEYS])
 def test_harmless_smp_keys_warn_and_keep_the_degree(key, value):
     with pytest.warns(UserWarning, match=rf"^lightning_smp.init\(config\): {key}={value!r} is ignored: "):
         lightning_smp.init({"hybrid_shard_degree": 2, key: value})

@@ -4,17 +4,21 @@ replicas, the report, checkpoints between engines, manual optimization)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 from torch.distributed.fsdp import CPUOffload, MixedPrecision
 
-from lightning_smp import HybridShardFSDPStrategy
+import lightning_smp.engines as engines
+from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy
 from lightning_smp.degree import resolve_layout
 from lightning_smp.engines import DDP_ENGINE, engine_for, engine_for_layout, options_for
-from lightning_smp.engines.ddp.engine import DDPEngine
 from lightning_smp.engines.ddp.prediction import DDPPrediction
+from lightning_smp.engines.fsdp2.engine import FSDP2Engine
+from lightning_smp.engines.fsdp2.prediction import FSDP2Prediction
 from lightning_smp.planner.state import model_state
 from tests.helpers import (
     FSDP_VERSIONS,
@@ -99,49 +103,110 @@ def test_the_planner_predicts_degree_1_whole_and_never_gathered():
     assert every["replicate"]["all_reduce"]["bytes"] == 4 * figure["replicate"]["all_reduce"]["bytes"]
 
 
-class _ReplicaPrediction(DDPPrediction):
+class _GatheredPrediction(FSDP2Prediction):
+    """FSDP2's layout rules, every unit held gathered from its forward to its backward (ZeRO-2's peak)."""
+
     asked = False
 
-    def step_textbook(self, *args, **kwargs):
+    def gathered_bytes(self, unit_bytes, root_bytes, zero2, unsharded):
         type(self).asked = True
-        return super().step_textbook(*args, **kwargs)
+        return super().gathered_bytes(unit_bytes, root_bytes, True, unsharded)
 
 
-class _ReplicaEngine(DDPEngine):
-    """A fourth engine as docs/architecture.md describes adding one: a class implementing ``Engine`` (DDP's, under
-    another name, with its own ``Prediction``), its entry in ``engines.ENGINES`` and its rule in
-    ``engines.engine_for_layout`` (here: the layouts that shard nothing). Nothing outside ``engines/`` is edited."""
+class _GatheredEngine(FSDP2Engine):
+    """A fourth engine, added as docs/architecture.md's recipe says: a class implementing ``Engine`` (FSDP2 whose units
+    keep their parameters gathered from forward to backward under every sharding strategy, as ZeRO-2 does), its own
+    ``Capabilities`` (every micro-batch reduced; no fault tolerance) and ``Prediction``, and
+    ``engines.register``. Nothing of the library is edited or patched: ``fsdp_version=3`` selects it."""
 
-    name = "replica"
-    prediction = _ReplicaPrediction()
+    name = "fsdp2_gathered"
+    version = 3
+    capabilities = dataclasses.replace(FSDP2Engine.capabilities, accumulations=("every_micro_batch",),
+                                       fault_tolerance=False)
+    prediction = _GatheredPrediction()
+
+    def shard_kwargs(self, plan):
+        return {**super().shard_kwargs(plan), "reshard_after_forward": False}
 
 
-def test_a_fourth_engine_needs_only_its_class_and_its_registration(tmp_path, monkeypatch):
-    import lightning_smp.engines as engines
+class _EngineProbe(Callback):
+    """What each rank's strategy runs, and what its model's units do after a forward (gathered or resharded)."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx:
+            return
+        from lightning_smp.engines import engine_of
+
+        (self.folder / f"probe{trainer.global_rank}.json").write_text(json.dumps({
+            "engine": trainer.strategy.engine.name, "found": engine_of(trainer.strategy.model).name,
+            "gathered_after_forward": self._gathered(trainer, pl_module)}))
+
+    @staticmethod
+    def _gathered(trainer, pl_module):
+        # a forward without backward: a unit below the root whose reshard_after_forward is False keeps its
+        # parameters gathered (plain tensors, not DTensor shards) until its next backward or reshard()
+        with torch.no_grad():
+            pl_module(torch.zeros(1, 16))
+        gathered = not any(hasattr(p, "to_local") for p in pl_module.net[0].parameters())
+        for unit in pl_module.modules():
+            if hasattr(unit, "reshard"):
+                unit.reshard()
+        return gathered
+
+
+@pytest.fixture
+def registered():
+    """engines.register's effect undone after the test."""
+    yield engines.register
+    for engine in [e for e in engines.ENGINES if isinstance(e, _GatheredEngine)]:
+        engines.unregister(engine)
+
+
+def test_a_fourth_engine_needs_only_its_class_and_its_registration(tmp_path, registered):
     from lightning_smp.callbacks import MemorySavingsCallback
     from lightning_smp.planner import plan
 
-    fourth = _ReplicaEngine()
-    # the registration: engine_for_layout's rule returns engines.DDP_ENGINE for a layout that shards nothing
-    monkeypatch.setattr(engines, "DDP_ENGINE", fourth)
-    monkeypatch.setattr(engines, "ENGINES", (*engines.FSDP_ENGINES, fourth))
-    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=1, start_method="fork")
+    fourth = registered(_GatheredEngine())
+    assert registered(_GatheredEngine()) is not fourth and engines.engine_for(3).name == "fsdp2_gathered"  # again
+    fourth = engines.engine_for(3)
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=3, start_method="fork",
+                                       auto_wrap_policy={torch.nn.Linear})
     report = MemorySavingsCallback(print_table=False, filename=tmp_path / "report.json")
-    _, model, records = fit_and_record(strategy, tmp_path, WORLD, callbacks=[report])
-    assert strategy.engine is fourth and strategy.engine.name == "replica"
+    _, model, records = fit_and_record(strategy, tmp_path, WORLD, callbacks=[report, _EngineProbe(tmp_path)])
+    assert strategy.engine is fourth
+    # every rank ran it, engine_of found it (before FSDP2, whose models it also wraps), and its own wrap ran
+    probes = [json.loads((tmp_path / f"probe{rank}.json").read_text()) for rank in range(WORLD)]
+    assert probes == [{"engine": "fsdp2_gathered", "found": "fsdp2_gathered", "gathered_after_forward": True}] * WORLD
     # the front end, the core, the precision plugin and the report reached it through the registry alone: every
-    # rank trained as Lightning's DDP does, and the report read its accounting
+    # rank trained as Lightning's DDP does, and the report read its accounting (FSDP2's: half the model per rank)
     ddp_losses, ddp_weights = ddp_fit()
     assert max(abs(a - b) for a, b in zip(records[0]["losses"], ddp_losses)) <= PARITY_BOUND
     assert_matches_ddp(weights_of(model), ddp_weights)
     ranks = json.loads((tmp_path / "report.json").read_text())["reports"]["first_step"]
-    assert len(ranks) == WORLD
-    for rank in ranks:  # the whole model on every rank, its gradients read through the engine's accounting
-        assert rank["total_bytes"] == rank["unsharded_total_bytes"] and rank["measured_over_floor"] == 1.0
-        assert rank["grads_bytes"] == rank["params_bytes"] > 0
-    # and the planner asked the fourth engine's own prediction for degree 1
+    assert len(ranks) == WORLD and all(rank["params_bytes"] < rank["unsharded_total_bytes"] for rank in ranks)
+    # the planner asked its own prediction
     with torch.device("meta"):
         planned = torch.nn.Sequential(torch.nn.Linear(10, 7), torch.nn.Linear(7, 3))
-    _ReplicaPrediction.asked = False
-    plan(planned, world_size=WORLD, budget_bytes="1GB", degrees=[1])
-    assert _ReplicaPrediction.asked
+    _GatheredPrediction.asked = False
+    plan(planned, world_size=WORLD, budget_bytes="1GB", degrees=[2], fsdp_version=3)
+    assert _GatheredPrediction.asked
+    # every message that names an fsdp_version reads its Capabilities, every configuration source takes its version
+    with pytest.raises(HybridShardConfigError, match=r"no_sync.*Fix:.*fsdp_version=1 or fsdp_version=2"):
+        HybridShardFSDPStrategy(fsdp_version=3, gradient_accumulation="no_sync")
+    refused = HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=3, start_method="fork",
+                                      fault_tolerance={"lighthouse": "localhost:1", "group": 0, "groups": 2})
+    with pytest.raises(HybridShardConfigError, match=r"does not run on the fsdp2_gathered engine.*Fix: pass"
+                                                     r" fsdp_version=2\.$"):
+        cpu_trainer(refused, tmp_path, 2)
+    with pytest.raises(HybridShardConfigError, match=r"fsdp_version=4 is not an FSDP version. Valid values: 1, 2, 3 "
+                                                     r"\(.*3: the fsdp2_gathered engine\)"):
+        HybridShardFSDPStrategy(fsdp_version=4)
+    # a name or a version another engine has is refused, and the library's own engines stay
+    with pytest.raises(HybridShardConfigError, match="engine 'fsdp2' has that name"):
+        registered(type("Other", (_GatheredEngine,), {"name": "fsdp2", "version": 5})())
+    with pytest.raises(HybridShardConfigError, match="the fsdp2 engine is the library's own"):
+        engines.unregister(engines.engine_for(2))
+

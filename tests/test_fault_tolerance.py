@@ -71,8 +71,8 @@ def test_a_bad_fault_tolerance_names_the_key_and_the_fix(value, match):
 
 
 @pytest.mark.parametrize(("kwargs", "devices", "match"), [
-    pytest.param({"hybrid_shard_degree": 2, "fsdp_version": 1}, 2, "not on fsdp1.*Fix: pass fsdp_version=2",
-                 id="fsdp1"),
+    pytest.param({"hybrid_shard_degree": 2, "fsdp_version": 1}, 2,
+                 "does not run on the fsdp1 engine.*Fix: pass fsdp_version=2", id="fsdp1"),
     pytest.param({"hybrid_shard_degree": 2, "fsdp_version": 2}, 4, "this job has 4 ranks and hybrid_shard_degree=2",
                  id="two_groups_in_one_job"),
     pytest.param({"hybrid_shard_degree": "auto", "fsdp_version": 2}, 2, "'auto' with fault_tolerance", id="auto"),

@@ -267,7 +267,7 @@ def test_fsdp1_no_sync_warns_once_with_the_cost(tmp_path, chosen):
     if chosen == NO_SYNC:
         assert not any("no_sync" in text for text in caught)
         return
-    assert caught[0].count("runs FSDP1's no_sync") == 1 and not any("no_sync" in text for text in caught[1:])
+    assert caught[0].count("runs the fsdp1 engine's no_sync") == 1 and not any("no_sync" in text for text in caught[1:])
     # the unsharded padded flat parameter instead of this rank's half of it
     numels = [n for layer in TinyModel.LAYER_NUMELS for n in layer]
     extra = 4 * (local_shard_numel(numels, 1, 2) - local_shard_numel(numels, 2))

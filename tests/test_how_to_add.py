@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import types
 import typing
 from pathlib import Path
 
@@ -15,8 +16,12 @@ import torch
 
 import lightning_smp
 from lightning_smp import HybridShardConfigError
-from lightning_smp.config.options import StrategyOptions, option
+from lightning_smp.config.keys import IMPLEMENTED, SMPConfig
+from lightning_smp.config.options import StrategyOptions, acting_in, option, option_fields
+from lightning_smp.core import HybridShardCore
+from lightning_smp.engines import ShardingPlan
 from lightning_smp.frontend import with_options
+from lightning_smp.names import ACTS_IN
 
 PACKAGE = Path(lightning_smp.__file__).parent
 
@@ -30,7 +35,8 @@ def _check_delay(value: object) -> int:
 # step 1 of "an option": one field, with its type, default, check and documentation
 @dataclasses.dataclass(frozen=True)
 class DelayOptions(StrategyOptions):
-    reduce_delay: int = option(0, check=_check_delay, doc="steps to wait before the first reduction (a test option).")
+    reduce_delay: int = option(0, check=_check_delay, acts_in=("front_ends",),
+                               doc="steps to wait before the first reduction (a test option).")
 
 
 @with_options
@@ -62,26 +68,19 @@ def test_a_new_option_is_one_field():
 
 def test_the_constructors_hold_every_option_as_written_from_the_declarations():
     """What static type checkers and IDEs read: both constructors' option parameters, in their source, are what
-    ``python -m lightning_smp.config`` writes from the declarations (run it after adding an option)."""
+    ``python -m lightning_smp.generate`` writes from the declarations (run it after adding an option)."""
     from lightning_smp import fabric
-    from lightning_smp.config.options import (
-        DOC_BEGIN,
-        DOC_END,
-        GENERATED_IN,
-        docstring_source,
-        generated_part,
-        lightning_positional,
-        signature_source,
-    )
+    from lightning_smp.config.options import DOC_BEGIN, DOC_END, GENERATED_IN
+    from lightning_smp.generate import docstring_source, generated_part, lightning_positional, signature_source
 
     positional = lightning_positional()
     assert positional == ("sharding_strategy", "state_dict_type", "device_mesh")
     for name in GENERATED_IN:
         source = (PACKAGE / name).read_text()
         indent, written = generated_part(source)
-        assert written == signature_source(indent, positional), f"run python -m lightning_smp.config ({name})"
+        assert written == signature_source(indent, positional), f"run python -m lightning_smp.generate ({name})"
         indent, written = generated_part(source, DOC_BEGIN, DOC_END)
-        assert written == docstring_source(indent), f"run python -m lightning_smp.config ({name})"
+        assert written == docstring_source(indent), f"run python -m lightning_smp.generate ({name})"
     for cls in (lightning_smp.HybridShardFSDPStrategy, fabric.HybridShardFSDPStrategy):
         # Lightning's positional options keep their place and kind
         parameters = inspect.signature(cls.__init__).parameters.values()
@@ -93,23 +92,67 @@ def test_the_constructors_hold_every_option_as_written_from_the_declarations():
         assert "    fault_tolerance: this library's key" in cls.__doc__ and DOC_BEGIN not in cls.__doc__
 
 
+def _values_of(hint: object) -> list[object]:
+    """The values a type names one by one (``bool``, a ``Literal``, unions of them)."""
+    if hint is bool:
+        return [True, False]
+    if typing.get_origin(hint) is typing.Literal:
+        return list(typing.get_args(hint))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return [value for arg in typing.get_args(hint) for value in _values_of(arg)]
+    return []
+
+
+def _plan_with(options: StrategyOptions):
+    core = HybridShardCore.from_options(options, engine_options={})
+    core.configure(1, 2)
+    return core.plan(torch.device("cpu"), mixed_precision=None, cpu_offload=None, options={}, precision="32-true")
+
+
+@pytest.mark.parametrize("name", acting_in("engines"))
+def test_an_option_that_acts_in_the_engines_reaches_them(name):
+    """Step "an engine must honour it": its declaration says ``acts_in=("engines",)``, the engines' ``ShardingPlan``
+    has a field of its name, and a value other than its default arrives there through the core, with no line of its
+    own in ``core.plan``."""
+    assert name in {f.name for f in dataclasses.fields(ShardingPlan)}, f"{name} acts in the engines: a ShardingPlan field"
+    declared = {f.name: f for f in (*IMPLEMENTED, *option_fields())}[name]
+    hints = typing.get_type_hints(SMPConfig) | typing.get_type_hints(StrategyOptions)
+    others = [value for value in _values_of(hints[name]) if value != declared.default]
+    assert others, f"{name}: no value of {hints[name]} other than its default to send"
+    for value in others:
+        assert getattr(_plan_with(StrategyOptions.from_arguments({name: value}, engine_options={})), name) == value
+
+
+def test_an_option_that_acts_in_the_engines_without_a_path_fails_loudly():
+    """An option declared to act in the engines but missing from ``ShardingPlan`` stops the first plan, naming it."""
+
+    @dataclasses.dataclass(frozen=True)
+    class EngineDelayOptions(StrategyOptions):
+        reduce_delay: int = option(0, check=_check_delay, acts_in=("engines",), doc="a test option.")
+
+    assert acting_in("engines", EngineDelayOptions)[-1] == "reduce_delay"
+    with pytest.raises(TypeError, match="reduce_delay"):
+        _plan_with(EngineDelayOptions.from_arguments({"reduce_delay": 2}, engine_options={}))
+
+
+def test_every_option_declares_where_it_acts():
+    with pytest.raises(RuntimeError, match="acts_in=.*must be a tuple of one or more of"):
+        option(0, check=_check_delay, acts_in=("the moon",), doc="")  # type: ignore[arg-type]
+    for declared in (*IMPLEMENTED, *option_fields()):
+        assert set(declared.metadata["acts_in"]) <= set(ACTS_IN) and declared.metadata["acts_in"]
+
+
 def test_a_new_option_is_written_into_both_constructors(tmp_path):
     """Step 1's command, on copies of the two front ends: the new option's parameter, typed, with its default, lands
     in both constructors and nothing else in them changes; a second run changes nothing."""
     import shutil
 
-    from lightning_smp.config.options import (
-        DOC_BEGIN,
-        DOC_END,
-        GENERATED_IN,
-        generated_part,
-        lightning_positional,
-        write_generated,
-    )
+    from lightning_smp.config.options import DOC_BEGIN, DOC_END, GENERATED_IN
+    from lightning_smp.generate import generated_part, lightning_positional, write_constructors
 
     for name in GENERATED_IN:
         shutil.copy(PACKAGE / name, tmp_path / name)
-    assert write_generated(tmp_path, lightning_positional(), DelayOptions) == [tmp_path / n for n in GENERATED_IN]
+    assert write_constructors(tmp_path, lightning_positional(), DelayOptions) == [tmp_path / n for n in GENERATED_IN]
     for name in GENERATED_IN:
         before, after = (PACKAGE / name).read_text(), (tmp_path / name).read_text()
         (_, old), (indent, new) = generated_part(before), generated_part(after)
@@ -117,18 +160,20 @@ def test_a_new_option_is_written_into_both_constructors(tmp_path):
         (_, old_doc), (_, new_doc) = generated_part(before, DOC_BEGIN, DOC_END), generated_part(after, DOC_BEGIN, DOC_END)
         assert f"{indent}reduce_delay: steps to wait before the first reduction" in new_doc
         assert after.replace(new, "").replace(new_doc, "") == before.replace(old, "").replace(old_doc, "")
-    assert write_generated(tmp_path, lightning_positional(), DelayOptions) == []
+    assert write_constructors(tmp_path, lightning_positional(), DelayOptions) == []
 
 
-def test_a_constructor_whose_options_differ_from_the_declarations_warns_naming_the_command():
-    """A front end edited without rewriting its options: a warning naming the command (not an error: the command
-    imports the package); at run time the signature and the docstring are the declarations' all the same."""
+def test_a_constructor_written_before_an_option_was_added_still_takes_it_at_run_time_silently():
+    """Generation is a tool, not a runtime concern: a front end edited without rewriting its options does not warn
+    when imported (``test_the_constructors_hold_every_option_as_written_from_the_declarations`` fails instead); at
+    run time its signature and docstring are the declarations' all the same. A user's own constructor likewise."""
+    import warnings
 
     class Stale(lightning_smp.HybridShardFSDPStrategy):
         """A strategy whose constructor was written before an option was added.
 
         Arguments:
-            (the options, written from their declarations by python -m lightning_smp.config:)
+            (the options, written from their declarations by python -m lightning_smp.generate:)
             hybrid_shard_degree: the degree.
             (end of the options)
         """
@@ -136,26 +181,65 @@ def test_a_constructor_whose_options_differ_from_the_declarations_warns_naming_t
         def __init__(self, accelerator=None, *, hybrid_shard_degree=None, **kwargs):
             super().__init__(accelerator, hybrid_shard_degree=hybrid_shard_degree, **kwargs)
 
-    with pytest.warns(UserWarning, match=r"Stale(.__init__'s option parameters|'s docstring entries) differ from the"
-                                         r" options' declarations.*Fix: python -m lightning_smp.config") as caught:
-        with_options(Stale)
-    assert sum("Stale.__init__'s option parameters" in str(w.message) or "Stale's docstring entries" in str(w.message)
-               for w in caught) == 2
-    assert "broadcast_buffers" in inspect.signature(Stale.__init__).parameters
-    assert "    broadcast_buffers: ``True`` (default" in Stale.__doc__
-
     class Users(lightning_smp.HybridShardFSDPStrategy):  # a user's own constructor: nothing of the command's
         """A user's strategy."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
 
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        with_options(Stale)
         with_options(Users)
-    assert "broadcast_buffers" in inspect.signature(Users.__init__).parameters and "broadcast_buffers:" in Users.__doc__
+    for cls in (Stale, Users):
+        assert "broadcast_buffers" in inspect.signature(cls.__init__).parameters
+        assert "broadcast_buffers: ``True`` (default" in cls.__doc__
+
+
+def test_the_documentation_s_tables_are_written_from_the_declarations():
+    """``docs/configuration.md``'s table of the options and its table of SMP keys: what ``python -m
+    lightning_smp.generate`` writes (run it after adding an option or a key); a table hand-edited away from the
+    declarations fails here."""
+    from lightning_smp.generate import TABLES, TABLES_PAGE, table, table_begin, table_end
+
+    page = (PACKAGE.parent / TABLES_PAGE).read_text()
+    for name in TABLES:
+        written = page[page.index(table_begin(name)) + len(table_begin(name)):page.index(table_end(name))]
+        assert written.strip() == table(name), f"run python -m lightning_smp.generate ({name})"
+    options = table("strategy options")
+    for declared in lightning_smp.config.options.declarations():
+        assert f"| `{declared[0]}` |" in options
+    keys = table("smp keys")
+    for key in lightning_smp.config.KNOWN_KEYS:
+        assert f"| `{key}` |" in keys
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_generator_rewrites_a_stale_tree_and_says_nothing_else(tmp_path):
+    """``python -m lightning_smp.generate`` on a copy of the tree whose front ends and tables are stale: it rewrites
+    them (to the text the tests hold) and prints only what it rewrote, no warning, though it imports the stale
+    package itself."""
+    import shutil
+    import subprocess
+    import sys
+
+    from lightning_smp.config.options import GENERATED_IN
+
+    shutil.copytree(PACKAGE, tmp_path / "lightning_smp", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "docs").mkdir()
+    shutil.copy(PACKAGE.parent / "docs" / "configuration.md", tmp_path / "docs")
+    stale = tmp_path / "lightning_smp" / "strategy.py"
+    stale.write_text(stale.read_text().replace("        broadcast_buffers: bool = True,\n", "", 1))
+    page = tmp_path / "docs" / "configuration.md"
+    page.write_text(page.read_text().replace("| `links` |", "| `links (old)` |"))
+    done = subprocess.run([sys.executable, "-W", "always", "-m", "lightning_smp.generate", "--checkout", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"rewrote {stale}", f"rewrote {page}"] and not done.stderr.strip()
+    for name in GENERATED_IN:
+        assert (tmp_path / "lightning_smp" / name).read_text() == (PACKAGE / name).read_text()
+    assert page.read_text() == (PACKAGE.parent / "docs" / "configuration.md").read_text()
 
 
 def test_a_new_option_reaches_the_cli(capsys):

@@ -138,3 +138,47 @@ def test_the_layer_test_finds_what_it_looks_for():
     assert any(target == "lightning_smp.planner.activations" for target, _ in planner)  # inside a function
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert unit("lightning_smp.engines.fsdp1.engine") == "engines" and unit("lightning_smp") == "__init__"
+
+
+# ---------------------------------------------------------------------------------------------- engine facts
+
+#: how code outside ``engines/`` would name one engine: its class, its instance, an ``fsdp_version`` value or an
+#: engine's name in a message, an engine picked by a literal version
+_ENGINE_NAMES = {"FSDP1Engine", "FSDP2Engine", "DDPEngine", "DDP_ENGINE", "FSDP1Prediction", "FSDP2Prediction",
+                 "DDPPrediction"}
+_ENGINE_TEXT = re.compile(r"fsdp_version=\d|\bfsdp\d\b|\bddp\b")
+
+
+def _engine_namings(path: Path) -> Iterator[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    for node in ast.walk(tree):
+        named = getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "name", None)
+        if isinstance(node, (ast.Name, ast.Attribute, ast.alias)) and named in _ENGINE_NAMES:
+            yield f"line {getattr(node, 'lineno', '?')}: {named}"
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+              and _ENGINE_TEXT.search(node.value)):
+            yield f"line {node.lineno}: {node.value[:60]!r}"
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "engine_for"
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            yield f"line {node.lineno}: engine_for({node.args[0].value!r})"
+
+
+def test_no_module_outside_the_engines_names_an_engine():
+    """Engine facts live with the engine: its ``Capabilities`` (what fault tolerance needs, which accumulation modes,
+    manual optimization), its prediction (the planner's units), and a fix that names an ``fsdp_version`` asks the
+    registry which engines can (``engines.selected_by``). Elsewhere no engine class or instance, no literal engine
+    name or ``fsdp_version=<n>`` in a message, no engine picked by a literal version. (Docstrings, and the options'
+    own documentation, describe the engines.)"""
+    found = {str(path.relative_to(PACKAGE)): list(_engine_namings(path)) for path in sorted(PACKAGE.rglob("*.py"))
+             if path.relative_to(PACKAGE).parts[0] != "engines"}
+    assert {module: namings for module, namings in found.items() if namings} == {}
+
+
+def test_the_engine_scan_finds_what_it_looks_for(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text('from lightning_smp.engines import DDP_ENGINE\n\ndef f(engine):\n    """fsdp_version=2 here is prose."""'
+                      '\n    raise ValueError("Fix: pass fsdp_version=2")\n\nengine_for(2)\n')
+    assert len(list(_engine_namings(sample))) == 3

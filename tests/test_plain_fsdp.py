@@ -200,3 +200,43 @@ def test_units_wrapped_by_hand_keep_rank0s_weights(how):
     results = run_distributed(_wrapped_by_hand, 4, how)
     expected = {k: v.tolist() for k, v in _model(seed=0).state_dict().items()}
     assert all(r == expected for r in results)
+
+
+#: a value of every SMP key that only the strategies act on (their declaration's front_ends)
+STRATEGIES_ONLY = {"async_save": True,
+                   "fault_tolerance": {"lighthouse": "127.0.0.1:29510", "group": 0, "groups": 1}}
+
+
+def test_every_key_the_strategies_alone_act_on_is_declared_so():
+    from lightning_smp.config.keys import IMPLEMENTED
+
+    assert {f.name for f in IMPLEMENTED if "init" not in f.metadata["front_ends"]} == set(STRATEGIES_ONLY)
+
+
+@pytest.mark.parametrize("call", ["fsdp1", "fully_shard"])
+@pytest.mark.parametrize("key", sorted(STRATEGIES_ONLY))
+def test_a_plain_call_refuses_what_only_the_strategies_act_on(key, call):
+    """init() is a configuration source for the strategies too, so it takes every key; a plain FSDP(...) or
+    fully_shard(...) call, which cannot act on async_save or fault_tolerance, refuses them on every rank, naming the
+    key and where it acts, before anything is sharded."""
+    assert run_distributed(_plain_call_with, 2, {"hybrid_shard_degree": 2, key: STRATEGIES_ONLY[key]}, call) == [
+        f"UnsupportedOptionError: {key}="] * 2
+
+
+def _plain_call_with(rank: int, world_size: int, config: dict, call: str) -> str:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_smp.errors import UnsupportedOptionError
+
+    lightning_smp.init(config)
+    try:
+        FSDP(_model(0)) if call == "fsdp1" else fully_shard(_model(0))
+    except UnsupportedOptionError as err:
+        assert "acts in the Trainer's HybridShardFSDPStrategy and Fabric's HybridShardFSDPStrategy" in str(err)
+        plain = "FSDP" if call == "fsdp1" else "fully_shard"
+        assert f"a plain {plain}(...) call cannot act on it" in str(err) and "Fix: train with one of those" in str(err)
+        return f"{type(err).__name__}: {str(err).split('=')[0]}="
+    finally:
+        lightning_smp.shutdown()
+    return "accepted"

@@ -139,11 +139,12 @@ def check_torchft(installed: str | None) -> None:
         )
 
 
-def check_fault_tolerant_layout(settings: FaultTolerance, layout: Layout | None, engine: str, *,
-                                fixed_by: str | None, auto: bool) -> None:
-    """What fault-tolerant replica groups need of this job's layout and engine, checked before any process starts
-    (the same answer on every rank): the job is one replica group of ``hybrid_shard_degree`` ranks, sharded by FSDP2
-    (or, one rank per group, by the DDP engine); ``fixed_by`` names a ``device_mesh``/``process_group`` argument."""
+def check_fault_tolerant_layout(settings: FaultTolerance, layout: Layout | None, *, fixed_by: str | None,
+                                auto: bool) -> None:
+    """What fault-tolerant replica groups need of this job's layout, checked before any process starts (the same
+    answer on every rank): the job is one replica group of ``hybrid_shard_degree`` ranks; ``fixed_by`` names a
+    ``device_mesh``/``process_group`` argument. (Its engine's part: ``Capabilities.fault_tolerance``, checked by the
+    core.)"""
     if auto:
         raise HybridShardConfigError(
             "hybrid_shard_degree='auto' with fault_tolerance: each replica group is its own job, whose size is the"
@@ -161,12 +162,6 @@ def check_fault_tolerant_layout(settings: FaultTolerance, layout: Layout | None,
             f" {layout.world_size} ranks and hybrid_shard_degree={layout.shard}, {layout.replicate} replicas of its"
             f" own. Fix: launch each group with {layout.shard} ranks (one torchrun per group), or pass"
             f" hybrid_shard_degree={layout.world_size}."
-        )
-    if engine not in ("fsdp2", "ddp"):
-        raise HybridShardConfigError(
-            f"fault_tolerance runs on FSDP2 (or, with one rank per group, on the DDP engine), not on {engine}:"
-            " FSDP1's flat parameters cannot route the reduction across groups through torchft. Fix: pass"
-            " fsdp_version=2."
         )
 
 

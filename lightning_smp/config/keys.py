@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Literal, get_type_hints
 
 from lightning_smp.config.fault_tolerance import check_fault_tolerance
 from lightning_smp.degree import check_degree_setting
-from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.errors import HybridShardConfigError, UnsupportedOptionError
 from lightning_smp.links import links_for
-from lightning_smp.names import FSDP_VERSIONS
+from lightning_smp.names import ACTS_IN, FRONT_ENDS, FSDP_VERSIONS, ActsIn, FrontEndName
 from lightning_smp.sizes import parse_bytes
 
 
@@ -48,12 +48,20 @@ def check_links(value: Any, parameter: str = "links") -> str | None:
     return value
 
 
+#: What each ``fsdp_version`` selects: the library's engines, and those registered
+#: (:func:`lightning_smp.engines.register` adds them here, so that every configuration source takes their version).
+FSDP_VERSION_ENGINES: dict[int, str] = dict(zip(FSDP_VERSIONS, ("FullyShardedDataParallel", "fully_shard")))
+
+
 def check_fsdp_version(value: Any, parameter: str = "fsdp_version") -> int:
-    """``value`` as an ``int`` if it names an engine: 1 (``FullyShardedDataParallel``) or 2 (``fully_shard``)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value not in FSDP_VERSIONS:
+    """``value`` as an ``int`` if it names an engine (:data:`FSDP_VERSION_ENGINES`): 1 (``FullyShardedDataParallel``),
+    2 (``fully_shard``), or a registered engine's."""
+    versions = FSDP_VERSION_ENGINES
+    if isinstance(value, bool) or not isinstance(value, int) or value not in versions:
         raise HybridShardConfigError(
-            f"{parameter}={value!r} is not an FSDP version. Valid values: {', '.join(map(str, FSDP_VERSIONS))}"
-            " (1: FullyShardedDataParallel, 2: fully_shard). Fix: pass 1 or 2."
+            f"{parameter}={value!r} is not an FSDP version. Valid values: {', '.join(map(str, versions))}"
+            f" ({', '.join(f'{version}: {runs}' for version, runs in versions.items())})."
+            f" Fix: pass {' or '.join(map(str, versions))}."
         )
     return int(value)
 
@@ -67,12 +75,25 @@ def check_async_save(value: Any, parameter: str = "async_save") -> bool:
     return value
 
 
-def smp_key(default: Any, *, check: Callable[[Any], Any], doc: str, parsed_as: Any = None) -> Any:
+def checked_acts_in(acts_in: tuple[ActsIn, ...]) -> tuple[ActsIn, ...]:
+    """An option's ``acts_in``: one or more of :data:`~lightning_smp.names.ACTS_IN` (a developer's mistake otherwise,
+    found on import)."""
+    unknown = [where for where in acts_in if where not in ACTS_IN]
+    if not acts_in or unknown or isinstance(acts_in, str):
+        raise RuntimeError(f"lightning_smp.config: acts_in={acts_in!r} must be a tuple of one or more of {ACTS_IN}.")
+    return acts_in
+
+
+def smp_key(default: Any, *, check: Callable[[Any], Any], doc: str, acts_in: tuple[ActsIn, ...],
+            parsed_as: Any = None, front_ends: tuple[FrontEndName, ...] = FRONT_ENDS) -> Any:
     """A field of :class:`SMPConfig` that this library implements: ``default`` when no source sets it, ``check``
     (returns the value normalised, raises :class:`HybridShardConfigError` naming the key), ``doc`` (what its values
-    mean, for the strategies' and the CLI's documentation), ``parsed_as`` (a narrower type for the command line's
-    parser than the field's, which OmegaConf must be able to merge)."""
-    return field(default=default, metadata={"check": check, "doc": doc, "parsed_as": parsed_as})
+    mean, for the strategies' and the CLI's documentation), ``acts_in`` (where it acts:
+    :data:`~lightning_smp.names.ActsIn`), ``parsed_as`` (a narrower type for the command line's parser than the
+    field's, which OmegaConf must be able to merge), ``front_ends`` (those that act on it; the others refuse a value
+    other than the default: :func:`unacted`)."""
+    return field(default=default, metadata={"check": check, "doc": doc, "acts_in": checked_acts_in(acts_in),
+                                            "parsed_as": parsed_as, "front_ends": front_ends})
 
 
 @dataclass
@@ -85,37 +106,37 @@ class SMPConfig:
     """
 
     hybrid_shard_degree: int | str = smp_key(
-        0, check=check_degree_setting, parsed_as=int | Literal["auto"],
+        0, check=check_degree_setting, acts_in=("layout", "planner"), parsed_as=int | Literal["auto"],
         doc="``0`` (native FSDP: ``HYBRID_SHARD`` shards inside a node, ``FULL_SHARD`` over all ranks), ``1`` (no"
             " sharding: full replicas kept in sync like DDP), any divisor ``d >= 2`` of the world size (shard groups of"
             " ``d`` consecutive ranks, ``world_size / d`` replicas), or ``\"auto\"``: the planner chooses, when the"
             " model is set up, the degree with the least predicted step time whose per-rank peak fits"
             " ``memory_budget`` (see ``docs/planner.md``; the strategy's ``degree_plan`` holds its table).")
     fsdp_version: int = smp_key(
-        1, check=check_fsdp_version,
+        1, check=check_fsdp_version, acts_in=("layout",),
         doc="this library's key (SMP has none): ``1`` (``FullyShardedDataParallel``, drop-in for ``FSDPStrategy``)"
             " or ``2`` (``fully_shard``: per-parameter DTensor shards, and gradient accumulation that keeps gradients"
             " sharded). A layout that shards nothing runs on the DDP engine whichever it is. See ``docs/engines.md``.")
     memory_budget: int | str | None = smp_key(
-        None, check=check_memory_budget,
+        None, check=check_memory_budget, acts_in=("planner",),
         doc="this library's key: with ``hybrid_shard_degree=\"auto\"``, what one rank's training may use, in bytes"
             " or as a string (``\"40GB\"``, ``\"400MB\"``); unset: the device's free memory (on the CPU the"
             " available RAM divided by the ranks of the node).")
     links: str | None = smp_key(
-        None, check=check_links,
+        None, check=check_links, acts_in=("planner",),
         doc="this library's key: with ``hybrid_shard_degree=\"auto\"``, what the planner times the step on: a link"
             " preset's name (``lightning_smp.planner.LINK_PRESETS``), a JSON file of ``Links``"
             " (``lightning_smp.planner.save_links``), or ``\"calibrate\"``: measured on this job's own process"
             " groups when the model is set up (a few seconds, every rank alike); unset: the default preset.")
     async_save: bool = smp_key(
-        False, check=check_async_save,
+        False, check=check_async_save, acts_in=("checkpoint",), front_ends=("trainer", "fabric"),
         doc="this library's key: ``True`` writes sharded checkpoints in the background: every ``save_checkpoint``"
             " (``ModelCheckpoint``'s included) returns once the state is copied off the training tensors, the"
             " checkpoint is committed by rename once every rank has written, ``ModelCheckpoint``'s ``last`` link, its"
             " removals and the loggers wait for that commit, and a failed write raises on every rank at the next"
             " training step (see ``docs/checkpoints.md``). Needs ``state_dict_type=\"sharded\"``.")
     fault_tolerance: dict[str, Any] | None = smp_key(
-        None, check=check_fault_tolerance,
+        None, check=check_fault_tolerance, acts_in=("front_ends",), front_ends=("trainer", "fabric"),
         doc="this library's key: replica groups that survive a node (torchft): a mapping with ``lighthouse``"
             " (``host:port``), ``group`` (this group's id) and ``groups`` (how many), and optionally ``min_groups``,"
             " ``timeout``, ``quorum_timeout`` and ``host`` (:class:`lightning_smp.config.fault_tolerance."
@@ -206,8 +227,23 @@ UNIMPLEMENTED_KEYS: dict[str, _Unimplemented] = {
 }
 
 KNOWN_KEYS = (*IMPLEMENTED_KEYS, *UNIMPLEMENTED_KEYS)
-if set(KNOWN_KEYS) != {f.name for f in fields(SMPConfig)}:  # one list of keys: the dataclass and the rules agree
-    raise RuntimeError("lightning_smp.config: SMPConfig's fields and the key rules differ")
+
+
+def check_key_lists(implemented: Collection[str], unimplemented: Collection[str], declared: Collection[str]) -> None:
+    """One list of keys: every field of ``SMPConfig`` (``declared``) is implemented or has the rule of a key that is
+    not, never both (its help would then say "not implemented"), and nothing else has a rule. A developer's mistake,
+    found on import."""
+    both = sorted(set(implemented) & set(unimplemented))
+    if both:
+        raise RuntimeError(f"lightning_smp.config: {', '.join(both)} both implemented (smp_key) and in"
+                           " UNIMPLEMENTED_KEYS. Fix: remove its UNIMPLEMENTED_KEYS rule.")
+    ruled, fields_ = set(implemented) | set(unimplemented), set(declared)
+    if ruled != fields_:
+        raise RuntimeError(f"lightning_smp.config: SMPConfig's fields and the key rules differ: fields without a rule"
+                           f" {sorted(fields_ - ruled)}, rules without a field {sorted(ruled - fields_)}.")
+
+
+check_key_lists(IMPLEMENTED_KEYS, UNIMPLEMENTED_KEYS, [f.name for f in fields(SMPConfig)])
 
 
 def _key_docs() -> dict[str, str]:
@@ -228,6 +264,30 @@ SMPSection = _optional_fields(
     "SMP v2 config keys for the LightningCLI `smp:` section; a key left out is not set here.\n\nAttributes:\n"
     + "".join(f"    {key}: {doc}\n" for key, doc in KEY_DOCS.items()),
 )
+
+
+def unacted(config: SMPConfig, front_end: FrontEndName) -> list[str]:
+    """The implemented keys ``config`` sets (other than their default) that ``front_end`` does not act on."""
+    return [f.name for f in IMPLEMENTED
+            if front_end not in f.metadata["front_ends"] and getattr(config, f.name) != f.default]
+
+
+def refuse_unacted(config: SMPConfig, keys: Collection[str], what: str) -> None:
+    """Refuse ``keys`` of ``config`` (:func:`unacted`: set, and not acted on by the front end doing ``what``), naming
+    each and the front ends that act on it: :class:`~lightning_smp.errors.UnsupportedOptionError`."""
+    if not keys:
+        return
+    where = {f.name: f.metadata["front_ends"] for f in IMPLEMENTED}
+    acting = {key: " and ".join(_FRONT_END_NAMES[end] for end in where[key]) for key in keys}
+    raise UnsupportedOptionError(
+        f"{', '.join(f'{key}={getattr(config, key)!r}' for key in keys)} is set in the configuration, but {what}"
+        f" cannot act on it: {'; '.join(f'{key} acts in {ends}' for key, ends in acting.items())}. Fix: train with"
+        f" one of those, or remove {', '.join(keys)} from the configuration (init(config), LIGHTNING_SMP_CONFIG)."
+    )
+
+
+_FRONT_END_NAMES: dict[str, str] = {"trainer": "the Trainer's HybridShardFSDPStrategy",
+                                    "fabric": "Fabric's HybridShardFSDPStrategy", "init": "lightning_smp.init()"}
 
 
 def _type_name(value: Any) -> str:
@@ -286,6 +346,7 @@ def check_config(values: Any, where: str) -> dict[str, Any]:
 
 
 __all__ = [
+    "FSDP_VERSION_ENGINES",
     "CALIBRATE",
     "IMPLEMENTED",
     "IMPLEMENTED_KEYS",
@@ -296,6 +357,10 @@ __all__ = [
     "SMPSection",
     "check_async_save",
     "check_config",
+    "check_key_lists",
+    "checked_acts_in",
+    "refuse_unacted",
+    "unacted",
     "check_fsdp_version",
     "check_links",
     "check_memory_budget",

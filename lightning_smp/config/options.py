@@ -7,15 +7,16 @@ field holds the type, the default, the check and the documentation; from the two
 
 - :meth:`StrategyOptions.from_arguments`, the one call each strategy's constructor makes: every check that needs no
   world size and no process, the same on every rank;
-- :func:`signature_source`: the constructors' option parameters as source, which ``python -m lightning_smp.config``
-  writes into both front ends (what static type checkers and IDEs read);
+- the constructors' option parameters as source and the documentation's tables, which ``python -m
+  lightning_smp.generate`` writes (:mod:`lightning_smp.generate`: what static type checkers, IDEs and readers of
+  ``docs/configuration.md`` read);
 - :func:`signature_parameters` and :func:`arguments_doc`: each strategy's constructor signature and the part of its
   docstring that documents the options (what IDE help, ``help()``, notebooks and LightningCLI read; see
   :func:`lightning_smp.frontend.with_options`);
 - the configuration sources' rules (:data:`~lightning_smp.config.keys.IMPLEMENTED_KEYS`) and the CLI's ``smp:``
   section (:data:`~lightning_smp.config.keys.SMPSection`).
 
-A new option is one field here (or in ``SMPConfig``), then ``python -m lightning_smp.config``; the code that acts on
+A new option is one field here (or in ``SMPConfig``), then ``python -m lightning_smp.generate``; the code that acts on
 it reads ``strategy.options.<name>`` (the argument) or ``strategy.config.<name>`` (an SMP key, resolved from every
 source).
 """
@@ -23,18 +24,14 @@ source).
 from __future__ import annotations
 
 import inspect
-import json
-import types
-import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import Field, dataclass, field, fields
-from pathlib import Path
 from typing import Any, get_type_hints
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import ShardingStrategy
 
-from lightning_smp.config.keys import IMPLEMENTED, SMPConfig, check_config
+from lightning_smp.config.keys import IMPLEMENTED, SMPConfig, check_config, checked_acts_in
 from lightning_smp.degree import check_sharding_strategy, reconcile_degree
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.names import (
@@ -43,6 +40,7 @@ from lightning_smp.names import (
     SHARDED,
     START_METHODS,
     STATE_DICT_TYPES,
+    ActsIn,
     GradientAccumulation,
     ShardingStrategyName,
     StartMethod,
@@ -132,10 +130,12 @@ def process_group_degree(process_group: Any) -> int | None:
     return intra.size()
 
 
-def option(default: Any, *, check: Callable[[Any], Any], doc: str) -> Any:
+def option(default: Any, *, check: Callable[[Any], Any], doc: str, acts_in: tuple[ActsIn, ...]) -> Any:
     """A field of :class:`StrategyOptions`: its default, its check (returns the value normalised, raises
-    :class:`HybridShardConfigError` naming the option) and its documentation."""
-    return field(default=default, metadata={"check": check, "doc": doc})
+    :class:`HybridShardConfigError` naming the option), its documentation and where it acts
+    (:data:`~lightning_smp.names.ActsIn`; ``"engines"``: a field of the same name in the engines' ``ShardingPlan``,
+    which the core fills from :func:`engine_facing`)."""
+    return field(default=default, metadata={"check": check, "doc": doc, "acts_in": checked_acts_in(acts_in)})
 
 
 ASYNC_FULL = (
@@ -154,14 +154,14 @@ class StrategyOptions:
     """
 
     sharding_strategy: ShardingStrategy | ShardingStrategyName = option(
-        "HYBRID_SHARD", check=check_sharding_strategy,
+        "HYBRID_SHARD", check=check_sharding_strategy, acts_in=("layout",),
         doc="``\"HYBRID_SHARD\"`` (default), ``\"_HYBRID_SHARD_ZERO2\"``, ``\"FULL_SHARD\"``, ``\"SHARD_GRAD_OP\"`` or"
             " ``\"NO_SHARD\"`` (any case), or a ``ShardingStrategy``. With ``hybrid_shard_degree >= 2`` anything but"
             " ``\"_HYBRID_SHARD_ZERO2\"`` becomes ``\"HYBRID_SHARD\"`` (a warning names both). A shard group that"
             " spans the whole world runs ``FULL_SHARD`` (``SHARD_GRAD_OP`` for ZeRO-2), which costs no all-reduce"
             " over size-1 replica groups.")
     state_dict_type: StateDictType = option(
-        SHARDED, check=check_state_dict_type,
+        SHARDED, check=check_state_dict_type, acts_in=("checkpoint",),
         doc="``\"sharded\"`` (default) or ``\"full\"``. ``\"sharded\"``: a folder written by"
             " ``torch.distributed.checkpoint``, every rank writing its shard once (replica group 0 only), nothing"
             " gathered on one rank; the default because resuming is what checkpoints during training are for, and it"
@@ -170,11 +170,12 @@ class StrategyOptions:
             " ``python -m lightning_smp.checkpoint consolidate SRC DST`` (see :mod:`lightning_smp.checkpoint`).")
     device_mesh: tuple[int, int] | DeviceMesh | None = option(
         None, check=lambda value: tuple(value) if isinstance(value, list) else check_device_mesh(value) and value,
+        acts_in=("layout",),
         doc="``None`` (default: built from ``hybrid_shard_degree``), a tuple ``(replicas, shard_degree)`` (same as"
             " ``hybrid_shard_degree=shard_degree``), or a 2-D ``DeviceMesh`` you built yourself (used as is; its"
             " second dimension is the shard group). Contradicting ``hybrid_shard_degree`` is an error.")
     start_method: StartMethod | None = option(
-        None, check=check_start_method_name,
+        None, check=check_start_method_name, acts_in=("front_ends",),
         doc="how processes are started. ``None`` (default): ``\"fork\"`` in an interactive session (Jupyter,"
             " IPython), else ``\"popen\"`` (re-run the script per rank, like Lightning's FSDP). Also ``\"fork\"``,"
             " ``\"spawn\"`` or ``\"forkserver\"`` (Lightning's multiprocessing launcher). Processes started externally"
@@ -183,7 +184,7 @@ class StrategyOptions:
             " ``trainer.save_checkpoint`` writes one full checkpoint file; such a Trainer fits once (use a new one)."
             " See :mod:`lightning_smp.launcher`.")
     gradient_accumulation: GradientAccumulation | None = option(
-        None, check=check_gradient_accumulation,
+        None, check=check_gradient_accumulation, acts_in=("front_ends", "planner"),
         doc="what the micro-batches before the last of an optimizer step communicate (each mode:"
             " :mod:`lightning_smp.accumulation`): ``None`` (default: the engine's own default), ``\"no_sync\"``"
             " (FSDP1's default, Lightning's behaviour: nothing, but every rank holds the full unsharded gradient),"
@@ -191,7 +192,7 @@ class StrategyOptions:
             " ``\"defer_all_reduce\"`` (FSDP2's default: reduce-scatter inside the shard group each, the cross-replica"
             " all-reduce once on the last; sharded gradients and one crossing of the replicas per step).")
     broadcast_buffers: bool = option(
-        True, check=check_broadcast_buffers,
+        True, check=check_broadcast_buffers, acts_in=("engines",),
         doc="``True`` (default, DDP's): every rank gets global rank 0's buffers (BatchNorm's running statistics)"
             " before a forward that follows a training forward outside an accumulation window, as DDP's ranks do;"
             " ``False``: each rank keeps its own, as FSDP does. See ``docs/engines.md``.")
@@ -257,6 +258,18 @@ def option_fields(record: type[StrategyOptions] = StrategyOptions) -> tuple[Fiel
     return tuple(f for f in fields(record) if "check" in f.metadata)
 
 
+def acting_in(where: ActsIn, record: type[StrategyOptions] = StrategyOptions) -> tuple[str, ...]:
+    """The options (the SMP keys and ``record``'s own) declared to act in ``where``."""
+    return tuple(f.name for f in (*IMPLEMENTED, *option_fields(record)) if where in f.metadata["acts_in"])
+
+
+def engine_facing(options: StrategyOptions, config: SMPConfig) -> dict[str, Any]:
+    """What the engines receive of the options: every option declared to act in the engines, by name (a field of the
+    engines' ``ShardingPlan`` of the same name), as the run resolved it (an SMP key from ``config``)."""
+    own = {f.name for f in option_fields(type(options))}
+    return {name: getattr(options if name in own else config, name) for name in acting_in("engines", type(options))}
+
+
 #: The SMP keys a strategy takes as arguments: every key this library implements.
 SMP_ARGUMENTS: tuple[str, ...] = tuple(f.name for f in IMPLEMENTED)
 
@@ -299,115 +312,21 @@ def arguments_doc(indent: str, record: type[StrategyOptions] = StrategyOptions) 
     return "\n".join(lines)
 
 
-#: The lines around each strategy constructor's option parameters, which :func:`signature_source` writes (``python -m
-#: lightning_smp.config`` rewrites them after an option is added; importing a front end whose constructor differs
-#: warns, and ``tests/test_how_to_add.py`` holds the text): static type checkers and IDEs read the constructors'
-#: source, not their runtime signature.
-GENERATED_BEGIN = "# the options: generated from lightning_smp.config.options (python -m lightning_smp.config)"
+#: The lines around each strategy constructor's option parameters and around the options' entries in its docstring,
+#: which ``python -m lightning_smp.generate`` writes from the declarations (static type checkers and IDEs read the
+#: source, not the runtime signature; ``tests/test_how_to_add.py`` holds the text); the runtime docstring drops the
+#: two lines around the entries.
+GENERATED_BEGIN = "# the options: generated from lightning_smp.config.options (python -m lightning_smp.generate)"
 GENERATED_END = "# end of the generated options"
-#: The lines around the options' entries in each strategy's docstring (its ``Arguments:`` section), which
-#: :func:`docstring_source` writes alike (static IDEs show the source's docstring; the runtime docstring drops these
-#: two lines).
-DOC_BEGIN = "(the options, written from their declarations by python -m lightning_smp.config:)"
+DOC_BEGIN = "(the options, written from their declarations by python -m lightning_smp.generate:)"
 DOC_END = "(end of the options)"
 #: The modules whose strategy constructors hold the generated option parameters.
 GENERATED_IN = ("strategy.py", "fabric.py")
 
 
-def _type_source(kind: Any) -> str:
-    """``kind`` (a declaration's annotation: source text, or a type built at run time) as source text."""
-    if isinstance(kind, str):
-        return kind
-    args = typing.get_args(kind)
-    if typing.get_origin(kind) is typing.Literal:
-        return "Literal[" + ", ".join(json.dumps(a) for a in args) + "]"
-    if args and (isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union):
-        return " | ".join(_type_source(a) for a in args)
-    return kind.__name__
-
-
-def _annotation_source(declared: Field, record: type[StrategyOptions]) -> str:
-    if declared.name in SMP_ARGUMENTS:  # (None: from the configuration sources, as :func:`_documented` types it)
-        kind = _type_source(declared.metadata.get("parsed_as") or SMPConfig.__annotations__[declared.name])
-        return kind if kind.endswith("| None") else f"{kind} | None"
-    return _type_source(next(vars(k)["__annotations__"][declared.name] for k in record.__mro__
-                             if declared.name in vars(k).get("__annotations__", {})))
-
-
-def signature_source(indent: str, positional: Sequence[str], record: type[StrategyOptions] = StrategyOptions) -> str:
-    """The option parameters of a strategy constructor as source lines (between :data:`GENERATED_BEGIN` and
-    :data:`GENERATED_END`), ``positional`` (the options that are positional parameters of the Lightning base class,
-    in its order) first, then ``*`` and the rest, keyword-only, each with its type and default."""
-    every = {f.name: f for f in (*IMPLEMENTED, *option_fields(record))}
-    defaults = {name: default for name, _, default, _ in declarations(record)}
-
-    def line(name: str) -> str:
-        default = defaults[name]
-        text = json.dumps(default) if isinstance(default, str) else repr(default)
-        return f"{indent}{name}: {_annotation_source(every[name], record)} = {text},"
-
-    rest = [name for name in option_names(record) if name not in positional]
-    return "\n".join([f"{indent}{GENERATED_BEGIN}", *map(line, positional), f"{indent}*,", *map(line, rest),
-                      f"{indent}{GENERATED_END}"])
-
-
-def docstring_source(indent: str, record: type[StrategyOptions] = StrategyOptions) -> str:
-    """The options' entries of a strategy's ``Arguments:`` section, between :data:`DOC_BEGIN` and :data:`DOC_END`."""
-    return "\n".join([f"{indent}{DOC_BEGIN}", arguments_doc(indent, record), f"{indent}{DOC_END}"])
-
-
-def generated_part(source: str, begin: str = GENERATED_BEGIN, end: str = GENERATED_END) -> tuple[str, str]:
-    """``(indent, text)``: the generated lines of ``source`` from the line ``begin`` to the line ``end``."""
-    lines = source.splitlines()
-    first = next(i for i, text in enumerate(lines) if text.strip() == begin)
-    last = next(i for i, text in enumerate(lines) if text.strip() == end)
-    indent = lines[first][: len(lines[first]) - len(lines[first].lstrip())]
-    return indent, "\n".join(lines[first:last + 1])
-
-
-def write_generated(package: Path, positional: Sequence[str],
-                    record: type[StrategyOptions] = StrategyOptions) -> list[Path]:
-    """Rewrite the generated option parameters and docstring entries of every module of :data:`GENERATED_IN` in
-    ``package``; returns the modules changed."""
-    changed = []
-    for name in GENERATED_IN:
-        path = package / name
-        source = original = path.read_text()
-        indent, old = generated_part(source)
-        source = source.replace(old, signature_source(indent, positional, record))
-        indent, old = generated_part(source, DOC_BEGIN, DOC_END)
-        source = source.replace(old, docstring_source(indent, record))
-        if source != original:
-            path.write_text(source)
-            changed.append(path)
-    return changed
-
-
 def option_names(record: type[StrategyOptions] = StrategyOptions) -> tuple[str, ...]:
     """The names of every option a strategy takes beyond Lightning's own arguments."""
     return tuple(name for name, *_ in declarations(record))
-
-
-def lightning_positional() -> tuple[str, ...]:
-    """The options that are positional parameters of Lightning's FSDP strategies (Trainer's and Fabric's alike), in
-    their order: the strategies keep their place, as drop-in replacements."""
-    from lightning.fabric.strategies import FSDPStrategy as FabricFSDP
-    from lightning.pytorch.strategies import FSDPStrategy as TrainerFSDP
-
-    names = set(option_names())
-    found = {tuple(p.name for p in inspect.signature(base.__init__).parameters.values()
-                   if p.name in names and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
-             for base in (TrainerFSDP, FabricFSDP)}
-    if len(found) != 1:
-        raise RuntimeError(f"Lightning's FSDP strategies take different positional options: {found}")
-    return found.pop()
-
-
-def main() -> None:
-    """``python -m lightning_smp.config``: rewrite the strategies' generated option parameters (after an
-    option is added or changed here)."""
-    changed = write_generated(Path(__file__).resolve().parents[1], lightning_positional())
-    print("\n".join(f"rewrote {path}" for path in changed) or "the strategies' constructors hold every option")
 
 
 __all__ = [
@@ -417,11 +336,10 @@ __all__ = [
     "GENERATED_IN",
     "DOC_BEGIN",
     "DOC_END",
-    "docstring_source",
-    "generated_part",
-    "lightning_positional",
     "ASYNC_FULL",
     "SMP_ARGUMENTS",
+    "acting_in",
+    "engine_facing",
     "StrategyOptions",
     "arguments_doc",
     "declarations",
@@ -432,7 +350,5 @@ __all__ = [
     "option_names",
     "process_group_degree",
     "signature_parameters",
-    "signature_source",
-    "write_generated",
 ]
 

@@ -4,27 +4,65 @@ nothing sharded (:func:`engine_for_layout`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch.nn import Module
 
 from lightning_smp.config import check_fsdp_version
+from lightning_smp.config.keys import FSDP_VERSION_ENGINES
 from lightning_smp.degree import Layout
-from lightning_smp.engines.base import Engine, ShardingFacts, ShardingPlan, StorageUnit
+from lightning_smp.engines.base import Capabilities, Engine, ShardingFacts, ShardingPlan, StorageUnit
 from lightning_smp.engines.ddp import engine as ddp
 from lightning_smp.engines.ddp.engine import DDPEngine
 from lightning_smp.engines.fsdp1.engine import FSDP1Engine
 from lightning_smp.engines.fsdp2.engine import FSDP2Engine
-from lightning_smp.engines.fsdp2.wrap import wrap_targets
+from lightning_smp.engines.units import wrap_targets
+from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.names import NO_SHARD
 
-#: The engines ``fsdp_version`` selects.
-FSDP_ENGINES: tuple[Engine, ...] = (FSDP1Engine(), FSDP2Engine())
+#: The engines ``fsdp_version`` selects (:func:`register` adds one).
+FSDP_ENGINES: list[Engine] = [FSDP1Engine(), FSDP2Engine()]
 #: The engine of every layout with nothing sharded (where the arguments allow: :func:`engine_for_layout`).
 DDP_ENGINE: Engine = DDPEngine()
-#: Every engine, in the order a wrapped model is matched against them.
-ENGINES: tuple[Engine, ...] = (*FSDP_ENGINES, DDP_ENGINE)
+#: Every engine, in the order a wrapped model is matched against them (a registered one first).
+ENGINES: list[Engine] = [*FSDP_ENGINES, DDP_ENGINE]
+
+
+def register(engine: Engine) -> Engine:
+    """Make ``engine`` one of the engines (docs/architecture.md, "How to add an engine"): ``fsdp_version=<its
+    version>`` selects it from every configuration source, :func:`engine_of` finds the models it wrapped (asked
+    before the others, as it may recognise what one of them wraps too, being a subclass of it), and the planner, the
+    memory report and every message that names an ``fsdp_version`` read its ``Capabilities`` and ``prediction``.
+    Call it where every rank runs it (the training script, at import). Registering an engine of the same class again
+    replaces it (a notebook cell run twice); a name or a version another engine has is refused."""
+    if not isinstance(engine, Engine):
+        raise TypeError(f"{engine!r} does not implement lightning_smp.engines.Engine (its four roles).")
+    for other in list(ENGINES):
+        if type(other) is type(engine):
+            unregister(other)
+        elif other.name == engine.name or other.version == engine.version:
+            raise HybridShardConfigError(
+                f"engine {engine.name!r} (fsdp_version={engine.version}) cannot be registered: engine {other.name!r}"
+                f" has {'that name' if other.name == engine.name else 'that version'}. Fix: give it a name and a"
+                f" version of its own (taken: {', '.join(f'{e.name} {e.version}' for e in ENGINES)})."
+            )
+    FSDP_ENGINES.append(engine)
+    ENGINES.insert(0, engine)
+    FSDP_VERSION_ENGINES[engine.version] = f"the {engine.name} engine"
+    return engine
+
+
+def unregister(engine: Engine) -> None:
+    """Undo :func:`register` (the library's own engines stay)."""
+    if engine in _BUILT_IN:
+        raise HybridShardConfigError(f"the {engine.name} engine is the library's own and stays registered.")
+    FSDP_ENGINES.remove(engine)
+    ENGINES.remove(engine)
+    del FSDP_VERSION_ENGINES[engine.version]
+
+
+_BUILT_IN = tuple(ENGINES)
 
 
 def engine_of(model: Module) -> Engine | None:
@@ -55,9 +93,17 @@ def engine_for(version: int) -> Engine:
 
 
 def options_for(engine: Engine, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The user's engine arguments as ``engine`` takes them: DDP's own (:data:`.ddp.DDP_ONLY_OPTIONS`) set aside for
-    the FSDP engines, which need none of them."""
-    return {k: v for k, v in options.items() if engine is DDP_ENGINE or k not in ddp.DDP_ONLY_OPTIONS}
+    """The user's engine arguments as ``engine`` takes them: those another engine alone takes
+    (``Capabilities.own_options``: DDP's ``find_unused_parameters``) set aside, as ``engine`` needs none of them."""
+    others = {name for other in ENGINES if other is not engine for name in other.capabilities.own_options}
+    return {k: v for k, v in options.items() if k not in others or k in engine.capabilities.own_options}
+
+
+def selected_by(capable: Callable[[Capabilities], bool]) -> str:
+    """How a user selects an engine whose capabilities ``capable`` accepts (for the fix a message names):
+    ``fsdp_version=2``, ``fsdp_version=1 or fsdp_version=2``, or ``no fsdp_version`` when none does."""
+    versions = [engine.version for engine in FSDP_ENGINES if capable(engine.capabilities)]
+    return " or ".join(f"fsdp_version={version}" for version in versions) or "no fsdp_version"
 
 
 def engine_for_layout(version: int, layout: Layout | None, *, options: Mapping[str, Any] | None = None,
@@ -75,6 +121,7 @@ def engine_for_layout(version: int, layout: Layout | None, *, options: Mapping[s
 __all__ = [
     "DDP_ENGINE",
     "ENGINES",
+    "Capabilities",
     "FSDP_ENGINES",
     "DDPEngine",
     "Engine",
@@ -90,5 +137,8 @@ __all__ = [
     "offloads_parameters",
     "options_for",
     "own_offload_config",
+    "register",
+    "selected_by",
+    "unregister",
     "wrap_targets",
 ]

@@ -49,6 +49,10 @@ class ShardingPlan:
             forward (Lightning's manual optimization).
         broadcast_buffers: whether every rank gets global rank 0's buffers by DDP's rule (the DDP engine passes it
             to ``DistributedDataParallel``; the core installs :mod:`lightning_smp.buffers` for the others).
+
+    Every option declared to act in the engines (``acts_in=("engines",)``) is a field here of the option's name,
+    which the core fills from the declaration (:func:`lightning_smp.config.options.engine_facing`): adding one is
+    its declaration, its field here, and the engines reading it.
     """
 
     layout: Layout
@@ -113,6 +117,10 @@ class Capabilities:
             update nothing).
         syncs_buffers_itself: its wrapper runs DDP's buffer rule before forwards itself (else
             :mod:`lightning_smp.buffers` does).
+        fault_tolerance: it runs fault-tolerant replica groups (``fault_tolerance=``): the gradients of each
+            parameter reach the crossing as this rank's part of them, after the group's own reduction.
+        own_options: the user's arguments only this engine takes (the others set them aside:
+            :func:`lightning_smp.engines.options_for`).
     """
 
     accumulations: tuple[GradientAccumulation, ...]
@@ -120,6 +128,8 @@ class Capabilities:
     steps_inside_a_step: bool
     replaces_parameters: bool
     syncs_buffers_itself: bool
+    fault_tolerance: bool = False
+    own_options: frozenset[str] = frozenset()
 
     @property
     def default_accumulation(self) -> GradientAccumulation:
@@ -320,12 +330,12 @@ class PlainCalls(Protocol):
     """What :func:`lightning_smp.init` does to the user's own wrapping calls; each engine's
     :meth:`PlainAPI.patch_plain_calls` calls it from the hook its API offers."""
 
-    def rewrite(self, engine: Wrapping, arguments: dict[str, Any]) -> Callable[[Module], None] | None:
+    def rewrite(self, engine: Engine, arguments: dict[str, Any]) -> Callable[[Module], None] | None:
         """Apply the configured degree to one wrapper constructor's ``arguments`` in place; return a hook to run on
         the wrapped module, or ``None``."""
         ...
 
-    def default_mesh(self, engine: Wrapping) -> DeviceMesh | None:
+    def default_mesh(self, engine: Engine) -> DeviceMesh | None:
         """The mesh a sharding call that passes none gets (``None``: the engine's own default)."""
         ...
 

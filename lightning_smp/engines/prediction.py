@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from torch.nn import Parameter
+from torch.nn import Module, Parameter
 
 from lightning_smp.accumulation import accumulation_mode
 from lightning_smp.names import NO_SHARD
@@ -52,6 +52,11 @@ class Prediction(Protocol):
     #: whether a unit whose gradients are not synced in a micro-batch stays gathered until the next (FSDP1's
     #: ``no_sync`` keeps the unsharded parameters; FSDP2 reshards after every backward)
     keeps_gathered_unsynced: bool
+
+    def units_of(self, model: Module, auto_wrap_policy: Any) -> list[Module]:
+        """The submodules of ``model`` this engine makes units of (innermost first, the root aside): the planner's
+        units (:func:`~lightning_smp.planner.state.fsdp_units`)."""
+        ...
 
     def held(self, unit: Sequence[Parameter], shard: int, position: int, group: int, state_tensors: int,
              state_fixed: int) -> Held:

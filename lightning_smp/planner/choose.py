@@ -24,7 +24,7 @@ from torch.nn import Module
 
 from lightning_smp.accumulation import accumulation_mode
 from lightning_smp.degree import resolve_layout, valid_degrees
-from lightning_smp.engines import engine_for, engine_for_layout, wrap_targets
+from lightning_smp.engines import engine_for, engine_for_layout
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.links import Links, links_for
 from lightning_smp.names import HYBRID_SHARD, NO_SHARD
@@ -98,8 +98,8 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
     mode = accumulation or engine.capabilities.accumulations[0]
     name = optimizer_name(model if optimizer is None else optimizer)
     link = links_for(links)
-    units = fsdp_units(model, auto_wrap_policy)
-    wrapped = {id(p) for target in wrap_targets(model, auto_wrap_policy) for p in target.parameters()}
+    units = fsdp_units(model, auto_wrap_policy, engine.prediction)
+    wrapped = {id(p) for target in engine.prediction.units_of(model, auto_wrap_policy) for p in target.parameters()}
     root_is_last = bool(units) and any(id(p) not in wrapped for p in units[-1])
     unit_bytes = [sum(p.numel() * p.element_size() for p in unit) for unit in units]
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())

@@ -4,7 +4,7 @@ Pure arithmetic over a model's parameter shapes (build it on the meta device: a 
 with each engine's own padding rules (its :class:`~lightning_smp.engines.prediction.Prediction`), so that the
 prediction equals what the memory report measures to the byte.
 
-The units are the ones the engines build: the modules ``auto_wrap_policy`` selects (:func:`wrap_targets`, the same
+The units are the ones the engines build: the modules ``auto_wrap_policy`` selects (``Prediction.units_of``, the same
 walk for both engines) and the root with what is left.
 """
 
@@ -17,7 +17,8 @@ import torch
 from torch.nn import Module, Parameter
 
 from lightning_smp.degree import resolve_layout
-from lightning_smp.engines import engine_for_layout, wrap_targets
+from lightning_smp.engines import engine_for_layout
+from lightning_smp.engines.prediction import Prediction
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.names import NO_SHARD
 
@@ -74,12 +75,13 @@ def optimizer_state_layout(optimizer: Any) -> tuple[int, int]:
     return OPTIMIZER_STATE[optimizer_name(optimizer)]
 
 
-def fsdp_units(model: Module, auto_wrap_policy: Any = None) -> list[list[Parameter]]:
-    """The parameters of every unit the engines build, innermost first and the root last, each in the order FSDP
-    flattens them (``named_parameters`` order, a shared parameter once, in the first unit that reaches it)."""
+def fsdp_units(model: Module, auto_wrap_policy: Any, prediction: Prediction) -> list[list[Parameter]]:
+    """The parameters of every unit ``prediction``'s engine builds (``Prediction.units_of``), innermost first and the
+    root last, each in the order FSDP flattens them (``named_parameters`` order, a shared parameter once, in the first
+    unit that reaches it)."""
     seen: set[int] = set()
     units: list[list[Parameter]] = []
-    for module in [*wrap_targets(model, auto_wrap_policy), model]:
+    for module in [*prediction.units_of(model, auto_wrap_policy), model]:
         params = [p for p in module.parameters() if id(p) not in seen]
         seen.update(id(p) for p in params)
         if params:
@@ -117,7 +119,7 @@ def model_state(model: Module, *, world_size: int, hybrid_shard_degree: int, fsd
     shard = layout.shard
     group = world_size if layout.sharding_strategy == NO_SHARD else shard
     tensors, fixed = optimizer_state_layout(optimizer)
-    units = fsdp_units(model, auto_wrap_policy)
+    units = fsdp_units(model, auto_wrap_policy, prediction)
     states = []
     for rank in range(world_size):
         held = [prediction.held(unit, shard, rank % shard, group, tensors, fixed) for unit in units]

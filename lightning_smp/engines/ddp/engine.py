@@ -111,6 +111,8 @@ class DDPEngine:
         steps_inside_a_step=True,  # Lightning's manual optimization: see prepare_backward
         replaces_parameters=False,
         syncs_buffers_itself=True,  # DistributedDataParallel with broadcast_buffers
+        fault_tolerance=True,  # (a group of one rank: its whole gradient crosses the groups)
+        own_options=DDP_ONLY_OPTIONS,
     )
     prediction: Prediction = DDPPrediction()
 

@@ -78,6 +78,7 @@ class FSDP2Engine:
         steps_inside_a_step=True,  # with every parameter in a unit below the root (see wrap.shard_root)
         replaces_parameters=True,  # fully_shard swaps each parameter for a DTensor shard
         syncs_buffers_itself=False,  # FSDP never syncs buffers
+        fault_tolerance=True,  # DTensor shards per parameter: each rank's part of each gradient crosses the groups
     )
     prediction: Prediction = FSDP2Prediction()
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from torch.nn import Parameter
+from torch.nn import Module, Parameter
 
 from lightning_smp.engines.prediction import Held, UnitLayout, fsdp_textbook
+from lightning_smp.engines.units import wrap_targets
 
 if TYPE_CHECKING:
     from lightning_smp.degree import Layout
@@ -29,6 +30,10 @@ def chunk(p: Parameter, shard: int) -> tuple[int, int, int]:
 
 class FSDP2Prediction:
     keeps_gathered_unsynced = False
+
+    def units_of(self, model: Module, auto_wrap_policy: Any) -> list[Module]:
+        # (fully_shard units: what auto_wrap_policy selects, walked as FSDP1 walks it)
+        return wrap_targets(model, auto_wrap_policy)
 
     def held(self, unit: Sequence[Parameter], shard: int, position: int, group: int, state_tensors: int,
              state_fixed: int) -> Held:
