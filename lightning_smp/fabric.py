@@ -26,14 +26,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision
 from lightning.fabric.strategies import FSDPStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.load import _move_state_into
 from torch import Tensor
@@ -62,14 +60,13 @@ from lightning_smp.errors import GradientSyncError, HybridShardConfigError, Unsu
 from lightning_smp.frontend import HybridShardFrontEnd, with_options
 from lightning_smp.launcher import FabricWaitingLauncher, choose_launcher
 from lightning_smp.names import (
-    STRATEGY_NAMES,
     GradientAccumulation,
     ShardingStrategyName,
     StartMethod,
     StateDictType,
 )
 from lightning_smp.optimizers import discard_on_zero_grad, ungated
-from lightning_smp.precision import HybridShardFabricPrecision
+from lightning_smp.precision import HybridShardFabricPrecision, PrecisionSlot
 
 #: what ``auto_wrap_policy`` and ``activation_checkpointing_policy`` take, as Lightning's FSDP strategies type it
 #: (importable, so that the constructor's hints resolve at run time: LightningCLI, ``typing.get_type_hints``)
@@ -208,6 +205,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
 
     _created_by = "Fabric"
     _mesh_built_in = "inside fabric.launch()"
+    _registered_strategies: list[str] = []
 
     def __init__(
         self,
@@ -264,23 +262,10 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
 
     # ------------------------------------------------------------------ precision
 
-    @property
-    @override
-    def precision(self) -> FSDPPrecision:
-        plugin = self._precision
-        if not isinstance(plugin, FSDPPrecision):
-            plugin = self._precision = HybridShardFabricPrecision("32-true")
-        return plugin
-
-    @precision.setter
-    @override
-    def precision(self, precision: Precision | None) -> None:
-        if precision is not None and not isinstance(precision, FSDPPrecision):
-            raise UnsupportedOptionError(
-                f"lightning_smp.fabric.HybridShardFSDPStrategy needs an `FSDPPrecision` plugin, found"
-                f" {type(precision).__name__}. Fix: pass `Fabric(precision=...)` (e.g. '32-true', 'bf16-mixed')."
-            )
-        self._precision = precision
+    # (mypy reads a descriptor's setter type from its getter: the slot takes any Precision, or None)
+    precision = PrecisionSlot(  # type: ignore[override]
+        FSDPPrecision, FSDPPrecision, lambda: HybridShardFabricPrecision("32-true"),
+        strategy="lightning_smp.fabric.HybridShardFSDPStrategy", front_end="Fabric")
 
     # ------------------------------------------------------------------ launch and process groups
 
@@ -346,11 +331,12 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         step, before ``optimizer.step()`` returns. Call it once, after ``fabric.setup_module``."""
         self._healing_state = state
 
+    def _trained_module(self) -> Module | None:
+        return self._module
+
     def _discard_window(self) -> None:
-        """A loop's ``zero_grad`` in the middle of an accumulation window drops all of it, as under DDP."""
-        if self._module is not None:
-            self.engine.discard_unreduced_gradients(self._module)
-        self._unreduced = False
+        super()._discard_window()
+        self._unreduced = False  # (nothing left unreduced: the next step is no longer refused)
 
     def _choose(self, module: Module, optimizers: list[Optimizer]) -> None:
         """hybrid_shard_degree="auto": chosen from the module handed to Fabric, before it is sharded."""
@@ -531,18 +517,6 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
                                              run=self.core.checkpoint_run)
         self._resume_replica_groups(remainder)  # (the replica groups' step, never returned to the loop)
         return remainder
-
-    # ------------------------------------------------------------------ registration
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register the library's names in Fabric's registry; calling it again is harmless."""
-        if not dist.is_available():
-            return
-        for name, description, init_params in STRATEGY_NAMES:
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, **init_params)
 
 
 __all__ = ["HybridShardFSDPStrategy", "HybridShardFabricPrecision"]

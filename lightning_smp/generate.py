@@ -4,7 +4,8 @@ option or an SMP key is added or changed:
 
 - both strategies' constructors: their option parameters, typed and with their defaults (what static type checkers
   and IDEs read), and the options' entries of their docstrings;
-- the documentation's tables: ``docs/configuration.md``'s table of the strategies' options and its table of SMP keys.
+- the documentation's tables: ``docs/configuration.md``'s table of the strategies' options and its table of SMP keys,
+  ``docs/fault-tolerance.md``'s table of the ``fault_tolerance`` keys.
 
 A tool, not a runtime concern: nothing in the package checks these texts when it is imported (at run time the
 signatures and docstrings come from the declarations themselves: :func:`lightning_smp.frontend.with_options`), and
@@ -21,7 +22,7 @@ import re
 import types
 import typing
 from collections.abc import Sequence
-from dataclasses import Field, fields
+from dataclasses import MISSING, Field, fields
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,10 @@ from lightning_smp.config.options import (
 #: The package, and the checkout it is in (the documentation is written there).
 PACKAGE = Path(__file__).resolve().parent
 CHECKOUT = PACKAGE.parent
-#: The page that holds the generated tables, and each table's name between its markers.
-TABLES_PAGE = Path("docs") / "configuration.md"
-TABLES = ("strategy options", "smp keys")
+#: Each generated table's name (between its markers) and the page that holds it.
+TABLES: dict[str, Path] = {"strategy options": Path("docs") / "configuration.md",
+                           "smp keys": Path("docs") / "configuration.md",
+                           "fault tolerance keys": Path("docs") / "fault-tolerance.md"}
 
 
 def table_begin(name: str) -> str:
@@ -182,22 +184,55 @@ def keys_table() -> str:
 _FRONT_ENDS = {"trainer": "the Trainer's strategy", "fabric": "Fabric's", "init": "`init()`"}
 
 
+def attribute_docs(record: type) -> dict[str, str]:
+    """The entries of the ``Attributes:`` section of ``record``'s (Google-style) docstring, by name, each on one
+    line."""
+    doc = inspect.getdoc(record) or ""
+    entries: dict[str, str] = {}
+    for line in doc.split("Attributes:\n", 1)[-1].splitlines():
+        entry = re.match(r" {4}(\w+): (.*)", line)
+        if entry:
+            entries[entry.group(1)] = entry.group(2)
+        elif line.startswith(" " * 8) and entries:
+            entries[next(reversed(entries))] += " " + line.strip()
+        else:
+            break
+    return entries
+
+
+def fault_tolerance_table() -> str:
+    """The keys of ``fault_tolerance=`` (:class:`~lightning_smp.config.fault_tolerance.FaultTolerance`): name, type,
+    default and meaning."""
+    from lightning_smp.config.fault_tolerance import FaultTolerance
+
+    meanings = attribute_docs(FaultTolerance)
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for declared in fields(FaultTolerance):
+        default = "(required)" if declared.default is MISSING else f"`{declared.default!r}`"
+        kind = _type_source(declared.type).replace("|", "or")
+        rows.append(f"| `{declared.name}` | `{kind}` | {default} | {markdown(meanings[declared.name])} |")
+    return "\n".join(rows)
+
+
 def table(name: str) -> str:
-    return {"strategy options": options_table, "smp keys": keys_table}[name]()
+    return {"strategy options": options_table, "smp keys": keys_table,
+            "fault tolerance keys": fault_tolerance_table}[name]()
 
 
 def write_tables(checkout: Path) -> list[Path]:
-    """Rewrite every generated table of :data:`TABLES_PAGE` under ``checkout``; returns the pages changed."""
-    path = checkout / TABLES_PAGE
-    text = original = path.read_text()
-    for name in TABLES:
-        begin, end = table_begin(name), table_end(name)
-        start, stop = text.index(begin) + len(begin), text.index(end)
-        text = text[:start] + "\n" + table(name) + "\n" + text[stop:]
-    if text == original:
-        return []
-    path.write_text(text)
-    return [path]
+    """Rewrite every generated table (:data:`TABLES`) under ``checkout``; returns the pages changed."""
+    changed = []
+    for page in dict.fromkeys(TABLES.values()):
+        path = checkout / page
+        text = original = path.read_text()
+        for name in (name for name, where in TABLES.items() if where == page):
+            begin, end = table_begin(name), table_end(name)
+            start, stop = text.index(begin) + len(begin), text.index(end)
+            text = text[:start] + "\n" + table(name) + "\n" + text[stop:]
+        if text != original:
+            path.write_text(text)
+            changed.append(path)
+    return changed
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -215,7 +250,8 @@ if __name__ == "__main__":
 
 __all__ = [
     "TABLES",
-    "TABLES_PAGE",
+    "attribute_docs",
+    "fault_tolerance_table",
     "docstring_source",
     "generated_part",
     "keys_table",

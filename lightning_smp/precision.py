@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision as FabricFSDPPrecision
@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_smp.autocast import autocast_context
+from lightning_smp.errors import UnsupportedOptionError
 
 if TYPE_CHECKING:
     from lightning_smp.engines.base import Training
@@ -178,4 +179,42 @@ class HybridShardFabricPrecision(_OnDeviceType, FabricFSDPPrecision):
 
 
 
-__all__ = ["HybridShardFabricPrecision", "HybridShardPrecision", "mixed_precision_config", "scaler_for"]
+_Plugin = TypeVar("_Plugin")
+
+
+class PrecisionSlot(Generic[_Plugin]):
+    """The precision-plugin property of both strategies (the Trainer's ``precision_plugin``, Fabric's ``precision``;
+    stored where Lightning's own property stores it, ``_<name>``): an ``FSDPPrecision`` (``accepted``) or ``None``,
+    anything else refused as Lightning's ``FSDPStrategy`` refuses it (a ``TypeError``), naming the fix; until a
+    plugin of kind ``kept`` is set, ``default()``. ``upgrade`` turns Lightning's own ``FSDPPrecision`` into the front
+    end's when it is set (the Trainer's; Fabric's waits for the launcher, which knows the device type)."""
+
+    def __init__(self, accepted: type, kept: type, default: Callable[[], _Plugin], *, strategy: str, front_end: str,
+                 upgrade: Callable[[Any], _Plugin] | None = None) -> None:
+        self.accepted, self.kept, self.default, self.upgrade = accepted, kept, default, upgrade
+        self.strategy, self.front_end = strategy, front_end
+        self.attribute = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attribute = f"_{name}"
+
+    def __get__(self, strategy: Any, owner: type | None = None) -> _Plugin:
+        plugin = getattr(strategy, self.attribute, None)
+        if not isinstance(plugin, self.kept):
+            plugin = self.default()
+            setattr(strategy, self.attribute, plugin)
+        return plugin  # type: ignore[return-value]  # (kept is the plugin's type)
+
+    def __set__(self, strategy: Any, plugin: Any) -> None:
+        if plugin is not None and not isinstance(plugin, self.accepted):
+            raise UnsupportedOptionError(
+                f"{self.strategy} needs an `FSDPPrecision` plugin, found {type(plugin).__name__}. Fix: pass"
+                f" `{self.front_end}(precision=...)` (e.g. '32-true', 'bf16-mixed') instead of a precision plugin, or"
+                " an `FSDPPrecision`."
+            )
+        if self.upgrade is not None and plugin is not None and not isinstance(plugin, self.kept):
+            plugin = self.upgrade(plugin)
+        setattr(strategy, self.attribute, plugin)
+
+
+__all__ = ["HybridShardFabricPrecision", "PrecisionSlot", "HybridShardPrecision", "mixed_precision_config", "scaler_for"]

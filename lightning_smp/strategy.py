@@ -17,10 +17,8 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
@@ -55,7 +53,6 @@ from lightning_smp.frontend import HybridShardFrontEnd, with_options
 from lightning_smp.launcher import HybridShardMultiProcessingLauncher, MainProcessResults, choose_launcher
 from lightning_smp.names import (
     FULL,
-    STRATEGY_NAMES,
     GradientAccumulation,
     ProcessStartMethod,
     ShardingStrategyName,
@@ -63,7 +60,7 @@ from lightning_smp.names import (
     StateDictType,
 )
 from lightning_smp.optimizers import discard_on_zero_grad, skip_uncommitted_steps, ungated
-from lightning_smp.precision import HybridShardPrecision
+from lightning_smp.precision import HybridShardPrecision, PrecisionSlot
 
 #: what ``auto_wrap_policy`` and ``activation_checkpointing_policy`` take, as Lightning's FSDP strategies type it
 #: (importable, so that the constructor's hints resolve at run time: LightningCLI, ``typing.get_type_hints``)
@@ -383,10 +380,8 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             uncount_step(module.trainer)  # (global_step stays: the step did not happen)
         return result
 
-    def _discard_window(self) -> None:
-        """``zero_grad`` in the middle of an accumulation window (manual optimization, a hook) drops all of it."""
-        if self.model is not None:
-            self.engine.discard_unreduced_gradients(self.model)
+    def _trained_module(self) -> Module | None:
+        return self.model
 
     def _warn_no_sync(self, micro_batches: int) -> None:
         """Once per fit: what accumulating under ``no_sync`` costs each rank, when nobody chose it explicitly."""
@@ -483,26 +478,10 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
 
     # ------------------------------------------------------------------ precision
 
-    @property
-    @override
-    def precision_plugin(self) -> HybridShardPrecision:
-        plugin = self._precision_plugin
-        if not isinstance(plugin, HybridShardPrecision):
-            plugin = self._precision_plugin = HybridShardPrecision("32-true")
-        return plugin
-
-    @precision_plugin.setter
-    @override
-    def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        if precision_plugin is not None and not isinstance(precision_plugin, FSDPPrecision):
-            raise UnsupportedOptionError(
-                f"HybridShardFSDPStrategy needs an `FSDPPrecision` plugin, found {type(precision_plugin).__name__}."
-                " Fix: pass `Trainer(precision=...)` (e.g. '32-true', 'bf16-mixed') instead of a precision plugin,"
-                " or an `FSDPPrecision`."
-            )
-        if isinstance(precision_plugin, FSDPPrecision) and not isinstance(precision_plugin, HybridShardPrecision):
-            precision_plugin = HybridShardPrecision.from_plugin(precision_plugin)
-        self._precision_plugin = precision_plugin
+    # (mypy reads a descriptor's setter type from its getter: the slot takes any Precision, or None)
+    precision_plugin = PrecisionSlot(  # type: ignore[override]
+        FSDPPrecision, HybridShardPrecision, lambda: HybridShardPrecision("32-true"), strategy="HybridShardFSDPStrategy",
+        front_end="Trainer", upgrade=HybridShardPrecision.from_plugin)
 
     # ------------------------------------------------------------------ state dicts
 
@@ -616,20 +595,6 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         index = next((i for i, o in enumerate(self.optimizers) if _unwrap(o) is _unwrap(optimizer)), len(self.optimizers))
         return optimizer_state_to_save(self._sharded_model(), _unwrap(optimizer), index, self._state_dict_type,
                                        self._local_state_check)
-
-    # ------------------------------------------------------------------ registration
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``smp_hybrid``, ``smp_hybrid_zero2`` and ``smp_hybrid_notebook``; calling it again is harmless."""
-        if not dist.is_available():
-            return
-        for name, description, init_params in STRATEGY_NAMES:
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, **init_params)
-            if name not in cls._registered_strategies:
-                cls._registered_strategies.append(name)
 
 
 def _unwrap(optimizer: Any) -> Optimizer:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import types
 import typing
 from pathlib import Path
@@ -197,15 +198,19 @@ def test_a_constructor_written_before_an_option_was_added_still_takes_it_at_run_
 
 
 def test_the_documentation_s_tables_are_written_from_the_declarations():
-    """``docs/configuration.md``'s table of the options and its table of SMP keys: what ``python -m
+    """``docs/configuration.md``'s table of the options and its table of SMP keys, ``docs/fault-tolerance.md``'s of
+    the ``fault_tolerance`` keys: what ``python -m
     lightning_smp.generate`` writes (run it after adding an option or a key); a table hand-edited away from the
     declarations fails here."""
-    from lightning_smp.generate import TABLES, TABLES_PAGE, table, table_begin, table_end
+    from lightning_smp.config.fault_tolerance import FaultTolerance
+    from lightning_smp.generate import TABLES, table, table_begin, table_end
 
-    page = (PACKAGE.parent / TABLES_PAGE).read_text()
-    for name in TABLES:
-        written = page[page.index(table_begin(name)) + len(table_begin(name)):page.index(table_end(name))]
+    for name, page in TABLES.items():
+        text = (PACKAGE.parent / page).read_text()
+        written = text[text.index(table_begin(name)) + len(table_begin(name)):text.index(table_end(name))]
         assert written.strip() == table(name), f"run python -m lightning_smp.generate ({name})"
+    for declared in dataclasses.fields(FaultTolerance):  # each with its meaning, from the record's docstring
+        assert re.search(rf"\| `{declared.name}` \| .* \| \w.{{20,}} \|", table("fault tolerance keys"))
     options = table("strategy options")
     for declared in lightning_smp.config.options.declarations():
         assert f"| `{declared[0]}` |" in options
@@ -228,7 +233,8 @@ def test_the_generator_rewrites_a_stale_tree_and_says_nothing_else(tmp_path):
 
     shutil.copytree(PACKAGE, tmp_path / "lightning_smp", ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "docs").mkdir()
-    shutil.copy(PACKAGE.parent / "docs" / "configuration.md", tmp_path / "docs")
+    for page in ("configuration.md", "fault-tolerance.md"):
+        shutil.copy(PACKAGE.parent / "docs" / page, tmp_path / "docs")
     stale = tmp_path / "lightning_smp" / "strategy.py"
     stale.write_text(stale.read_text().replace("        broadcast_buffers: bool = True,\n", "", 1))
     page = tmp_path / "docs" / "configuration.md"

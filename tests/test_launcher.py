@@ -40,7 +40,7 @@ def _fork_hybrid(**kwargs: Any) -> HybridShardFSDPStrategy:
 def _set_interactive(monkeypatch: pytest.MonkeyPatch, value: bool) -> None:
     import lightning.pytorch.trainer.connectors.accelerator_connector as connector
 
-    import lightning_smp.frontend as frontend
+    import lightning_smp.frontend.shared as frontend
 
     monkeypatch.setattr(frontend, "_IS_INTERACTIVE", value)
     monkeypatch.setattr(connector, "_IS_INTERACTIVE", value)

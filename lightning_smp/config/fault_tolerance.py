@@ -43,8 +43,8 @@ class FaultTolerance:
         timeout: seconds a collective across groups, a commit vote or a healing transfer may take before the step
             is dropped (not committed).
         quorum_timeout: seconds a group waits for a quorum of groups at the start of a step.
-        host: the address this group's ranks are reached at by the other groups (healing transfers); ``None``: the
-            address of the interface that reaches the lighthouse.
+        host: the address this group's ranks are reached at by the other groups (its store, the process group
+            across groups, healing transfers); ``None``: the address of the interface that reaches the lighthouse.
     """
 
     lighthouse: str
