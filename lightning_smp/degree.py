@@ -72,13 +72,13 @@ def check_degree_setting(value: Any, parameter: str = "hybrid_shard_degree") -> 
     return check_degree(value, parameter)
 
 
-def check_sharding_strategy(value: Any) -> ShardingStrategyName:
+def check_sharding_strategy(value: Any, parameter: str = "sharding_strategy") -> ShardingStrategyName:
     """Normalise a sharding strategy given as a string (any case) or a ``ShardingStrategy`` member."""
     name = getattr(value, "name", value)
     if isinstance(name, str) and name.upper() in SHARDING_STRATEGIES:
         return cast(ShardingStrategyName, name.upper())
     raise HybridShardConfigError(
-        f"sharding_strategy={value!r} is not a sharding strategy. Valid values: {', '.join(SHARDING_STRATEGIES)}."
+        f"{parameter}={value!r} is not a sharding strategy. Valid values: {', '.join(SHARDING_STRATEGIES)}."
     )
 
 

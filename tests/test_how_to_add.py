@@ -27,9 +27,9 @@ from lightning_smp.names import ACTS_IN
 PACKAGE = Path(lightning_smp.__file__).parent
 
 
-def _check_delay(value: object) -> int:
+def _check_delay(value: object, name: str = "reduce_delay") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise HybridShardConfigError(f"reduce_delay={value!r} is not a number of steps >= 0. Fix: pass 0, 1, 2, ...")
+        raise HybridShardConfigError(f"{name}={value!r} is not a number of steps >= 0. Fix: pass 0, 1, 2, ...")
     return value
 
 
@@ -134,6 +134,24 @@ def test_an_option_that_acts_in_the_engines_without_a_path_fails_loudly():
     assert acting_in("engines", EngineDelayOptions)[-1] == "reduce_delay"
     with pytest.raises(TypeError, match="reduce_delay"):
         _plan_with(EngineDelayOptions.from_arguments({"reduce_delay": 2}, engine_options={}))
+
+
+def test_one_check_serves_every_option_of_its_kind():
+    """A check is called with the option's name: two boolean options share ``check_boolean`` and each error names its
+    own option; a check that cannot take the name is refused when it is declared."""
+    from lightning_smp.config.keys import check_boolean
+
+    @dataclasses.dataclass(frozen=True)
+    class TwoFlags(StrategyOptions):
+        first_flag: bool = option(False, check=check_boolean, acts_in=("front_ends",), doc="a test option.")
+        second_flag: bool = option(True, check=check_boolean, acts_in=("front_ends",), doc="a test option.")
+
+    for name in ("first_flag", "second_flag"):
+        with pytest.raises(HybridShardConfigError, match=rf"^{name}='no' \(str\) is not a boolean"):
+            TwoFlags.from_arguments({name: "no"}, engine_options={})
+    assert TwoFlags.from_arguments({"second_flag": False}, engine_options={}).second_flag is False
+    with pytest.raises(RuntimeError, match="must take \\(value, name\\)"):
+        option(0, check=lambda value: value, acts_in=("front_ends",), doc="")  # type: ignore[arg-type]
 
 
 def test_every_option_declares_where_it_acts():

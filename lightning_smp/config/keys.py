@@ -9,6 +9,8 @@ strategies take it as an argument (:mod:`lightning_smp.config.options`)."""
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields, make_dataclass
@@ -66,13 +68,24 @@ def check_fsdp_version(value: Any, parameter: str = "fsdp_version") -> int:
     return int(value)
 
 
-def check_async_save(value: Any, parameter: str = "async_save") -> bool:
-    """``value`` if it is a boolean (a string such as ``"yes"`` is refused: it would be truthy whatever it says)."""
+def check_boolean(value: Any, parameter: str) -> bool:
+    """``value`` if it is a boolean (a string such as ``"yes"`` is refused: it would be truthy whatever it says): the
+    check of every boolean option, named ``parameter``."""
     if not isinstance(value, bool):
         raise HybridShardConfigError(
             f"{parameter}={value!r} ({_type_name(value)}) is not a boolean. Fix: pass true or false."
         )
     return value
+
+
+def checked_check(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
+    """An option's check, which is called with the value and the option's name (a developer's mistake otherwise,
+    found on import)."""
+    try:
+        inspect.signature(check).bind(None, "name")
+    except TypeError:
+        raise RuntimeError(f"lightning_smp.config: the check {check!r} must take (value, name).") from None
+    return check
 
 
 def checked_acts_in(acts_in: tuple[ActsIn, ...]) -> tuple[ActsIn, ...]:
@@ -84,7 +97,7 @@ def checked_acts_in(acts_in: tuple[ActsIn, ...]) -> tuple[ActsIn, ...]:
     return acts_in
 
 
-def smp_key(default: Any, *, check: Callable[[Any], Any], doc: str, acts_in: tuple[ActsIn, ...],
+def smp_key(default: Any, *, check: Callable[[Any, str], Any], doc: str, acts_in: tuple[ActsIn, ...],
             parsed_as: Any = None, front_ends: tuple[FrontEndName, ...] = FRONT_ENDS) -> Any:
     """A field of :class:`SMPConfig` that this library implements: ``default`` when no source sets it, ``check``
     (returns the value normalised, raises :class:`HybridShardConfigError` naming the key), ``doc`` (what its values
@@ -92,7 +105,7 @@ def smp_key(default: Any, *, check: Callable[[Any], Any], doc: str, acts_in: tup
     :data:`~lightning_smp.names.ActsIn`), ``parsed_as`` (a narrower type for the command line's parser than the
     field's, which OmegaConf must be able to merge), ``front_ends`` (those that act on it; the others refuse a value
     other than the default: :func:`unacted`)."""
-    return field(default=default, metadata={"check": check, "doc": doc, "acts_in": checked_acts_in(acts_in),
+    return field(default=default, metadata={"check": checked_check(check), "doc": doc, "acts_in": checked_acts_in(acts_in),
                                             "parsed_as": parsed_as, "front_ends": front_ends})
 
 
@@ -129,7 +142,7 @@ class SMPConfig:
             " (``lightning_smp.planner.save_links``), or ``\"calibrate\"``: measured on this job's own process"
             " groups when the model is set up (a few seconds, every rank alike); unset: the default preset.")
     async_save: bool = smp_key(
-        False, check=check_async_save, acts_in=("checkpoint",), front_ends=("trainer", "fabric"),
+        False, check=check_boolean, acts_in=("checkpoint",), front_ends=("trainer", "fabric"),
         doc="this library's key: ``True`` writes sharded checkpoints in the background: every ``save_checkpoint``"
             " (``ModelCheckpoint``'s included) returns once the state is copied off the training tensors, the"
             " checkpoint is committed by rename once every rank has written, ``ModelCheckpoint``'s ``last`` link, its"
@@ -157,7 +170,9 @@ class SMPConfig:
 IMPLEMENTED = tuple(f for f in fields(SMPConfig) if "check" in f.metadata)
 #: The implemented keys and their checks (return the normalised value; raise ``HybridShardConfigError`` naming the
 #: key).
-IMPLEMENTED_KEYS: dict[str, Callable[[Any], Any]] = {f.name: f.metadata["check"] for f in IMPLEMENTED}
+IMPLEMENTED_KEYS: dict[str, Callable[[Any], Any]] = {
+    f.name: functools.partial(lambda value, check, name: check(value, name), check=f.metadata["check"], name=f.name)
+    for f in IMPLEMENTED}
 
 
 def _optional_fields(cls: type, name: str, doc: str) -> type:
@@ -355,7 +370,8 @@ __all__ = [
     "UNIMPLEMENTED_KEYS",
     "SMPConfig",
     "SMPSection",
-    "check_async_save",
+    "check_boolean",
+    "checked_check",
     "check_config",
     "check_key_lists",
     "checked_acts_in",

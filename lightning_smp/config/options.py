@@ -31,7 +31,14 @@ from typing import Any, get_type_hints
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import ShardingStrategy
 
-from lightning_smp.config.keys import IMPLEMENTED, SMPConfig, check_config, checked_acts_in
+from lightning_smp.config.keys import (
+    IMPLEMENTED,
+    SMPConfig,
+    check_boolean,
+    check_config,
+    checked_acts_in,
+    checked_check,
+)
 from lightning_smp.degree import check_sharding_strategy, reconcile_degree
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.names import (
@@ -51,28 +58,28 @@ from lightning_smp.names import (
 ARGUMENT_SOURCE = "HybridShardFSDPStrategy(...)"
 
 
-def check_state_dict_type(value: Any) -> StateDictType:
+def check_state_dict_type(value: Any, parameter: str = "state_dict_type") -> StateDictType:
     for kind in STATE_DICT_TYPES:  # a loop, not `in`: mypy before 1.20 does not narrow by `in`
         if value == kind:
             return kind
     raise HybridShardConfigError(
-        f"state_dict_type={value!r} is not supported. Valid values: " + ", ".join(map(repr, STATE_DICT_TYPES)) + "."
+        f"{parameter}={value!r} is not supported. Valid values: " + ", ".join(map(repr, STATE_DICT_TYPES)) + "."
     )
 
 
-def check_gradient_accumulation(value: Any) -> GradientAccumulation | None:
+def check_gradient_accumulation(value: Any, parameter: str = "gradient_accumulation") -> GradientAccumulation | None:
     if value is None:
         return None
     for mode in GRADIENT_ACCUMULATIONS:
         if value == mode:
             return mode
     raise HybridShardConfigError(
-        f"gradient_accumulation={value!r} is not supported. Valid values: "
+        f"{parameter}={value!r} is not supported. Valid values: "
         + ", ".join(map(repr, GRADIENT_ACCUMULATIONS)) + "."
     )
 
 
-def check_start_method_name(value: Any) -> StartMethod | None:
+def check_start_method_name(value: Any, parameter: str = "start_method") -> StartMethod | None:
     """A ``start_method`` argument: ``None`` (automatic) or one of :data:`~lightning_smp.names.START_METHODS`
     (whether the platform can start processes that way is checked when they start: :mod:`lightning_smp.forking`)."""
     if value is None:
@@ -81,18 +88,9 @@ def check_start_method_name(value: Any) -> StartMethod | None:
         if value == method:
             return method
     raise HybridShardConfigError(
-        f"start_method={value!r} is not supported. Valid values: None (automatic), "
+        f"{parameter}={value!r} is not supported. Valid values: None (automatic), "
         + ", ".join(repr(m) for m in START_METHODS) + "."
     )
-
-
-def check_broadcast_buffers(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise HybridShardConfigError(
-            f"broadcast_buffers={value!r} is not a bool. Fix: True (DDP's default: every rank gets global rank 0's"
-            " buffers before each forward that follows a synced training forward) or False (each rank keeps its own)."
-        )
-    return value
 
 
 def check_device_mesh(device_mesh: Any) -> tuple[DeviceMesh | None, int | None]:
@@ -130,12 +128,15 @@ def process_group_degree(process_group: Any) -> int | None:
     return intra.size()
 
 
-def option(default: Any, *, check: Callable[[Any], Any], doc: str, acts_in: tuple[ActsIn, ...]) -> Any:
-    """A field of :class:`StrategyOptions`: its default, its check (returns the value normalised, raises
-    :class:`HybridShardConfigError` naming the option), its documentation and where it acts
+def option(default: Any, *, check: Callable[[Any, str], Any], doc: str, acts_in: tuple[ActsIn, ...]) -> Any:
+    """A field of :class:`StrategyOptions`: its default, its check (``check(value, name)`` returns the value
+    normalised, raises :class:`HybridShardConfigError` naming the option: one check, such as
+    :func:`~lightning_smp.config.keys.check_boolean`, serves every option of its kind), its documentation and where
+    it acts
     (:data:`~lightning_smp.names.ActsIn`; ``"engines"``: a field of the same name in the engines' ``ShardingPlan``,
     which the core fills from :func:`engine_facing`)."""
-    return field(default=default, metadata={"check": check, "doc": doc, "acts_in": checked_acts_in(acts_in)})
+    return field(default=default, metadata={"check": checked_check(check), "doc": doc,
+                                            "acts_in": checked_acts_in(acts_in)})
 
 
 ASYNC_FULL = (
@@ -169,7 +170,7 @@ class StrategyOptions:
             " also loads on a single device. Either loads whatever is configured; convert with"
             " ``python -m lightning_smp.checkpoint consolidate SRC DST`` (see :mod:`lightning_smp.checkpoint`).")
     device_mesh: tuple[int, int] | DeviceMesh | None = option(
-        None, check=lambda value: tuple(value) if isinstance(value, list) else check_device_mesh(value) and value,
+        None, check=lambda value, _: tuple(value) if isinstance(value, list) else check_device_mesh(value) and value,
         acts_in=("layout",),
         doc="``None`` (default: built from ``hybrid_shard_degree``), a tuple ``(replicas, shard_degree)`` (same as"
             " ``hybrid_shard_degree=shard_degree``), or a 2-D ``DeviceMesh`` you built yourself (used as is; its"
@@ -192,7 +193,7 @@ class StrategyOptions:
             " ``\"defer_all_reduce\"`` (FSDP2's default: reduce-scatter inside the shard group each, the cross-replica"
             " all-reduce once on the last; sharded gradients and one crossing of the replicas per step).")
     broadcast_buffers: bool = option(
-        True, check=check_broadcast_buffers, acts_in=("engines",),
+        True, check=check_boolean, acts_in=("engines",),
         doc="``True`` (default, DDP's): every rank gets global rank 0's buffers (BatchNorm's running statistics)"
             " before a forward that follows a training forward outside an accumulation window, as DDP's ranks do;"
             " ``False``: each rank keeps its own, as FSDP does. See ``docs/engines.md``.")
@@ -206,7 +207,7 @@ class StrategyOptions:
         needs no world size and no process, and how they fit together and with the engine arguments
         (``engine_options``: ``process_group`` fixes the shard group as ``device_mesh`` does); raise
         :class:`HybridShardConfigError` naming the option, the value and the fix, the same on every rank."""
-        own = {f.name: f.metadata["check"](arguments.get(f.name, f.default)) for f in option_fields(cls)}
+        own = {f.name: f.metadata["check"](arguments.get(f.name, f.default), f.name) for f in option_fields(cls)}
         smp = check_config({key: value for key, value in arguments.items()
                             if key in SMP_ARGUMENTS and value is not None}, ARGUMENT_SOURCE)
         options = cls(**own, smp=smp)
@@ -345,6 +346,8 @@ __all__ = [
     "declarations",
     "check_device_mesh",
     "check_start_method_name",
+    "check_state_dict_type",
+    "check_gradient_accumulation",
     "option",
     "option_fields",
     "option_names",
