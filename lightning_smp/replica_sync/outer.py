@@ -1,0 +1,165 @@
+"""DiLoCo's outer loop (Douillard et al. 2023, arXiv 2311.08105) over what one rank holds of the parameters.
+
+Each replica group trains on its own for ``every`` inner steps (the user's optimizer, nothing crossing the groups);
+then each rank averages, across the replica groups, its part of the *pseudo-gradient* (the parameters as last synced
+minus as they are now), an outer optimizer (SGD, Nesterov momentum: the paper's, torchft's and torchtitan's) steps
+the synced copy with it, and every group takes the result. Rank ``r`` of every group holds the same part of every
+parameter (the same sharding in every group), so the average runs over the mesh's replicate axis, one rank of each
+group, and the groups leave a sync bit-equal.
+
+Streaming DiLoCo (arXiv 2501.18512) syncs ``fragments`` contiguous pieces of the model in turn, each every
+``every`` steps at its own offset, with its own outer optimizer (one outer optimizer over several fragments would step
+the others on stale pseudo-gradients: a pitfall measured in torchft 0.2.0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_smp.errors import HybridShardConfigError
+
+#: Largest flat buffer of one all-reduce of pseudo-gradients, in bytes (DDP's default bucket is 25 MiB).
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def local_part(parameter: Tensor) -> Tensor:
+    """What this rank holds of ``parameter``: a ``DTensor``'s local shard (sharing its storage: writing it writes the
+    parameter), else the parameter's data."""
+    return parameter.to_local() if hasattr(parameter, "to_local") else parameter.data
+
+
+def fragment_sizes(numels: Sequence[int], fragments: int) -> list[int]:
+    """How many of the tensors (in order, sizes ``numels``) each of ``fragments`` contiguous fragments takes: as
+    equal in elements as whole tensors allow, none empty."""
+    if not 1 <= fragments <= len(numels):
+        raise HybridShardConfigError(
+            f"replica_sync fragments={fragments} for {len(numels)} parameters: each fragment needs at least one."
+            f" Fix: fragments between 1 and {len(numels)}."
+        )
+    total, sizes, start, taken = sum(numels), [], 0, 0
+    for fragment in range(fragments):
+        target = total * (fragment + 1) / fragments
+        end = start + 1
+        left = fragments - fragment - 1  # fragments after this one, each needs a tensor
+        while end < len(numels) - left and taken + sum(numels[start:end]) + numels[end] / 2 <= target:
+            end += 1
+        if fragment == fragments - 1:
+            end = len(numels)
+        sizes.append(end - start)
+        taken += sum(numels[start:end])
+        start = end
+    return sizes
+
+
+@dataclass
+class Fragment:
+    """One fragment: the rank's parts of its parameters, their copies as last synced (what the outer optimizer
+    steps), the outer optimizer, and the step of the window at which it syncs."""
+
+    parts: list[Tensor]
+    synced: list[torch.nn.Parameter]
+    outer: torch.optim.SGD
+    offset: int
+
+
+class OuterSync:
+    """The outer loop of DiLoCo over ``parameters`` (this rank's model parameters, plain or ``DTensor``), averaging
+    across ``group`` (the process group of the replicate axis: this rank's peers in the other replica groups).
+
+    Call :meth:`after_step` after every inner optimizer step (it syncs the fragments whose turn it is) and
+    :meth:`sync` to sync every fragment now (training that stops between syncs). The synced copies live on
+    ``backup_device`` (default: the parameters' device).
+    """
+
+    def __init__(self, parameters: Iterable[Tensor], group: dist.ProcessGroup | None, *, every: int,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1,
+                 backup_device: torch.device | None = None, bucket_bytes: int = BUCKET_BYTES) -> None:
+        trained = [p for p in parameters if p.requires_grad]
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise HybridShardConfigError(f"replica_sync every={every!r} is not a number of steps >= 1. Fix: e.g. 20.")
+        if every % fragments:
+            raise HybridShardConfigError(
+                f"replica_sync every={every} is not a multiple of fragments={fragments}: the fragments sync in turn,"
+                f" each every {every} steps. Fix: every={every - every % fragments or fragments}, or fragments=1."
+            )
+        self.group = group
+        self.every = every
+        self.bucket_bytes = bucket_bytes
+        self.steps = 0  # inner steps since the start (a checkpoint carries it)
+        self.fragments: list[Fragment] = []
+        start = 0
+        # (whole parameters' sizes, a DTensor's too: every rank cuts the same fragments, one collective each)
+        for index, size in enumerate(fragment_sizes([p.numel() for p in trained], fragments)):
+            parts = [local_part(p) for p in trained[start:start + size]]
+            start += size
+            synced = [torch.nn.Parameter(part.detach().to(backup_device or part.device, copy=True)) for part in parts]
+            outer = torch.optim.SGD(synced, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+            self.fragments.append(Fragment(parts, synced, outer, (index + 1) * every // fragments % every))
+
+    def after_step(self) -> list[int]:
+        """After an inner optimizer step: sync the fragments whose turn it is; returns their indices."""
+        self.steps += 1
+        due = [index for index, fragment in enumerate(self.fragments) if self.steps % self.every == fragment.offset]
+        for index in due:
+            self._sync(self.fragments[index])
+        return due
+
+    def sync(self) -> None:
+        """Sync every fragment now (the end of training between syncs): the groups leave bit-equal."""
+        for fragment in self.fragments:
+            self._sync(fragment)
+
+    @torch.no_grad()
+    def _sync(self, fragment: Fragment) -> None:
+        pseudo = [synced.to(part.device) - part for synced, part in zip(fragment.synced, fragment.parts)]
+        self.average(pseudo)
+        for synced, gradient in zip(fragment.synced, pseudo):
+            synced.grad = gradient.to(synced.device)
+        fragment.outer.step()
+        fragment.outer.zero_grad(set_to_none=True)
+        for synced, part in zip(fragment.synced, fragment.parts):
+            part.copy_(synced)
+
+    def average(self, tensors: list[Tensor]) -> None:
+        """Average ``tensors`` in place across :attr:`group`, in flat buffers of at most :attr:`bucket_bytes` (one
+        per dtype and device run), every tensor written back."""
+        size = dist.get_world_size(self.group)
+        bucket: list[Tensor] = []
+        for tensor in [*tensors, None]:
+            full = bucket and (tensor is None or tensor.dtype != bucket[0].dtype or tensor.device != bucket[0].device
+                               or sum(t.numel() * t.element_size() for t in bucket) + tensor.numel()
+                               * tensor.element_size() > self.bucket_bytes)
+            if full:
+                flat = _flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, group=self.group)  # a sum (gloo has no average), then divided
+                flat /= size
+                for target, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                    target.copy_(averaged)
+                bucket = []
+            if tensor is not None:
+                bucket.append(tensor)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The steps, each fragment's synced copies and its outer optimizer's state (this rank's parts)."""
+        return {"steps": self.steps,
+                "fragments": [{"synced": [s.detach().clone() for s in f.synced], "outer": f.outer.state_dict()}
+                              for f in self.fragments]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Back from :meth:`state_dict` (the same parameters and fragments)."""
+        self.steps = int(state["steps"])
+        for fragment, saved in zip(self.fragments, state["fragments"], strict=True):
+            with torch.no_grad():
+                for synced, value in zip(fragment.synced, saved["synced"], strict=True):
+                    synced.copy_(value)
+            fragment.outer.load_state_dict(saved["outer"])
+
+
+__all__ = ["BUCKET_BYTES", "Fragment", "OuterSync", "fragment_sizes", "local_part"]
