@@ -34,6 +34,7 @@ from lightning_smp.checkpoint import CheckpointRun, ShardedModel
 from lightning_smp.collectives import Collectives
 from lightning_smp.config import SMPConfig, resolve_config
 from lightning_smp.config.fault_tolerance import FaultTolerance, check_fault_tolerant_layout, check_torchft
+from lightning_smp.config.keys import FRONT_END_NAMES, refuse_unacted, unacted
 from lightning_smp.config.options import ASYNC_FULL, StrategyOptions, engine_facing
 from lightning_smp.degree import Layout, resolve_strategy_layout
 from lightning_smp.engines import (
@@ -50,7 +51,7 @@ from lightning_smp.engines import (
 )
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.mesh import build_device_mesh
-from lightning_smp.names import AUTO, SHARDED, GradientAccumulation
+from lightning_smp.names import AUTO, SHARDED, FrontEndName, GradientAccumulation
 from lightning_smp.replicas import broadcast_across_replicas, broadcast_before_wrapping
 
 if TYPE_CHECKING:
@@ -147,11 +148,12 @@ class HybridShardCore:
         """Every configuration source merged, the arguments on top (see :mod:`lightning_smp.config`)."""
         return resolve_config(dict(self.options.smp) or None)
 
-    def configure(self, num_nodes: int, devices: int) -> Layout | None:
-        """Resolve the configuration once, choose the engine, check the arguments against it and resolve the layout
-        for ``num_nodes x devices`` ranks (``None`` while ``hybrid_shard_degree="auto"`` waits for the model). Call
-        it before any process starts."""
+    def configure(self, num_nodes: int, devices: int, front_end: FrontEndName = "trainer") -> Layout | None:
+        """Resolve the configuration once (refusing a key ``front_end`` does not act on), choose the engine, check
+        the arguments against it and resolve the layout for ``num_nodes x devices`` ranks (``None`` while
+        ``hybrid_shard_degree="auto"`` waits for the model). Call it before any process starts."""
         config = self.resolve_config()
+        refuse_unacted(config, unacted(config, front_end), FRONT_END_NAMES[front_end])
         if config.async_save and self.options.state_dict_type != SHARDED:
             # a lower source asked for background saves: the same refusal as for the argument
             raise HybridShardConfigError(ASYNC_FULL.format(state_dict_type=self.options.state_dict_type))

@@ -272,7 +272,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         # At Fabric(...), before any process starts: the configuration once, the engine, the world-size facts
-        layout = self.core.configure(self.num_nodes, self.num_processes)
+        layout = self.core.configure(self.num_nodes, self.num_processes, "fabric")
         device_type = self.root_device.type
         if isinstance(self._precision, FSDPPrecision) and not isinstance(self._precision, HybridShardFabricPrecision):
             self._precision = HybridShardFabricPrecision.from_plugin(self._precision, device_type)

@@ -101,6 +101,10 @@ def init(config: Mapping[str, Any] | str | os.PathLike | None = None) -> None:
     Raises:
         HybridShardConfigError: an unknown key, a wrong type, an unsupported SMP feature, a malformed or missing
             file. Every source is checked here, the environment too, so every rank fails the same way.
+        UnsupportedOptionError: at the first plain ``FSDP(...)`` call or ``fully_shard`` call without a mesh of its
+            own, a key set that only the strategies act on (``async_save``, ``fault_tolerance``: the configuration
+            ``init`` gives is also a source of the strategies, which act on them). torchft's own variables are left
+            to torchft.
     """
     values = load_config(config)
     set_init_config(values if config is not None else None)
@@ -191,11 +195,11 @@ def _default_mesh(engine: Engine) -> DeviceMesh | None:
 
 def _rewrite(engine: Engine, arguments: dict[str, Any]) -> Callable[[Module], None] | None:
     """Apply the configured degree to one FSDP call's arguments in place; return a post-wrap hook or None."""
-    if arguments.get("device_mesh") is not None or arguments.get("process_group") is not None:
-        return None
     if _SESSION is None or not (dist.is_available() and dist.is_initialized()):
         return None
     _refuse_unacted("a plain FSDP(...) call")
+    if arguments.get("device_mesh") is not None or arguments.get("process_group") is not None:
+        return None
     degree = configured_degree()
     if degree == 0:
         return None

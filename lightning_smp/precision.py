@@ -199,6 +199,8 @@ class PrecisionSlot(Generic[_Plugin]):
         self.attribute = f"_{name}"
 
     def __get__(self, strategy: Any, owner: type | None = None) -> _Plugin:
+        if strategy is None:  # read on the class (help(), hasattr): the slot itself, as a property is
+            return self  # type: ignore[return-value]
         plugin = getattr(strategy, self.attribute, None)
         if not isinstance(plugin, self.kept):
             plugin = self.default()

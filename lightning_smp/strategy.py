@@ -259,7 +259,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         # At Trainer(...), before any process is started: resolve the configuration once and check the world-size
         # facts, so that a bad degree fails here and not in the ranks.
         # the engine is known now (an argument, or any configuration source): the arguments are checked against it
-        layout = self.core.configure(self.num_nodes, self.num_processes)
+        layout = self.core.configure(self.num_nodes, self.num_processes, "trainer")
         self.precision_plugin.set_device_type(self.root_device.type)
         self._warn_override_once(layout)
         self._launcher = choose_launcher(

@@ -20,6 +20,7 @@ from lightning_smp.engines.ddp.prediction import DDPPrediction
 from lightning_smp.engines.fsdp2.engine import FSDP2Engine
 from lightning_smp.engines.fsdp2.prediction import FSDP2Prediction
 from lightning_smp.planner.state import model_state
+from lightning_smp.testing import run_distributed
 from tests.helpers import (
     FSDP_VERSIONS,
     PARITY_BOUND,
@@ -128,6 +129,23 @@ class _GatheredEngine(FSDP2Engine):
     def shard_kwargs(self, plan):
         return {**super().shard_kwargs(plan), "reshard_after_forward": False}
 
+    def wrap(self, module, plan):
+        module = super().wrap(module, plan)
+        module.wrapped_by_gathered_engine = True  # what it wrapped, told apart from FSDP2's own models
+        return module
+
+    def has_wrapped(self, module):
+        return super().has_wrapped(module) and any(getattr(m, "wrapped_by_gathered_engine", False)
+                                                   for m in module.modules())
+
+
+def _engine_of_a_plain_fully_shard_model(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_smp.engines import engine_of
+
+    return engine_of(fully_shard(torch.nn.Linear(4, 4))).name
+
 
 class _EngineProbe(Callback):
     """What each rank's strategy runs, and what its model's units do after a forward (gathered or resharded)."""
@@ -172,6 +190,8 @@ def test_a_fourth_engine_needs_only_its_class_and_its_registration(tmp_path, reg
     fourth = registered(_GatheredEngine())
     assert registered(_GatheredEngine()) is not fourth and engines.engine_for(3).name == "fsdp2_gathered"  # again
     fourth = engines.engine_for(3)
+    # asked first, it claims only what it wrapped: a model sharded with fully_shard stays FSDP2's
+    assert run_distributed(_engine_of_a_plain_fully_shard_model, 1) == ["fsdp2"]
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=3, start_method="fork",
                                        auto_wrap_policy={torch.nn.Linear})
     report = MemorySavingsCallback(print_table=False, filename=tmp_path / "report.json")
@@ -207,6 +227,11 @@ def test_a_fourth_engine_needs_only_its_class_and_its_registration(tmp_path, reg
     # a name or a version another engine has is refused, and the library's own engines stay
     with pytest.raises(HybridShardConfigError, match="engine 'fsdp2' has that name"):
         registered(type("Other", (_GatheredEngine,), {"name": "fsdp2", "version": 5})())
+    clashing = _GatheredEngine()
+    clashing.version = 1  # the same class again, with FSDP1's version
+    with pytest.raises(HybridShardConfigError, match="engine 'fsdp1' has that version"):
+        registered(clashing)
+    assert engines.engine_for(3) is fourth  # a refused registration changes nothing
     with pytest.raises(HybridShardConfigError, match="the fsdp2 engine is the library's own"):
         engines.unregister(engines.engine_for(2))
 

@@ -154,6 +154,30 @@ def test_one_check_serves_every_option_of_its_kind():
         option(0, check=lambda value: value, acts_in=("front_ends",), doc="")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("acting", ["trainer", "fabric"])
+def test_every_front_end_refuses_a_key_it_does_not_act_on_by_its_declaration(monkeypatch, acting):
+    """``smp_key(..., front_ends=...)`` is the one rule: a front end not listed refuses the key when it is configured
+    (``init()``'s plain calls: ``tests/test_plain_fsdp.py``), naming the key and where it acts."""
+    import lightning as L
+    from lightning.fabric import Fabric
+
+    import lightning_smp.config.keys as keys
+    import lightning_smp.fabric
+    from lightning_smp import UnsupportedOptionError
+
+    monkeypatch.setitem(keys.ACTING_FRONT_ENDS, "async_save", (acting,))
+    refusing = {"trainer": lambda: L.Trainer(strategy=lightning_smp.HybridShardFSDPStrategy(async_save=True),
+                                             accelerator="cpu", devices=2, logger=False),
+                "fabric": lambda: Fabric(strategy=lightning_smp.fabric.HybridShardFSDPStrategy(async_save=True),
+                                         accelerator="cpu", devices=2)}
+    other = "fabric" if acting == "trainer" else "trainer"
+    with pytest.raises(UnsupportedOptionError, match=re.escape(
+            f"async_save=True is set in the configuration, but {keys.FRONT_END_NAMES[other]} cannot act on it:"
+            f" async_save acts in {keys.FRONT_END_NAMES[acting]}")):
+        refusing[other]()
+    refusing[acting]()  # the one that acts on it takes it
+
+
 def test_every_option_declares_where_it_acts():
     with pytest.raises(RuntimeError, match="acts_in=.*must be a tuple of one or more of"):
         option(0, check=_check_delay, acts_in=("the moon",), doc="")  # type: ignore[arg-type]

@@ -91,7 +91,7 @@ def test_fsdp_settings_pass_through_untouched():
         # written here, by the strategy itself: the whole message
         pytest.param({"state_dict_type": "both"},
                      [f"state_dict_type='both' is not supported. Valid values: {SHARDED!r}, {FULL!r}."], id="sdt"),
-        pytest.param({"broadcast_buffers": "yes"}, ["broadcast_buffers='yes' (str) is not a boolean. Fix: pass true or false"],
+        pytest.param({"broadcast_buffers": "yes"}, ["broadcast_buffers='yes' (str) is not a boolean. Fix: pass True or False"],
                      id="broadcast_buffers"),
     ],
 )

@@ -73,7 +73,8 @@ def check_boolean(value: Any, parameter: str) -> bool:
     check of every boolean option, named ``parameter``."""
     if not isinstance(value, bool):
         raise HybridShardConfigError(
-            f"{parameter}={value!r} ({_type_name(value)}) is not a boolean. Fix: pass true or false."
+            f"{parameter}={value!r} ({_type_name(value)}) is not a boolean. Fix: pass True or False (true or false"
+            " in YAML)."
         )
     return value
 
@@ -105,6 +106,9 @@ def smp_key(default: Any, *, check: Callable[[Any, str], Any], doc: str, acts_in
     :data:`~lightning_smp.names.ActsIn`), ``parsed_as`` (a narrower type for the command line's parser than the
     field's, which OmegaConf must be able to merge), ``front_ends`` (those that act on it; the others refuse a value
     other than the default: :func:`unacted`)."""
+    if not front_ends or not set(front_ends) <= set(FRONT_ENDS) or isinstance(front_ends, str):
+        raise RuntimeError(f"lightning_smp.config: front_ends={front_ends!r} must be a tuple of one or more of"
+                           f" {FRONT_ENDS}.")
     return field(default=default, metadata={"check": checked_check(check), "doc": doc, "acts_in": checked_acts_in(acts_in),
                                             "parsed_as": parsed_as, "front_ends": front_ends})
 
@@ -281,10 +285,14 @@ SMPSection = _optional_fields(
 )
 
 
+#: The front ends that act on each implemented key (its declaration's ``front_ends``).
+ACTING_FRONT_ENDS: dict[str, tuple[FrontEndName, ...]] = {f.name: f.metadata["front_ends"] for f in IMPLEMENTED}
+
+
 def unacted(config: SMPConfig, front_end: FrontEndName) -> list[str]:
     """The implemented keys ``config`` sets (other than their default) that ``front_end`` does not act on."""
     return [f.name for f in IMPLEMENTED
-            if front_end not in f.metadata["front_ends"] and getattr(config, f.name) != f.default]
+            if front_end not in ACTING_FRONT_ENDS[f.name] and getattr(config, f.name) != f.default]
 
 
 def refuse_unacted(config: SMPConfig, keys: Collection[str], what: str) -> None:
@@ -292,16 +300,17 @@ def refuse_unacted(config: SMPConfig, keys: Collection[str], what: str) -> None:
     each and the front ends that act on it: :class:`~lightning_smp.errors.UnsupportedOptionError`."""
     if not keys:
         return
-    where = {f.name: f.metadata["front_ends"] for f in IMPLEMENTED}
-    acting = {key: " and ".join(_FRONT_END_NAMES[end] for end in where[key]) for key in keys}
+    acting = {key: " and ".join(FRONT_END_NAMES[end] for end in ACTING_FRONT_ENDS[key]) for key in keys}
     raise UnsupportedOptionError(
         f"{', '.join(f'{key}={getattr(config, key)!r}' for key in keys)} is set in the configuration, but {what}"
         f" cannot act on it: {'; '.join(f'{key} acts in {ends}' for key, ends in acting.items())}. Fix: train with"
-        f" one of those, or remove {', '.join(keys)} from the configuration (init(config), LIGHTNING_SMP_CONFIG)."
+        f" one of those, or remove {', '.join(keys)} from the configuration (the arguments, the CLI's smp: section,"
+        " init(config), LIGHTNING_SMP_CONFIG, SM_HP_MP_PARAMETERS)."
     )
 
 
-_FRONT_END_NAMES: dict[str, str] = {"trainer": "the Trainer's HybridShardFSDPStrategy",
+#: Each front end as messages name it.
+FRONT_END_NAMES: dict[FrontEndName, str] = {"trainer": "the Trainer's HybridShardFSDPStrategy",
                                     "fabric": "Fabric's HybridShardFSDPStrategy", "init": "lightning_smp.init()"}
 
 
@@ -370,6 +379,8 @@ __all__ = [
     "UNIMPLEMENTED_KEYS",
     "SMPConfig",
     "SMPSection",
+    "ACTING_FRONT_ENDS",
+    "FRONT_END_NAMES",
     "check_boolean",
     "checked_check",
     "check_config",

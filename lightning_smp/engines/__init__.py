@@ -34,19 +34,22 @@ def register(engine: Engine) -> Engine:
     version>`` selects it from every configuration source, :func:`engine_of` finds the models it wrapped (asked
     before the others, as it may recognise what one of them wraps too, being a subclass of it), and the planner, the
     memory report and every message that names an ``fsdp_version`` read its ``Capabilities`` and ``prediction``.
+    Its ``has_wrapped`` must recognise only the models it wrapped: an engine that extends one of the library's
+    (a subclass) marks what it wraps, or it would claim that engine's models too.
     Call it where every rank runs it (the training script, at import). Registering an engine of the same class again
     replaces it (a notebook cell run twice); a name or a version another engine has is refused."""
     if not isinstance(engine, Engine):
         raise TypeError(f"{engine!r} does not implement lightning_smp.engines.Engine (its four roles).")
-    for other in list(ENGINES):
-        if type(other) is type(engine):
-            unregister(other)
-        elif other.name == engine.name or other.version == engine.version:
+    again = [other for other in ENGINES if type(other) is type(engine)]
+    for other in ENGINES:
+        if other not in again and (other.name == engine.name or other.version == engine.version):
             raise HybridShardConfigError(
                 f"engine {engine.name!r} (fsdp_version={engine.version}) cannot be registered: engine {other.name!r}"
                 f" has {'that name' if other.name == engine.name else 'that version'}. Fix: give it a name and a"
                 f" version of its own (taken: {', '.join(f'{e.name} {e.version}' for e in ENGINES)})."
             )
+    for other in again:
+        unregister(other)
     FSDP_ENGINES.append(engine)
     ENGINES.insert(0, engine)
     FSDP_VERSION_ENGINES[engine.version] = f"the {engine.name} engine"
