@@ -57,18 +57,20 @@ class Heads(torch.nn.Module):
         return out + self.only_first(batch) if first else out
 
 
-def vanish_inside_the_crossing(replicas: Any, after: int, how: str, marker: Path) -> None:
+def vanish_inside_the_crossing(replicas: Any, after: int, how: str, marker: Path | None) -> None:
     """Make this rank vanish at the all-reduce of the gradients across groups of the first step after committed step
     ``after``, while the other groups wait inside it: SIGSTOP (``how="stop"``: every thread frozen, the manager
-    server's heartbeats too, no connection closed) or SIGKILL itself. Writes the time to ``marker`` first (one rank
-    of the group)."""
+    server's heartbeats too, no connection closed) or SIGKILL itself. Writes the time to ``marker`` first, whole (the
+    group's rank 0 alone; the others pass ``None``)."""
     process_group = replicas.process_group
     issue = process_group.allreduce
 
     def allreduce(tensors: list[torch.Tensor], options: Any) -> Any:
         if replicas.step >= after and tensors[0].is_floating_point():  # (the gradients', not the start's check)
-            if not marker.exists():
-                marker.write_text(json.dumps({"time": time.time(), "step": replicas.step}))
+            if marker is not None and not marker.exists():
+                written = marker.with_suffix(".writing")
+                written.write_text(json.dumps({"time": time.time(), "step": replicas.step}))
+                written.replace(marker)  # (the reader never sees half of it)
             os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
         return issue(tensors, options)
 
@@ -136,7 +138,8 @@ def main() -> None:
         return replicas.step if replicas is not None else state["iteration"]
 
     if args.vanish_at is not None and replicas is not None:
-        vanish_inside_the_crossing(replicas, args.vanish_at, args.vanish, out / f"vanished{args.group}")
+        vanish_inside_the_crossing(replicas, args.vanish_at, args.vanish,
+                                   out / f"vanished{args.group}" if fabric.global_rank == 0 else None)
     loop_start = time.time()  # (the first step's time after it: what the start costs)
 
     while step() < args.steps:

@@ -353,8 +353,7 @@ def test_a_group_that_vanishes_inside_the_crossing_costs_the_survivor_a_heartbea
             jobs.expect_end(1)
         marker = jobs.out / "vanished1"
         jobs.wait_for(marker.exists, 120, "group 1 vanishing inside the crossing")
-        time.sleep(0.1)  # (the marker written whole)
-        vanished, last = json.loads(marker.read_text()).values()
+        vanished, last = json.loads(marker.read_text()).values()  # (written whole, by group 1's rank 0 alone)
         for rank in range(2):
             jobs.wait_for(lambda rank=rank: any(r["time"] > vanished for r in jobs.records(0, rank)), HEARTBEAT + 15,
                           f"the survivor's rank {rank} committing again")
@@ -362,6 +361,10 @@ def test_a_group_that_vanishes_inside_the_crossing_costs_the_survivor_a_heartbea
             assert recovery <= HEARTBEAT + 5, (rank, recovery)
         after = [r for r in jobs.records(0) if r["time"] > vanished]
         assert after[0]["step"] == last + 1 and all(r["groups"] == 1 for r in after)
+        survivor = (jobs.out / "log0.txt").read_text()
+        assert "ran past its timeout" not in survivor  # (left by the watch or the closed connection, never the clock)
+        if how == "stop":  # nothing closes: only the watch can end the wait
+            assert "abandoned: the lighthouse stopped hearing from group0001" in survivor, jobs.logs()
         jobs.kill(1)  # (a frozen group is still there: the harness ends it)
         assert jobs.wait(120)[0] == 0, jobs.logs()
         assert [r["step"] for r in jobs.records(0)][-1] == 14
