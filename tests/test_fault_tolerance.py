@@ -20,6 +20,7 @@ from lightning_smp.config import resolve_config
 from lightning_smp.config.fault_tolerance import ENV_GROUP, ENV_GROUPS, ENV_LIGHTHOUSE, FaultTolerance
 from lightning_smp.errors import FaultToleranceError, UnsupportedOptionError
 from lightning_smp.fault_tolerance.trainer_state import check_data_can_follow
+from lightning_smp.testing import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 FABRIC_SCRIPT = [str(REPO / "benchmarks" / "fault_run.py")]
@@ -162,7 +163,6 @@ def test_an_uncommitted_step_changes_nothing_the_optimizer_or_scheduler_holds():
 def test_what_healing_copies_is_each_rank_s_shards_and_optimizer_state(tmp_path):
     """Out of one FSDP2 rank and into another model's, the shards and AdamW's state bit-equal; another layout is
     an error, never a partial copy."""
-    from lightning_smp.testing import run_distributed
 
     results = run_distributed(_healing_round_trip, 2)
     assert results == [True, True]
@@ -752,10 +752,7 @@ def test_a_store_that_does_not_answer_at_the_group_s_address_is_refused_naming_i
         check_store("127.0.0.1", port, 0, timeout=1.0)
 
 
-@pytest.mark.timeout(60)
-def test_the_watch_reads_which_groups_the_lighthouse_stopped_hearing_from():
-    """The lighthouse's own status page (torchft 0.2.0's): a group whose heartbeats stopped for the heartbeat timeout
-    is silent, one that heartbeats is not, one the lighthouse never heard of is silent; no lighthouse, no verdict."""
+def _watch_the_status_page(rank: int, world: int) -> None:
     from datetime import timedelta
 
     from torchft._torchft import LighthouseClient
@@ -778,6 +775,14 @@ def test_the_watch_reads_which_groups_the_lighthouse_stopped_hearing_from():
     finally:
         lighthouse.shutdown()
     assert LighthouseWatch("http://127.0.0.1:9", timeout=0.5).silent(["group0:a"]) == []
+
+
+@pytest.mark.timeout(60)
+def test_the_watch_reads_which_groups_the_lighthouse_stopped_hearing_from():
+    """The lighthouse's own status page (torchft 0.2.0's): a group whose heartbeats stopped for the heartbeat timeout
+    is silent, one that heartbeats is not, one the lighthouse never heard of is silent; no lighthouse, no verdict.
+    (In a forked process: torchft's runtime threads must not run in the one the other tests fork their ranks from.)"""
+    run_distributed(_watch_the_status_page, 1)
 
 
 def _failing_group(group: int, rank: int, degree: int, lighthouse: str) -> str:

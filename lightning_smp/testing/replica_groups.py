@@ -48,13 +48,13 @@ class ReplicaGroupJobs:
 
     def __init__(self, script: Sequence[str], out: Path, *, groups: int = 2, degree: int = 2,
                  heartbeat_timeout: float = 2.0, min_groups: int = 1, join_timeout: float = 30.0,
-                 lighthouse: Lighthouse | None = None, launch: Launch = _local_launch,
+                 lighthouse: Lighthouse | ForkedLighthouse | None = None, launch: Launch = _local_launch,
                  address: Callable[[int], str] = lambda group: "127.0.0.1") -> None:
         self.script, self.out, self.groups, self.degree = list(script), Path(out), groups, degree
         self.out.mkdir(parents=True, exist_ok=True)
-        self.lighthouse = lighthouse or start_lighthouse("127.0.0.1:0", min_groups=min_groups,
-                                                         heartbeat_timeout=heartbeat_timeout,
-                                                         join_timeout=join_timeout, quorum_tick=0.05)
+        # (a lighthouse of its own runs in a process forked from this one: see ForkedLighthouse)
+        self.lighthouse = lighthouse or ForkedLighthouse(min_groups=min_groups, heartbeat_timeout=heartbeat_timeout,
+                                                         join_timeout=join_timeout)
         self._launch, self._address = launch, address
         self.jobs: dict[int, subprocess.Popen] = {}
         self.started: dict[int, list[float]] = {}
@@ -162,32 +162,53 @@ def run_replica_groups(fn: Callable[..., Any], groups: int, degree: int, *args: 
         return run_worlds(fn, groups, degree, lighthouse, *args, timeout=timeout)
 
 
+class ForkedLighthouse:
+    """A lighthouse on loopback in a process forked from this one (:attr:`address`; :meth:`shutdown` stops it), so
+    that this process runs no thread of torchft's runtime: the tests and notebooks that start replica groups also
+    fork ranks from this process (the Trainer's fork launcher, :func:`run_distributed`), and a fork copies only the
+    forking thread, so a lock another thread held stays locked in the child, which hangs."""
+
+    def __init__(self, *, min_groups: int, heartbeat_timeout: float = 2.0, join_timeout: float = 30.0) -> None:
+        ctx = mp.get_context("fork")
+        self._pipe, theirs = ctx.Pipe()
+        self._process = ctx.Process(target=_serve_lighthouse,
+                                    args=(theirs, min_groups, heartbeat_timeout, join_timeout), daemon=True)
+        self._process.start()
+        if not self._pipe.poll(60):
+            self.shutdown()
+            raise RuntimeError("the lighthouse process did not start within 60 s")
+        self.address: str = self._pipe.recv()
+
+    def shutdown(self) -> None:
+        if self._process.is_alive():
+            try:
+                self._pipe.send("stop")
+            except OSError:
+                pass
+            self._process.join(10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+
+
 @contextmanager
 def forked_lighthouse(*, min_groups: int, heartbeat_timeout: float = 2.0) -> Iterator[str]:
-    """A lighthouse on loopback in a process forked from this one (whose address it yields), so that this process,
-    which forks the ranks next, runs no thread of torchft's runtime: a fork copies only the forking thread, and a lock
-    another thread held would stay locked in the child."""
-    ctx = mp.get_context("fork")
-    ours, theirs = ctx.Pipe()
-    process = ctx.Process(target=_serve_lighthouse, args=(theirs, min_groups, heartbeat_timeout), daemon=True)
-    process.start()
+    """A :class:`ForkedLighthouse` for a ``with`` block, which yields its address."""
+    lighthouse = ForkedLighthouse(min_groups=min_groups, heartbeat_timeout=heartbeat_timeout)
     try:
-        if not ours.poll(60):
-            raise RuntimeError("the lighthouse process did not start within 60 s")
-        yield ours.recv()
+        yield lighthouse.address
     finally:
-        ours.send("stop")
-        process.join(10)
-        if process.is_alive():
-            process.kill()
-            process.join()
+        lighthouse.shutdown()
 
 
-def _serve_lighthouse(pipe: Any, min_groups: int, heartbeat_timeout: float) -> None:
+def _serve_lighthouse(pipe: Any, min_groups: int, heartbeat_timeout: float, join_timeout: float) -> None:
     lighthouse = start_lighthouse("127.0.0.1:0", min_groups=min_groups, heartbeat_timeout=heartbeat_timeout,
-                                  join_timeout=30.0, quorum_tick=0.05)
+                                  join_timeout=join_timeout, quorum_tick=0.05)
     pipe.send(lighthouse.address)
-    pipe.recv()
+    try:
+        pipe.recv()
+    except EOFError:  # (the process that started it is gone)
+        pass
     lighthouse.shutdown()
 
 
@@ -204,4 +225,4 @@ def on_cluster(cluster: Any, script: Sequence[str], out: Path, *, degree: int = 
                             launch=launch, address=lambda group: cluster.nodes[group].address)
 
 
-__all__ = ["Launch", "ReplicaGroupJobs", "forked_lighthouse", "on_cluster", "run_replica_groups"]
+__all__ = ["ForkedLighthouse", "Launch", "ReplicaGroupJobs", "forked_lighthouse", "on_cluster", "run_replica_groups"]
