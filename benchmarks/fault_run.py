@@ -25,7 +25,8 @@ import torch
 from lightning.fabric.loggers import CSVLogger
 
 from lightning_smp.fabric import HybridShardFSDPStrategy
-from lightning_smp.fault_tolerance.state import local, optimizer_local_state
+from lightning_smp.fault_tolerance.state import optimizer_local_state
+from lightning_smp.replicas import local_part
 from lightning_smp.testing.crossing import link_tx_bytes
 
 
@@ -121,7 +122,7 @@ def main() -> None:
     module = Heads(args.width) if args.unused else torch.nn.Sequential(
         torch.nn.Linear(16, args.width), torch.nn.Tanh(), torch.nn.Linear(args.width, 4))
     model = fabric.setup_module(module)
-    never = digest([local(p) for p in module.never.parameters()]) if args.unused else None
+    never = digest([local_part(p) for p in module.never.parameters()]) if args.unused else None
     first = args.group == 0 and fabric.global_rank == 0
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
@@ -158,7 +159,7 @@ def main() -> None:
             state["iteration"] += 1
         optimizer.zero_grad()
         if committed:
-            tensors = [local(p) for p in model.parameters()]
+            tensors = [local_part(p) for p in model.parameters()]
             line = {"step": step(), "time": time.time(), "loop_start": loop_start, "model": digest(tensors),
                     "optimizer": digest(optimizer_tensors(optimizer)), "iteration": state["iteration"],
                     "lr": scheduler.get_last_lr()[0], "healed_at": replicas.healed_at if replicas else None,
@@ -166,12 +167,12 @@ def main() -> None:
                     "pid": os.getpid(),
                     # on a cluster node: what the node has sent on its link so far (everything that crossed)
                     "tx": link_tx_bytes() if "GLOO_SOCKET_IFNAME" in os.environ else None,
-                    "grad_bytes": sum(local(p).numel() * 4 for p in model.parameters()),
+                    "grad_bytes": sum(local_part(p).numel() * 4 for p in model.parameters()),
                     # (--unused) the heads: the one no rank uses now and before the first step, the one rank 0 of
                     # group 0 uses
-                    "never": digest([local(p) for p in module.never.parameters()]) if args.unused else None,
+                    "never": digest([local_part(p) for p in module.never.parameters()]) if args.unused else None,
                     "never_before": never,
-                    "only_first": digest([local(p) for p in module.only_first.parameters()]) if args.unused else None}
+                    "only_first": digest([local_part(p) for p in module.only_first.parameters()]) if args.unused else None}
             with record.open("a") as f:
                 f.write(json.dumps(line) + "\n")
             if args.checkpoint and step() % args.checkpoint_every == 0:

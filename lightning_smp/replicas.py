@@ -55,14 +55,18 @@ def broadcast_tensors(
             flush()
 
 
-def _local_tensors(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """Each tensor's local shard (a ``DTensor``'s local tensor, written in place), or the tensor itself.
-
-    Consumed under ``no_grad`` in :func:`broadcast_tensors`, where ``to_local()`` returns the shard itself."""
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: a ``DTensor``'s local shard (under ``no_grad``, the shard itself: writing it
+    writes the tensor), any other tensor itself."""
     from torch.distributed.tensor import DTensor
 
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local_tensors(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Each tensor's local shard (:func:`local_part`), consumed under ``no_grad`` in :func:`broadcast_tensors`."""
     for tensor in tensors:
-        yield tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        yield local_part(tensor)
 
 
 def broadcast_module_state(module: Module, device: torch.device, src: int = 0) -> None:

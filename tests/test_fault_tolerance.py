@@ -173,7 +173,8 @@ def _healing_round_trip(rank: int, world_size: int) -> bool:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_smp.fault_tolerance.state import TrackedState, local
+    from lightning_smp.fault_tolerance.state import TrackedState
+    from lightning_smp.replicas import local_part
 
     mesh = init_device_mesh("cpu", (world_size,))
 
@@ -192,15 +193,16 @@ def _healing_round_trip(rank: int, world_size: int) -> bool:
     sent = TrackedState.of(source, lambda: [source_opt], extra=lambda: {"counter": 7}).state_dict()
     got = {}
     TrackedState.of(target, lambda: [target_opt], load_extra=got.update).load_state_dict(sent)
-    same = all(torch.equal(local(a), local(b)) for a, b in zip(source.parameters(), target.parameters()))
+    same = all(torch.equal(local_part(a), local_part(b)) for a, b in zip(source.parameters(), target.parameters()))
     for a, b in zip(source_opt.state.values(), target_opt.state.values()):
-        same = same and all(torch.equal(local(a[k]), local(b[k])) for k in a)
+        same = same and all(torch.equal(local_part(a[k]), local_part(b[k])) for k in a)
     # the next step from the copied state is the source's next step
     batch = torch.randn(4, 6)
     for model, optimizer in ((source, source_opt), (target, target_opt)):
         model(batch).sum().backward()
         optimizer.step()
-    same = same and all(torch.equal(local(a), local(b)) for a, b in zip(source.parameters(), target.parameters()))
+    same = same and all(torch.equal(local_part(a), local_part(b))
+                        for a, b in zip(source.parameters(), target.parameters()))
     wrong = {**sent, "tensors": {k: v[:1] for k, v in sent["tensors"].items()}}
     try:
         TrackedState.of(target, lambda: [target_opt]).load_state_dict(wrong)
@@ -604,7 +606,7 @@ def _average_with_a_peer(rank: int, world_size: int) -> bool:
     from torch.distributed.tensor import DTensor
 
     from lightning_smp.fault_tolerance.flat import pack, unpack
-    from lightning_smp.fault_tolerance.state import local
+    from lightning_smp.replicas import local_part
 
     model = torch.nn.Sequential(*(torch.nn.Linear(3, 3, bias=False) for _ in range(3)))
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
@@ -618,8 +620,8 @@ def _average_with_a_peer(rank: int, world_size: int) -> bool:
     assert len(mine) == 1 and mine[0].flat.shape == theirs.shape
     mine[0].flat.add_(theirs)  # the sum across the two groups
     values = dict((id(b), v) for b, v in unpack(mine[0], 2, None))
-    return (torch.equal(local(both.grad), torch.full((3, 3), 3.0)) and isinstance(peer.grad, DTensor)
-            and torch.equal(local(peer.grad), torch.full((3, 3), 3.0)) and nobody.grad is None
+    return (torch.equal(local_part(both.grad), torch.full((3, 3), 3.0)) and isinstance(peer.grad, DTensor)
+            and torch.equal(local_part(peer.grad), torch.full((3, 3), 3.0)) and nobody.grad is None
             and torch.equal(values[id(running)], theirs_running) and torch.equal(values[id(count)], theirs_count))
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from lightning_smp.errors import GradientSyncError, ShardedParameterError
+from lightning_smp.replicas import local_part
 
 #: the byte per parameter, reduced by MAX: no rank used it; some rank used it; some rank used it and has no ``.grad``;
 #: some rank's autograd wrote a gradient into its shard directly (the parameter was read outside the forward of its
@@ -190,11 +191,11 @@ def _levels(presences: Sequence[Presence], device: torch.device) -> torch.Tensor
                 continue
             noted = presence.used[index]
             # a frozen parameter's view in a trainable flat parameter (FSDP1) gets a gradient FSDP drops: not stepped
-            if noted and param is not None and param.requires_grad and param.grad is None and _local(param).numel():
+            if noted and param is not None and param.requires_grad and param.grad is None and local_part(param).numel():
                 levels.append(USED_WITHOUT_GRAD)
                 continue
             levels.append(USED if noted else UNUSED)
-            grad = None if noted or presence.whole or param is None or param.grad is None else _local(param.grad)
+            grad = None if noted or presence.whole or param is None or param.grad is None else local_part(param.grad)
             if grad is not None and grad.numel():
                 unnoted.append((len(levels) - 1, grad))
     result = torch.tensor(levels, dtype=torch.uint8, device=device)
@@ -219,10 +220,6 @@ def read_outside_forward_message(names: Sequence[str] = ()) -> str:
         " the forward of the module that owns them and return it with that module's output; or use"
         " hybrid_shard_degree=1 (nothing sharded)."
     )
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's part
 
 
 def _some(names: Sequence[str], shown: int = 5) -> str:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_smp.fault_tolerance.state import local
+from lightning_smp.replicas import local_part
 
 #: bits per piece of an integer buffer: 0..255 is exact in every floating dtype (bfloat16 holds integers up to 256)
 _PIECE_BITS = 8
@@ -85,18 +85,18 @@ def pack(parameters: Sequence[Tensor], notes: Levels | None, buffers: Sequence[T
     packed = []
     for position, dtype in enumerate(dtypes):
         group = [p for p in trainable if p.dtype == dtype]
-        sizes = [local(p).numel() for p in group]
+        sizes = [local_part(p).numel() for p in group]
         mine = [b for b in floating if b.dtype == dtype]
         first = position == 0
         marks = notes.LEVELS * notes.levels.numel() if first and notes is not None else 0
         extra = sum(b.numel() for b in mine) + (sum(_pieces(b) for b in integers) if first else 0)
-        where = local(group[0]).device if group else device
+        where = local_part(group[0]).device if group else device
         flat = torch.zeros(sum(sizes) + len(group) + marks + extra, dtype=dtype, device=where)
         item = Packed(flat, group, sizes, marks, mine, integers if first else [])
         offset = 0
         for parameter, size in zip(group, sizes):
             if parameter.grad is not None:
-                flat[offset:offset + size].copy_(local(parameter.grad).reshape(-1))
+                flat[offset:offset + size].copy_(local_part(parameter.grad).reshape(-1))
             offset += size
         flat[offset:offset + len(group)] = torch.tensor([p.grad is not None for p in group], dtype=dtype)
         offset += len(group)
@@ -131,7 +131,7 @@ def unpack(item: Packed, participants: int, notes: Levels | None) -> list[tuple[
             continue
         averaged = summed.div_(participants)
         if parameter.grad is not None:
-            local(parameter.grad).copy_(averaged.view_as(local(parameter.grad)))
+            local_part(parameter.grad).copy_(averaged.view_as(local_part(parameter.grad)))
         else:
             parameter.grad = _grad_like(parameter, averaged)
     if item.marks and notes is not None:

@@ -15,15 +15,12 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-
-def local(tensor: Tensor) -> Tensor:
-    """This rank's part of ``tensor``: a ``DTensor``'s local shard, any other tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+from lightning_smp.replicas import local_part
 
 
 def _to_local(value: Any) -> Any:
     if isinstance(value, Tensor):
-        return local(value).detach()
+        return local_part(value).detach()
     if isinstance(value, dict):
         return {k: _to_local(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -91,19 +88,19 @@ class TrackedState:
     def local_tensors(self) -> list[tuple[str, Tensor]]:
         """Every tensor this rank holds of the state by name, as views of the live ones: its shards of the parameters,
         its buffers, each optimizer's state tensors (in the parameters' order)."""
-        named = [(name, local(tensor)) for name, tensor in self.tensors]
+        named = [(name, local_part(tensor)) for name, tensor in self.tensors]
         for index, optimizer in enumerate(self.optimizers()):
             parameters = [p for group in optimizer.param_groups for p in group["params"]]
             for position, parameter in enumerate(parameters):
                 entry = optimizer.state.get(parameter, {})
-                named += [(f"optimizer{index}.{position}.{key}", local(value)) for key, value in sorted(entry.items())
+                named += [(f"optimizer{index}.{position}.{key}", local_part(value)) for key, value in sorted(entry.items())
                           if isinstance(value, Tensor)]
         return named
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, its tensors sharing storage with the live ones (torchft's transport serves them only
         until this group's next commit vote, before which nothing changes them)."""
-        return {"tensors": {name: local(tensor).detach() for name, tensor in self.tensors},
+        return {"tensors": {name: local_part(tensor).detach() for name, tensor in self.tensors},
                 "optimizers": [optimizer_local_state(o) for o in self.optimizers()],
                 "extra": self.extra()}
 
@@ -118,7 +115,7 @@ class TrackedState:
             )
         with torch.no_grad():
             for name, tensor in mine.items():
-                target, source = local(tensor), received[name]
+                target, source = local_part(tensor), received[name]
                 if tuple(target.shape) != tuple(source.shape):
                     raise RuntimeError(
                         f"{name}: this rank holds a shard of shape {tuple(target.shape)}, the peer's rank sent"
@@ -134,4 +131,4 @@ class TrackedState:
         self.load_extra(state["extra"])
 
 
-__all__ = ["TrackedState", "load_optimizer_local_state", "local", "optimizer_local_state"]
+__all__ = ["TrackedState", "load_optimizer_local_state", "optimizer_local_state"]

@@ -24,15 +24,10 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.replicas import local_part
 
 #: Largest flat buffer of one all-reduce of pseudo-gradients, in bytes (DDP's default bucket is 25 MiB).
 BUCKET_BYTES = 25 * 1024 * 1024
-
-
-def local_part(parameter: Tensor) -> Tensor:
-    """What this rank holds of ``parameter``: a ``DTensor``'s local shard (sharing its storage: writing it writes the
-    parameter), else the parameter's data."""
-    return parameter.to_local() if hasattr(parameter, "to_local") else parameter.data
 
 
 def fragment_sizes(numels: Sequence[int], fragments: int) -> list[int]:
@@ -162,4 +157,4 @@ class OuterSync:
             fragment.outer.load_state_dict(saved["outer"])
 
 
-__all__ = ["BUCKET_BYTES", "Fragment", "OuterSync", "fragment_sizes", "local_part"]
+__all__ = ["BUCKET_BYTES", "Fragment", "OuterSync", "fragment_sizes"]

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.fault_run import digest, group_arguments, optimizer_tensors
 from lightning_smp import HybridShardFSDPStrategy
-from lightning_smp.fault_tolerance.state import local
+from lightning_smp.replicas import local_part
 
 BATCH = 8
 
@@ -59,7 +59,7 @@ class Record(L.Callback):
         if strategy.step_committed and not trainer.fit_loop._should_accumulate():
             optimizer = trainer.optimizers[0]
             line = {"step": strategy.replica_groups.step, "global_step": trainer.global_step, "time": time.time(),
-                    "model": digest([local(p) for p in module.parameters()]),
+                    "model": digest([local_part(p) for p in module.parameters()]),
                     "optimizer": digest(optimizer_tensors(optimizer)), "lr": optimizer.param_groups[0]["lr"],
                     "sample": module.first_sample, "batch_idx": trainer.fit_loop.epoch_loop.batch_idx,
                     "epoch": trainer.current_epoch,
