@@ -41,6 +41,15 @@ def wrap_targets(module: Module, policy: Any) -> list[Module]:
     )
 
 
+class PolicyUnits:
+    """``Prediction.units_of`` of an engine whose units are what ``auto_wrap_policy`` selects (:func:`wrap_targets`):
+    FSDP1's and FSDP2's; the DDP engine's too, whose buckets the planner times per the same modules. A prediction
+    lists it among its bases."""
+
+    def units_of(self, model: Module, auto_wrap_policy: Any) -> list[Module]:
+        return wrap_targets(model, auto_wrap_policy)
+
+
 def _post_order(module: Module) -> Iterator[Module]:
     for child in module.children():
         yield from _post_order(child)
@@ -60,4 +69,4 @@ def _walk_callable(module: Module, policy: Callable[..., bool], chosen: list[Mod
     return covered
 
 
-__all__ = ["wrap_targets"]
+__all__ = ["PolicyUnits", "wrap_targets"]

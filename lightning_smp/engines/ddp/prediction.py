@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from torch.nn import Module, Parameter
+from torch.nn import Parameter
 
 from lightning_smp.accumulation import accumulation_mode
 from lightning_smp.degree import Layout
 from lightning_smp.engines.prediction import Held, UnitLayout
-from lightning_smp.engines.units import wrap_targets
+from lightning_smp.engines.units import PolicyUnits
 
 if TYPE_CHECKING:
     from lightning_smp.engines.textbook import CommFigure
@@ -19,15 +19,11 @@ if TYPE_CHECKING:
 BITMAP_BYTES = 4
 
 
-class DDPPrediction:
+class DDPPrediction(PolicyUnits):
     """The planner's rules: every rank holds every parameter, its gradient and its optimizer state, whole; nothing is
     gathered; the gradients cross the ranks once per synced backward in DDP's buckets."""
 
     keeps_gathered_unsynced = False
-
-    def units_of(self, model: Module, auto_wrap_policy: Any) -> list[Module]:
-        # (DDP has no units; its buckets are timed per the modules the FSDP engines would shard, as the planner has always grouped them)
-        return wrap_targets(model, auto_wrap_policy)
 
     def held(self, unit: Sequence[Parameter], shard: int, position: int, group: int, state_tensors: int,
              state_fixed: int) -> Held:

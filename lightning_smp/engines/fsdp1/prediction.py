@@ -8,25 +8,21 @@ optimizer state of the parts of the original parameters that fall into its chunk
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from torch.nn import Module, Parameter
+from torch.nn import Parameter
 
 from lightning_smp.engines.fsdp1.flat import flat_param_numel, local_param_numels, local_shard_numel
 from lightning_smp.engines.prediction import Held, UnitLayout, fsdp_textbook
-from lightning_smp.engines.units import wrap_targets
+from lightning_smp.engines.units import PolicyUnits
 
 if TYPE_CHECKING:
     from lightning_smp.degree import Layout
     from lightning_smp.engines.textbook import CommFigure
 
 
-class FSDP1Prediction:
+class FSDP1Prediction(PolicyUnits):
     keeps_gathered_unsynced = True
-
-    def units_of(self, model: Module, auto_wrap_policy: Any) -> list[Module]:
-        # (FSDP1 wraps what auto_wrap_policy selects, walked as its _recursive_wrap walks it)
-        return wrap_targets(model, auto_wrap_policy)
 
     def held(self, unit: Sequence[Parameter], shard: int, position: int, group: int, state_tensors: int,
              state_fixed: int) -> Held:

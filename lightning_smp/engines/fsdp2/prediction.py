@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from torch.nn import Module, Parameter
+from torch.nn import Parameter
 
 from lightning_smp.engines.prediction import Held, UnitLayout, fsdp_textbook
-from lightning_smp.engines.units import wrap_targets
+from lightning_smp.engines.units import PolicyUnits
 
 if TYPE_CHECKING:
     from lightning_smp.degree import Layout
@@ -28,12 +28,8 @@ def chunk(p: Parameter, shard: int) -> tuple[int, int, int]:
     return rows, math.ceil(rows / shard), rest
 
 
-class FSDP2Prediction:
+class FSDP2Prediction(PolicyUnits):
     keeps_gathered_unsynced = False
-
-    def units_of(self, model: Module, auto_wrap_policy: Any) -> list[Module]:
-        # (fully_shard units: what auto_wrap_policy selects, walked as FSDP1 walks it)
-        return wrap_targets(model, auto_wrap_policy)
 
     def held(self, unit: Sequence[Parameter], shard: int, position: int, group: int, state_tensors: int,
              state_fixed: int) -> Held:
