@@ -9,7 +9,6 @@ strategies take it as an argument (:mod:`lightning_smp.config.options`)."""
 from __future__ import annotations
 
 import difflib
-import functools
 import inspect
 import warnings
 from collections.abc import Callable, Collection, Mapping
@@ -89,13 +88,12 @@ def checked_check(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]
     return check
 
 
-def checked_acts_in(acts_in: tuple[ActsIn, ...]) -> tuple[ActsIn, ...]:
-    """An option's ``acts_in``: one or more of :data:`~lightning_smp.names.ACTS_IN` (a developer's mistake otherwise,
-    found on import)."""
-    unknown = [where for where in acts_in if where not in ACTS_IN]
-    if not acts_in or unknown or isinstance(acts_in, str):
-        raise RuntimeError(f"lightning_smp.config: acts_in={acts_in!r} must be a tuple of one or more of {ACTS_IN}.")
-    return acts_in
+def checked_names(parameter: str, names: tuple[str, ...], allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """A declaration's ``acts_in`` or ``front_ends``: a tuple of one or more of ``allowed`` (a developer's mistake
+    otherwise, found on import)."""
+    if not names or isinstance(names, str) or not set(names) <= set(allowed):
+        raise RuntimeError(f"lightning_smp.config: {parameter}={names!r} must be a tuple of one or more of {allowed}.")
+    return names
 
 
 def smp_key(default: Any, *, check: Callable[[Any, str], Any], doc: str, acts_in: tuple[ActsIn, ...],
@@ -106,11 +104,10 @@ def smp_key(default: Any, *, check: Callable[[Any, str], Any], doc: str, acts_in
     :data:`~lightning_smp.names.ActsIn`), ``parsed_as`` (a narrower type for the command line's parser than the
     field's, which OmegaConf must be able to merge), ``front_ends`` (those that act on it; the others refuse a value
     other than the default: :func:`unacted`)."""
-    if not front_ends or not set(front_ends) <= set(FRONT_ENDS) or isinstance(front_ends, str):
-        raise RuntimeError(f"lightning_smp.config: front_ends={front_ends!r} must be a tuple of one or more of"
-                           f" {FRONT_ENDS}.")
-    return field(default=default, metadata={"check": checked_check(check), "doc": doc, "acts_in": checked_acts_in(acts_in),
-                                            "parsed_as": parsed_as, "front_ends": front_ends})
+    return field(default=default, metadata={"check": checked_check(check), "doc": doc,
+                                            "acts_in": checked_names("acts_in", acts_in, ACTS_IN),
+                                            "parsed_as": parsed_as,
+                                            "front_ends": checked_names("front_ends", front_ends, FRONT_ENDS)})
 
 
 @dataclass
@@ -170,13 +167,16 @@ class SMPConfig:
     random_seed: int | None = None
 
 
+def _named(check: Callable[[Any, str], Any], name: str) -> Callable[[Any], Any]:
+    """``check`` of the key ``name``, taking the value alone (as the configuration sources call it)."""
+    return lambda value: check(value, name)
+
+
 #: The implemented keys (those declared with :func:`smp_key`), in declaration order.
 IMPLEMENTED = tuple(f for f in fields(SMPConfig) if "check" in f.metadata)
 #: The implemented keys and their checks (return the normalised value; raise ``HybridShardConfigError`` naming the
 #: key).
-IMPLEMENTED_KEYS: dict[str, Callable[[Any], Any]] = {
-    f.name: functools.partial(lambda value, check, name: check(value, name), check=f.metadata["check"], name=f.name)
-    for f in IMPLEMENTED}
+IMPLEMENTED_KEYS: dict[str, Callable[[Any], Any]] = {f.name: _named(f.metadata["check"], f.name) for f in IMPLEMENTED}
 
 
 def _optional_fields(cls: type, name: str, doc: str) -> type:
@@ -385,7 +385,7 @@ __all__ = [
     "checked_check",
     "check_config",
     "check_key_lists",
-    "checked_acts_in",
+    "checked_names",
     "refuse_unacted",
     "unacted",
     "check_fsdp_version",

@@ -36,12 +36,13 @@ from lightning_smp.config.keys import (
     SMPConfig,
     check_boolean,
     check_config,
-    checked_acts_in,
     checked_check,
+    checked_names,
 )
 from lightning_smp.degree import check_sharding_strategy, reconcile_degree
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.names import (
+    ACTS_IN,
     AUTO,
     GRADIENT_ACCUMULATIONS,
     SHARDED,
@@ -136,7 +137,7 @@ def option(default: Any, *, check: Callable[[Any, str], Any], doc: str, acts_in:
     (:data:`~lightning_smp.names.ActsIn`; ``"engines"``: a field of the same name in the engines' ``ShardingPlan``,
     which the core fills from :func:`engine_facing`)."""
     return field(default=default, metadata={"check": checked_check(check), "doc": doc,
-                                            "acts_in": checked_acts_in(acts_in)})
+                                            "acts_in": checked_names("acts_in", acts_in, ACTS_IN)})
 
 
 ASYNC_FULL = (
