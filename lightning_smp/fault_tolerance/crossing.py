@@ -109,11 +109,6 @@ class _Reaper:
 REAPER = _Reaper()
 
 
-def _accelerator_types() -> list[str]:
-    return [kind for kind, available in (("cuda", torch.cuda.is_available()), ("xpu", torch.xpu.is_available()))
-            if available]
-
-
 @functools.cache  # (one class: isinstance tells a gloo group across groups from torchft's NCCL one)
 def _bound_gloo_class() -> type:
     from torch._C._distributed_c10d import ProcessGroupGloo as GlooBackend
@@ -126,9 +121,10 @@ def _bound_gloo_class() -> type:
         _pg: Any
         _timeout: timedelta
 
-        def __init__(self, timeout: timedelta, host: str) -> None:
+        def __init__(self, timeout: timedelta, host: str, device_type: str) -> None:
             super().__init__(timeout=timeout)
             self.host = host
+            self.device_type = device_type  # (its tensors' device: the root device's type)
             self._abandoned: list[Any] = []
 
         def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
@@ -140,7 +136,7 @@ def _bound_gloo_class() -> type:
             options._timeout = self._timeout
             backend = GlooBackend(store, rank, world_size, options)
             backend._set_sequence_number_for_group()
-            for kind in ("cpu", *_accelerator_types()):
+            for kind in dict.fromkeys(("cpu", self.device_type)):
                 pg._register_backend(torch.device(kind), BaseProcessGroup.BackendType.GLOO, backend)
             return pg
 
@@ -168,7 +164,7 @@ def crossing_process_group(device: torch.device, timeout: timedelta, host: str) 
         return process_group.ProcessGroupNCCL(timeout=timeout)
     if backend == "xccl":
         return process_group.ProcessGroupXCCL(timeout=timeout)
-    return _bound_gloo_class()(timeout, host)
+    return _bound_gloo_class()(timeout, host, device.type)
 
 
 @dataclass(frozen=True)
