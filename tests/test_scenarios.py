@@ -27,6 +27,7 @@ from lightning_smp.fabric import HybridShardFSDPStrategy as FabricHybridShardFSD
 from tests.fabric_loops import clipped_by_optimizer, full_weights, make_net, rank_batches, window_dropped
 from tests.helpers import (
     FRONT_ENDS,
+    FSDP_VERSIONS,
     GLOO_TIMEOUT,
     TinyModel,
     assert_matches_ddp,
@@ -647,7 +648,7 @@ def _saved_buffers(strategy: Any, folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(GLOO_TIMEOUT)
-@pytest.mark.parametrize("version", [1, 2], ids=["fsdp1", "fsdp2"])
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_a_sharded_checkpoint_holds_rank0s_buffers(tmp_path, version):
     """At the end of fit every rank holds statistics of its own last batches (DDP's rule syncs before the next
     forward only); DCP's default planner writes a replicated buffer from the rank whose plan is smallest, and the
