@@ -25,6 +25,7 @@ from collections.abc import Generator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch.nn import Module
 
 from lightning_smp.replicas import broadcast_tensors
@@ -35,19 +36,22 @@ _ATTRIBUTE = "_lightning_smp_buffer_sync"
 class BufferSync:
     """Global rank 0's buffers to every rank, by DDP's rule (see the module's docstring), on ``root``."""
 
-    def __init__(self, root: Module, device: torch.device) -> None:
+    def __init__(self, root: Module, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
         self.root = root
         self.device = device
+        #: the ranks that share buffers (``None``: the world; ``replica_sync``: the replica group, its first rank's)
+        self.group = group
         #: DDP's ``require_forward_param_sync``: true at construction, so the first forward syncs
         self.due = True
         self._windows = 0  # accumulation windows entered and not left (nested contexts count once each)
         self._depth = 0  # forwards of the root in progress
 
     def sync(self) -> None:
-        """Collective: every rank's buffers become global rank 0's."""
+        """Collective: every rank's buffers become global rank 0's (of the group's first rank)."""
         buffers = list(self.root.buffers())
         if buffers:
-            broadcast_tensors(buffers, 0, None, self.device)
+            source = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+            broadcast_tensors(buffers, source, self.group, self.device)
 
     def _before_forward(self, module: Module, args: tuple) -> None:
         self._depth += 1
@@ -68,12 +72,13 @@ class BufferSync:
             self._windows -= 1
 
 
-def install(root: Module, device: torch.device) -> BufferSync:
-    """Keep ``root``'s buffers as DDP does (its forward hooks run the rule); installing twice returns the first."""
+def install(root: Module, device: torch.device, group: dist.ProcessGroup | None = None) -> BufferSync:
+    """Keep ``root``'s buffers as DDP does (its forward hooks run the rule) among ``group``'s ranks (``None``: the
+    world); installing twice returns the first."""
     existing = find(root)
     if existing is not None:
         return existing
-    sync = BufferSync(root, device)
+    sync = BufferSync(root, device, group)
     root.register_forward_pre_hook(sync._before_forward)
     # always_call: a forward that raised still ends, or the next one would never count as outermost
     root.register_forward_hook(sync._after_forward, always_call=True)

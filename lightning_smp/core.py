@@ -36,6 +36,7 @@ from lightning_smp.config import SMPConfig, resolve_config
 from lightning_smp.config.fault_tolerance import FaultTolerance, check_fault_tolerant_layout, check_torchft
 from lightning_smp.config.keys import FRONT_END_NAMES, refuse_unacted, unacted
 from lightning_smp.config.options import ASYNC_FULL, StrategyOptions, engine_facing
+from lightning_smp.config.replica_sync import ReplicaSync
 from lightning_smp.degree import Layout, resolve_strategy_layout
 from lightning_smp.engines import (
     Engine,
@@ -50,8 +51,8 @@ from lightning_smp.engines import (
     selected_by,
 )
 from lightning_smp.errors import HybridShardConfigError
-from lightning_smp.mesh import build_device_mesh
-from lightning_smp.names import AUTO, SHARDED, FrontEndName, GradientAccumulation
+from lightning_smp.mesh import axis_group, build_device_mesh
+from lightning_smp.names import AUTO, SHARD_AXIS, SHARDED, FrontEndName, GradientAccumulation
 from lightning_smp.replicas import broadcast_across_replicas, broadcast_before_wrapping
 
 if TYPE_CHECKING:
@@ -76,6 +77,12 @@ class Settled:
         """The ``fault_tolerance`` option in effect (merged from every source), checked; ``None``: off."""
         values = self.config.fault_tolerance
         return None if values is None else FaultTolerance.from_mapping(values)
+
+    @property
+    def replica_sync(self) -> ReplicaSync | None:
+        """The ``replica_sync`` option in effect (merged from every source), checked; ``None``: off."""
+        values = self.config.replica_sync
+        return None if values is None else ReplicaSync.from_mapping(values)
 
 
 @dataclass(frozen=True)
@@ -172,7 +179,59 @@ class HybridShardCore:
                     " needs each rank's part of each parameter's gradient after the group's own reduction. Fix: pass"
                     f" {selected_by(lambda capabilities: capabilities.fault_tolerance)}."
                 )
+        if self.settled.replica_sync is not None:
+            self._check_replica_sync()
         return self.layout
+
+    def _check_replica_sync(self) -> None:
+        """What semi-synchronous replica groups (``replica_sync``) need of this job, checked before any process
+        starts (the same answer on every rank)."""
+        if self.settled is not None and self.settled.fault_tolerance is not None:
+            raise HybridShardConfigError(
+                "replica_sync with fault_tolerance: semi-synchronous replica groups on torchft are not implemented yet"
+                " (the groups of one job sync over the mesh's replicate axis). Fix: drop one of the two."
+            )
+        if self.auto:
+            raise HybridShardConfigError(
+                "hybrid_shard_degree='auto' with replica_sync: the planner times synchronous steps. Fix: pass the"
+                " number of ranks each replica group shards over as hybrid_shard_degree (plan it with"
+                " `lightning-smp plan`)."
+            )
+        fixed = ("device_mesh" if self.options.user_mesh is not None else
+                 "process_group" if self.engine_options.get("process_group") is not None else None)
+        if fixed is not None:
+            raise HybridShardConfigError(
+                f"{fixed} with replica_sync: the replica groups are the rows of the mesh the strategy builds. Fix:"
+                " drop it and pass hybrid_shard_degree."
+            )
+        if not self.engine.capabilities.replica_sync:
+            raise HybridShardConfigError(
+                f"replica_sync does not run on the {self.engine.name} engine: the outer loop averages each rank's"
+                " part of each parameter with the same part in the other groups, and its flat parameters are not"
+                f" cut per parameter. Fix: pass {selected_by(lambda capabilities: capabilities.replica_sync)}."
+            )
+        layout = self.layout
+        if layout is not None and layout.replicate < 2:
+            raise HybridShardConfigError(
+                f"replica_sync with {layout.replicate} replica group ({layout.world_size} ranks,"
+                f" hybrid_shard_degree={layout.shard}): there is nothing to sync across. Fix: a hybrid_shard_degree"
+                f" that leaves at least two replica groups (a divisor of {layout.world_size} below it), or drop"
+                " replica_sync."
+            )
+
+    @property
+    def replica_sync(self) -> ReplicaSync | None:
+        """The ``replica_sync`` option in effect, once :meth:`configure` has merged every source; ``None``: off."""
+        return self.settled.replica_sync if self.settled is not None else None
+
+    @property
+    def step_group(self) -> dist.ProcessGroup | None:
+        """Where a training step's own collectives run: the replica group's ranks under ``replica_sync`` (nothing
+        crosses the groups between syncs), else ``None``, the world."""
+        mesh = self.device_mesh
+        if self.replica_sync is None or mesh is None:
+            return None
+        return axis_group(mesh, SHARD_AXIS)
 
     def _set_layout(self, layout: Layout | None) -> None:
         """The layout, and the engine that runs it: DDP's where nothing is sharded and the arguments allow
@@ -324,7 +383,9 @@ class HybridShardCore:
         if self.layout is None:
             raise HybridShardConfigError("the layout is not known yet: the strategy has not been configured.")
         mesh = self.device_mesh
-        if mesh is not None and self.options.user_mesh is None:
+        if mesh is not None and self.replica_sync is not None:
+            mesh = mesh[SHARD_AXIS]  # each replica group trains on its own: the engine sees its group only
+        elif mesh is not None and self.options.user_mesh is None:
             mesh = self.engine.mesh_for(mesh, self.layout)
         if own_offload_config(self.cpu_offload):
             cpu_offload = self.cpu_offload  # FSDP2's own config, kept as the user gave it
@@ -371,12 +432,14 @@ class HybridShardCore:
             module = engine.wrap(module, plan)
         self._wrapped_root = module
         self._roots.add(module)
-        if not synced and self.device_mesh is not None:
+        if (not synced or self.replica_sync is not None) and self.device_mesh is not None:
+            # (replica_sync: the engine sharded inside each group only, so a model sharded by hand starts from the
+            # first group's shards here; every group must start from the same weights)
             broadcast_across_replicas(module, self.device_mesh, device)
         if not first:
             checkpoint_activations(module)
         if plan.broadcast_buffers and not engine.capabilities.syncs_buffers_itself:  # DDP's broadcast_buffers, on every engine
-            buffers.install(module, device)
+            buffers.install(module, device, self.step_group)
         unit_order.install(module, engine.units(module), device)  # LIGHTNING_SMP_CHECK_UNIT_ORDER=1 only
         return module
 
@@ -389,7 +452,7 @@ class HybridShardCore:
         """After every backward of the sharded ``module`` (both front ends); ``reduced``: it ran outside an
         accumulation window, so its gradients were reduced: the scalar parameters FSDP leaves out are too."""
         if reduced:
-            scalars.reduce(module)
+            scalars.reduce(module, self.step_group)
 
     def sharded_model(self, module: Module | None, device: torch.device, owner: str) -> ShardedModel:
         """``module`` with what the state-dict code needs to know about it (``owner`` names the front end in errors)."""

@@ -51,6 +51,7 @@ from lightning_smp.checkpoint.fabric_state import (
     split_state,
     state_of,
 )
+from lightning_smp.checkpoint.local import optimizer_state_to_save
 from lightning_smp.checkpoint.saving import check_storage_options
 from lightning_smp.collectives import Collectives
 from lightning_smp.engines import ShardingPlan, engine_of, own_offload_config
@@ -165,6 +166,14 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             install lightning-smp[ft]``). See ``docs/fault-tolerance.md``. ``None`` (default): from the
             configuration sources (the CLI's ``smp:`` section, ``lightning_smp.init``,
             ``LIGHTNING_SMP_CONFIG``, ``SM_HP_MP_PARAMETERS``).
+        replica_sync: this library's key: semi-synchronous replica groups (DiLoCo): each replica group
+            trains on its own and the groups sync every ``every`` optimizer steps through an outer
+            optimizer; nothing crosses the groups in between. A mapping with ``every`` and optionally
+            ``outer_lr``, ``outer_momentum``, ``nesterov`` and ``fragments``
+            (:class:`lightning_smp.config.replica_sync.ReplicaSync`). Needs ``fsdp_version=2`` where the
+            layout shards, and at least two replica groups. See ``docs/replica-sync.md``. ``None``
+            (default): from the configuration sources (the CLI's ``smp:`` section, ``lightning_smp.init``,
+            ``LIGHTNING_SMP_CONFIG``, ``SM_HP_MP_PARAMETERS``).
         sharding_strategy: ``"HYBRID_SHARD"`` (default), ``"_HYBRID_SHARD_ZERO2"``, ``"FULL_SHARD"``,
             ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"`` (any case), or a ``ShardingStrategy``. With
             ``hybrid_shard_degree >= 2`` anything but ``"_HYBRID_SHARD_ZERO2"`` becomes ``"HYBRID_SHARD"``
@@ -231,6 +240,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         links: str | None = None,
         async_save: bool | None = None,
         fault_tolerance: dict[str, Any] | None = None,
+        replica_sync: dict[str, Any] | None = None,
         start_method: StartMethod | None = None,
         gradient_accumulation: GradientAccumulation | None = None,
         broadcast_buffers: bool = True,
@@ -321,6 +331,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         """An optimizer set up here: ``zero_grad`` discards a window; with ``fault_tolerance`` it steps only when every
         group commits, and healing copies its state."""
         self._optimizers.append(optimizer)
+        self._check_one_optimizer(len(self._optimizers))
         return self._gate_steps(discard_on_zero_grad(optimizer, self._discard_window))
 
     def fault_tolerant_state(self, state: dict[str, Any]) -> None:
@@ -349,6 +360,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         self._choose(module, [])
         module = self._shard(module, self._fsdp_kwargs)
         self._module, self._module_engine = module, engine_of(module)
+        self._start_replica_sync(module)
         self._track_for_healing(module, lambda: list(self._optimizers), extra=self._loop_state,
                                 load_extra=self._load_loop_state)
         return module
@@ -396,7 +408,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             )
         self._settle(optimizer)
         self._poll_checkpoint(Collectives.current(self.root_device))  # a background save's failure surfaces here
-        return super().optimizer_step(optimizer, **kwargs)
+        result = super().optimizer_step(optimizer, **kwargs)
+        self._after_inner_step()  # replica_sync: the fragments whose turn it is sync
+        return result
 
     def _settle(self, optimizer: Any) -> None:
         """Before a step: the engine's check and DDP's ``.grad`` rule inside the group, then (``fault_tolerance``)
@@ -478,16 +492,23 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         ``FSDPStrategy``, the model and optimizers under the user's keys (``{"model": ..., "optimizer": ...}``).
         """
         check_storage_options(storage_options)  # first, as Lightning's FSDPStrategy
-        _, module, _, _ = split_state(state)
+        _, module, optimizer_keys, _ = split_state(state)
         sharded = self._sharded(module)  # refuses a module that was not set up here, on every rank alike
         kind, background = self.options.state_dict_type, self._background
+        self.sync_replicas()  # replica_sync: a checkpoint holds synced weights
         checkpoint = fabric_checkpoint(state, sharded, kind, self._local_state_check, filter)
         if not self._writes_checkpoints():
             return  # fault_tolerance: every group holds the same state, one live group writes it
         checkpoint.update(self._replica_checkpoint_state())
+        outer = self._outer_optimizer()
+        if outer is not None:
+            outer_state = optimizer_state_to_save(sharded, outer, len(optimizer_keys), kind, self._local_state_check)
+            # (Fabric's full layout keeps the optimizer states under the user's keys: the groups' own in sharded only)
+            checkpoint = self._replica_sync_checkpoint(checkpoint, outer_state, kind)
         checkpoint_lib.save(checkpoint, path, kind=kind, collectives=Collectives.current(self.root_device),
                             run=self.core.checkpoint_run, layout=self.core.layout, storage_options=storage_options,
-                            background=background, writes_data=background is None or sharded.writes_data())
+                            background=background,
+                            writes_data=background is None or outer is not None or sharded.writes_data())
 
     @override
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
@@ -512,10 +533,13 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             load_raw(Path(path), state, strict, self._sharded)
             return {}
         _, module, optimizer_keys, _ = split_state(state)
+        outer = self._outer_optimizer()
+        extra = self._replica_sync_load_entries([state[key] for key in optimizer_keys], outer)
         with ungated(state[key] for key in optimizer_keys):  # (DCP creates a missing state with a step: no vote)
             remainder = restore_fabric_state(self._sharded(module), path, state, strict=strict,
-                                             run=self.core.checkpoint_run)
+                                             run=self.core.checkpoint_run, extra=extra)
         self._resume_replica_groups(remainder)  # (the replica groups' step, never returned to the loop)
+        self._resume_replica_sync(remainder, outer)  # (the outer loop's state, never returned to the loop)
         return remainder
 
 

@@ -138,6 +138,14 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             install lightning-smp[ft]``). See ``docs/fault-tolerance.md``. ``None`` (default): from the
             configuration sources (the CLI's ``smp:`` section, ``lightning_smp.init``,
             ``LIGHTNING_SMP_CONFIG``, ``SM_HP_MP_PARAMETERS``).
+        replica_sync: this library's key: semi-synchronous replica groups (DiLoCo): each replica group
+            trains on its own and the groups sync every ``every`` optimizer steps through an outer
+            optimizer; nothing crosses the groups in between. A mapping with ``every`` and optionally
+            ``outer_lr``, ``outer_momentum``, ``nesterov`` and ``fragments``
+            (:class:`lightning_smp.config.replica_sync.ReplicaSync`). Needs ``fsdp_version=2`` where the
+            layout shards, and at least two replica groups. See ``docs/replica-sync.md``. ``None``
+            (default): from the configuration sources (the CLI's ``smp:`` section, ``lightning_smp.init``,
+            ``LIGHTNING_SMP_CONFIG``, ``SM_HP_MP_PARAMETERS``).
         sharding_strategy: ``"HYBRID_SHARD"`` (default), ``"_HYBRID_SHARD_ZERO2"``, ``"FULL_SHARD"``,
             ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"`` (any case), or a ``ShardingStrategy``. With
             ``hybrid_shard_degree >= 2`` anything but ``"_HYBRID_SHARD_ZERO2"`` becomes ``"HYBRID_SHARD"``
@@ -216,6 +224,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         links: str | None = None,
         async_save: bool | None = None,
         fault_tolerance: dict[str, Any] | None = None,
+        replica_sync: dict[str, Any] | None = None,
         start_method: StartMethod | None = None,
         gradient_accumulation: GradientAccumulation | None = None,
         broadcast_buffers: bool = True,
@@ -340,6 +349,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         self.precision_plugin.fsdp_module = self.model
         if self._replicas is not None and trainer.state.fn == TrainerFn.FITTING:
             self._set_up_replica_groups(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self.model is not None:
+            self._check_one_optimizer(len(self.optimizers))
+            self._start_replica_sync(self.model)
         if self._background is not None and self._undo_deferral is None:
             self._undo_deferral = defer_until_commit(trainer, self._background)
         if trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches > 1:
@@ -378,7 +390,13 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         module = self.lightning_module
         if not self.step_committed and module is not None:
             uncount_step(module.trainer)  # (global_step stays: the step did not happen)
+        self._after_inner_step()  # replica_sync: the fragments whose turn it is sync
         return result
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self.sync_replicas()  # replica_sync: every group validates the same, synced weights
 
     def _trained_module(self) -> Module | None:
         return self.model
@@ -516,8 +534,15 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         if self._launch_results is not None and self._launch_results.in_main_process:
             # the ranks that held the shards have ended: one full file, with the optimizer state they sent back
             checkpoint, kind, background = self._launch_results.complete_checkpoint(checkpoint), FULL, None
-        elif background is not None:
-            writes_data = self._sharded_model().writes_data()
+        else:
+            outer = self._outer_optimizer()  # (replica_sync: synced when the model's state was taken)
+            if outer is not None:
+                outer_state = optimizer_state_to_save(self._sharded_model(), outer, len(self.optimizers), kind,
+                                                      self._local_state_check)
+                checkpoint = self._replica_sync_checkpoint(checkpoint, outer_state, kind)
+            if background is not None:
+                # (replica_sync: every group writes its own inner optimizer state)
+                writes_data = outer is not None or self._sharded_model().writes_data()
         # atomic, never over another run's checkpoint, tensors written once (see lightning_smp.checkpoint)
         checkpoint_lib.save(checkpoint, filepath, kind=kind, collectives=Collectives.current(self.root_device),
                             run=self.checkpoint_run, layout=self.core.layout, storage_options=storage_options,
@@ -547,6 +572,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
+        self.sync_replicas()  # replica_sync: fit ends on synced weights, whatever step it stopped at
         self.wait_for_checkpoint()  # after the callbacks' on_train_end, which may have saved
 
     @override
@@ -571,9 +597,12 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             raise HybridShardConfigError("HybridShardFSDPStrategy.load_checkpoint needs the LightningModule set up.")
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         optimizers = [_unwrap(o) for o in self.optimizers] if fitting else []
+        outer = self._outer_optimizer() if fitting else None
         with ungated(optimizers):  # (DCP creates a missing optimizer state with a step, which is no training step)
             checkpoint = checkpoint_lib.load(self._sharded_model(), checkpoint_path, optimizers=optimizers,
-                                             strict=module.strict_loading, model_name=type(module).__name__)
+                                             strict=module.strict_loading, model_name=type(module).__name__,
+                                             extra=self._replica_sync_load_entries(optimizers, outer))
+        self._resume_replica_sync(checkpoint, outer)
         if fitting:
             # resuming continues the run that wrote the checkpoint: its own files may be overwritten again
             self.checkpoint_run.continue_from(checkpoint)
@@ -584,6 +613,8 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        # (Lightning takes the model's state first when it makes a checkpoint: replica_sync saves synced weights)
+        self.sync_replicas()
         if self._in_launching_process():
             module = self.lightning_module
             return module.state_dict() if module is not None else {}

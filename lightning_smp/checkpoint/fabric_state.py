@@ -79,14 +79,15 @@ def fabric_checkpoint(state: Mapping[str, Any], model: ShardedModel, kind: State
 
 
 def restore_fabric_state(model: ShardedModel, path: Any, state: dict[str, Any], *, strict: bool,
-                         run: CheckpointRun) -> dict[str, Any]:
+                         run: CheckpointRun, extra: Mapping[str, Optimizer] | None = None) -> dict[str, Any]:
     """``fabric.load(path, state)``: the checkpoint (either format, of either front end, or a full file of
     Lightning's own Fabric ``FSDPStrategy``) loaded into ``state``, whose module ``model`` is: objects with
     ``load_state_dict()`` restored in place (Fabric's own helper; a data loader resumes its position), other entries
-    replaced; ``run`` continues the checkpoint's run. Returns what ``state`` did not ask for. Collective."""
+    replaced; ``run`` continues the checkpoint's run; ``extra``: as for :func:`~lightning_smp.checkpoint.load`.
+    Returns what ``state`` did not ask for. Collective."""
     key, module, optimizer_keys, rest = split_state(state)
     remainder = load(model, path, optimizers=[state[k] for k in optimizer_keys], strict=strict,
-                     model_name=type(module).__name__, state_keys=(key, optimizer_keys))
+                     model_name=type(module).__name__, state_keys=(key, optimizer_keys), extra=extra)
     for name in ("state_dict", "optimizer_states", FABRIC_KEYS, *FOR_THE_TRAINER):
         if name not in rest:
             remainder.pop(name, None)

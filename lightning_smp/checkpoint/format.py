@@ -22,8 +22,18 @@ DCP_METADATA = ".metadata"
 FABRIC_KEYS = "lightning_smp_fabric"
 #: Where a checkpoint of fault-tolerant replica groups records torchft's step (a run without them ignores it).
 REPLICA_GROUPS_KEY = "lightning_smp_replica_groups"
+#: Where a checkpoint of semi-synchronous replica groups (``replica_sync``) records the outer loop's step count; the
+#: outer optimizer's state and the inner optimizers' states of the groups after the first are entries named
+#: ``<this>_outer`` and ``<this>_group<g>_<index>`` (:func:`tensor_entries`: written by DCP with the model's).
+REPLICA_SYNC_KEY = "lightning_smp_replica_sync"
 #: The Trainer's keys of the model and the optimizer states (Lightning's ``dump_checkpoint`` layout).
 MODEL_KEY, OPTIMIZERS_KEY = "state_dict", "optimizer_states"
+
+
+def tensor_entries(checkpoint: dict[str, Any]) -> list[str]:
+    """The keys of ``checkpoint`` beside the model's and the optimizers' that hold sharded state (written by DCP in a
+    sharded checkpoint, and never judged as plain values): ``replica_sync``'s outer and per-group optimizer states."""
+    return [key for key in checkpoint if key.startswith(f"{REPLICA_SYNC_KEY}_")]
 
 
 def checkpoint_kind(path: Path) -> StateDictType:

@@ -25,21 +25,25 @@ from lightning_smp.names import SHARDED
 
 
 def load(model: ShardedModel, path: str | os.PathLike, *, optimizers: Sequence[Optimizer] = (), strict: bool = True,
-         model_name: str = "the model", state_keys: tuple[str, Sequence[str]] | None = None) -> dict[str, Any]:
+         model_name: str = "the model", state_keys: tuple[str, Sequence[str]] | None = None,
+         extra: Mapping[str, Optimizer] | None = None) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into ``model`` and ``optimizers`` (none: weights only). Collective.
 
     Returns the rest of the checkpoint (loops, callbacks, schedulers, this library's record, ...). ``strict=False``
     allows missing and unexpected keys; shapes must fit either way. ``model_name`` names the model in errors.
     ``state_keys`` (the module's key, the optimizers' keys) are where a full checkpoint in Fabric's layout that does
     not record them holds the model and optimizers (one written by Lightning's own Fabric ``FSDPStrategy``).
+    ``extra``: optimizers whose state an entry of its key holds
+    (:func:`~lightning_smp.checkpoint.format.tensor_entries`), each loaded when the checkpoint has its entry and
+    left as it is otherwise.
 
     Raises:
         CheckpointError: ``path`` is not a checkpoint, a key or shape does not fit, or the optimizer count differs.
     """
     path = Path(model.collectives.broadcast(os.fspath(path)))
     if checkpoint_kind(path) == SHARDED:
-        return _load_sharded(model, path, list(optimizers), strict, model_name)
-    return _load_full(model, path, list(optimizers), strict, model_name, state_keys or (None, ()))
+        return _load_sharded(model, path, list(optimizers), strict, model_name, dict(extra or {}))
+    return _load_full(model, path, list(optimizers), strict, model_name, state_keys or (None, ()), dict(extra or {}))
 
 
 def _model_shapes(model: ShardedModel) -> dict[str, tuple[int, ...]]:
@@ -105,7 +109,8 @@ def _load_param_groups(optimizer: Optimizer, saved_groups: list[dict[str, Any]])
 
 
 def _load_full(model: ShardedModel, path: Path, optimizers: list[Optimizer], strict: bool,
-               model_name: str, state_keys: tuple[str | None, Sequence[str]]) -> dict[str, Any]:
+               model_name: str, state_keys: tuple[str | None, Sequence[str]],
+               extra: dict[str, Optimizer]) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -125,6 +130,9 @@ def _load_full(model: ShardedModel, path: Path, optimizers: list[Optimizer], str
     set_model_state_dict(model.module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
     for optimizer, optim_state in zip(optimizers, saved or []):
         _load_full_optimizer(model, optimizer, optim_state)
+    for key, optimizer in extra.items():
+        if key in checkpoint:
+            _load_full_optimizer(model, optimizer, checkpoint.pop(key))
     return dict(checkpoint)
 
 
@@ -144,7 +152,7 @@ def _load_full_optimizer(model: ShardedModel, optimizer: Optimizer, optim_state:
 
 
 def _load_sharded(model: ShardedModel, path: Path, optimizers: list[Optimizer], strict: bool,
-                  model_name: str) -> dict[str, Any]:
+                  model_name: str, extra: dict[str, Optimizer]) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict import (
@@ -170,18 +178,20 @@ def _load_sharded(model: ShardedModel, path: Path, optimizers: list[Optimizer], 
     if optimizers:
         count = len({k.split(".", 1)[0] for k in keys if k.startswith("optimizer_")})
         _check_optimizer_count(path, [None] * count if count else None, optimizers)
-        for idx, optimizer in enumerate(optimizers):
-            if any(k.startswith(f"optimizer_{idx}.state.") for k in keys):
-                # the template holds this layout's shards; DCP reads whichever saved chunks overlap them
-                with model.engine.optimizer_state_context(module, optimizer):
-                    state[f"optimizer_{idx}"] = get_optimizer_state_dict(module, optimizer)
-            else:
-                # saved without per-parameter state: DCP needs the same structure to read the groups back into
-                state[f"optimizer_{idx}"] = {"param_groups": optimizer.state_dict()["param_groups"]}
+    named = {**{f"optimizer_{idx}": optimizer for idx, optimizer in enumerate(optimizers)},
+             **{key: optimizer for key, optimizer in extra.items() if any(k.startswith(f"{key}.") for k in keys)}}
+    for key, optimizer in named.items():
+        if any(k.startswith(f"{key}.state.") for k in keys):
+            # the template holds this layout's shards; DCP reads whichever saved chunks overlap them
+            with model.engine.optimizer_state_context(module, optimizer):
+                state[key] = get_optimizer_state_dict(module, optimizer)
+        else:
+            # saved without per-parameter state: DCP needs the same structure to read the groups back into
+            state[key] = {"param_groups": optimizer.state_dict()["param_groups"]}
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(allow_partial_load=not strict))
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
-    for idx, optimizer in enumerate(optimizers):
-        optim_state = state[f"optimizer_{idx}"]
+    for key, optimizer in named.items():
+        optim_state = state[key]
         if "state" in optim_state:
             with _keeping_hyperparameter_types(optimizer), model.engine.optimizer_state_context(module, optimizer):
                 set_optimizer_state_dict(module, optimizer, optim_state)

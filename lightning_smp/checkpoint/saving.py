@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from lightning_smp.checkpoint.atomic import commit, remove, remove_leftovers, temporary_name, write_file
 from lightning_smp.checkpoint.background import BackgroundSaver, describe_failure, stage
-from lightning_smp.checkpoint.format import FORMAT_VERSION, META_FILENAME, RUN_KEY
+from lightning_smp.checkpoint.format import FORMAT_VERSION, META_FILENAME, RUN_KEY, tensor_entries
 from lightning_smp.checkpoint.safety import plain_checkpoint, unsafe_entry
 from lightning_smp.collectives import Collectives
 from lightning_smp.degree import Layout
@@ -123,7 +123,8 @@ def save(checkpoint: dict[str, Any], filepath: PathLike, *, kind: StateDictType,
         if problem is not None:
             folder = path.is_dir() and not path.is_symlink()
         else:
-            problem = unsafe_entry({k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")})
+            tensors = ("state_dict", "optimizer_states", *tensor_entries(checkpoint))
+            problem = unsafe_entry({k: v for k, v in checkpoint.items() if k not in tensors})
         decision = (str(path), run_id, problem, folder, str(temporary_name(path, owner=run_id)))
     where, run_id, problem, folder, temporary = cast("tuple[str, str, str | None, bool, str]",
                                                      collectives.broadcast(decision))
@@ -219,10 +220,13 @@ def _on_every_rank(collectives: Collectives, step: Callable[[], Any], path: Path
 
 
 def _dcp_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """What DCP writes (taken out of ``checkpoint``, which keeps what ``meta.pt`` holds): the model and optimizers."""
+    """What DCP writes (taken out of ``checkpoint``, which keeps what ``meta.pt`` holds): the model, the optimizers
+    and the other entries of sharded state (:func:`~lightning_smp.checkpoint.format.tensor_entries`)."""
     state: dict[str, Any] = {"model": checkpoint.pop("state_dict")}
     for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
         state[f"optimizer_{idx}"] = optim_state
+    for key in tensor_entries(checkpoint):
+        state[key] = checkpoint.pop(key)
     return state
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Literal, get_type_hints
 
 from lightning_smp.config.fault_tolerance import check_fault_tolerance
+from lightning_smp.config.replica_sync import check_replica_sync
 from lightning_smp.degree import check_degree_setting
 from lightning_smp.errors import HybridShardConfigError, UnsupportedOptionError
 from lightning_smp.links import links_for
@@ -157,6 +158,13 @@ class SMPConfig:
             "FaultTolerance`); each group of ``hybrid_shard_degree`` ranks is its own job. torchft's"
             " ``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID`` and ``NUM_REPLICA_GROUPS`` set it too. Needs the"
             " ``ft`` extra (``pip install lightning-smp[ft]``). See ``docs/fault-tolerance.md``.")
+    replica_sync: dict[str, Any] | None = smp_key(
+        None, check=check_replica_sync, acts_in=("layout", "front_ends", "checkpoint"), front_ends=("trainer", "fabric"),
+        doc="this library's key: semi-synchronous replica groups (DiLoCo): each replica group trains on its own and"
+            " the groups sync every ``every`` optimizer steps through an outer optimizer; nothing crosses the groups"
+            " in between. A mapping with ``every`` and optionally ``outer_lr``, ``outer_momentum``, ``nesterov`` and"
+            " ``fragments`` (:class:`lightning_smp.config.replica_sync.ReplicaSync`). Needs ``fsdp_version=2`` where"
+            " the layout shards, and at least two replica groups. See ``docs/replica-sync.md``.")
     tensor_parallel_degree: int | None = None
     context_parallel_degree: int | None = None
     expert_parallel_degree: int | None = None

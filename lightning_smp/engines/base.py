@@ -119,6 +119,9 @@ class Capabilities:
             :mod:`lightning_smp.buffers` does).
         fault_tolerance: it runs fault-tolerant replica groups (``fault_tolerance=``): the gradients of each
             parameter reach the crossing as this rank's part of them, after the group's own reduction.
+        replica_sync: it runs semi-synchronous replica groups (``replica_sync=``): each rank's part of each parameter
+            is the same part of the same parameter in every replica group, a plain tensor or its local shard, so
+            that the outer loop averages it across groups rank by rank.
         own_options: the user's arguments only this engine takes (the others set them aside:
             :func:`lightning_smp.engines.options_for`).
     """
@@ -129,6 +132,7 @@ class Capabilities:
     replaces_parameters: bool
     syncs_buffers_itself: bool
     fault_tolerance: bool = False
+    replica_sync: bool = False
     own_options: frozenset[str] = frozenset()
 
     @property

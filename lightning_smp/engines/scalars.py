@@ -43,9 +43,10 @@ def track(root: Module, params: list[Parameter], device: torch.device) -> None:
     setattr(root, _ATTRIBUTE, params)
 
 
-def reduce(root: Module | None) -> None:
-    """Collective over the world, after a backward that reduced the sharded gradients: every scalar parameter of
-    ``root`` gets the world's mean gradient (``None`` where no rank has one). Nothing when it has none."""
+def reduce(root: Module | None, group: dist.ProcessGroup | None = None) -> None:
+    """Collective over ``group`` (``None``: the world; ``replica_sync``: the replica group), after a backward that
+    reduced the sharded gradients: every scalar parameter of ``root`` gets the group's mean gradient (``None`` where
+    no rank has one). Nothing when it has none."""
     params: list[Parameter] = getattr(root, _ATTRIBUTE, None) or []
     if not params or not dist.is_initialized():
         return
@@ -56,8 +57,8 @@ def reduce(root: Module | None) -> None:
         if grad is not None:
             packed[index] = grad.detach().double()
             packed[len(params) + index] = 1
-    dist.all_reduce(packed)
-    world = dist.get_world_size()
+    dist.all_reduce(packed, group=group)
+    world = dist.get_world_size(group)
     for index, param in enumerate(params):
         if packed[len(params) + index].item() == 0:
             continue  # no rank used it: .grad stays None, as DDP leaves it

@@ -30,6 +30,7 @@ from lightning_smp.errors import HybridShardConfigError, ShardedParameterError
 from lightning_smp.frontend.background_saves import BackgroundSaves
 from lightning_smp.frontend.degree_choice import DegreeChoice
 from lightning_smp.frontend.replica_groups import ReplicaGroupSteps
+from lightning_smp.frontend.replica_sync import ReplicaSyncSteps
 from lightning_smp.mesh import group_ranks
 from lightning_smp.names import MESH_AXES, STRATEGY_NAMES, GradientAccumulation, StartMethod
 from lightning_smp.peers import RankAddress, gather_addresses, lost_peer_note
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from lightning_smp.planner import Plan
 
 
-class HybridShardFrontEnd(DegreeChoice, ReplicaGroupSteps, BackgroundSaves):
+class HybridShardFrontEnd(DegreeChoice, ReplicaGroupSteps, ReplicaSyncSteps, BackgroundSaves):
     """Mixin of the two strategies (listed before their Lightning base class): what they share, the degree's choice,
     the replica groups' and the background saves' glue (each its own module of this package) included."""
 

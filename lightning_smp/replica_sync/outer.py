@@ -24,7 +24,7 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_smp.errors import HybridShardConfigError
-from lightning_smp.replicas import local_part
+from lightning_smp.replicas import broadcast_tensors, local_part
 
 #: Largest flat buffer of one all-reduce of pseudo-gradients, in bytes (DDP's default bucket is 25 MiB).
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -62,6 +62,13 @@ class Fragment:
     synced: list[torch.nn.Parameter]
     outer: torch.optim.SGD
     offset: int
+    #: the inner step count at its last sync (0: the start, when the synced copies were taken)
+    synced_at: int = 0
+
+    def momentum(self) -> list[Tensor]:
+        """The outer optimizer's momentum buffer of each of its parameters (empty without momentum)."""
+        return [self.outer.state[synced]["momentum_buffer"] for synced in self.synced
+                if "momentum_buffer" in self.outer.state.get(synced, {})]
 
 
 class OuterSync:
@@ -69,13 +76,19 @@ class OuterSync:
     across ``group`` (the process group of the replicate axis: this rank's peers in the other replica groups).
 
     Call :meth:`after_step` after every inner optimizer step (it syncs the fragments whose turn it is) and
-    :meth:`sync` to sync every fragment now (training that stops between syncs). The synced copies live on
-    ``backup_device`` (default: the parameters' device).
+    :meth:`sync` to sync every fragment that trained since its last sync (training that stops between syncs). The
+    synced copies live on ``backup_device`` (default: the parameters' device). ``buffers`` (BatchNorm's running
+    statistics, ...) are not averaged: each sync gives every group the first group's, as DDP gives every rank
+    rank 0's.
+
+    The outer optimizer's momentum starts as zeros: with SGD's dampening 0 its first step is then the same as
+    torch's first step without a buffer, and the state exists from the start (a checkpoint holds it whole).
     """
 
     def __init__(self, parameters: Iterable[Tensor], group: dist.ProcessGroup | None, *, every: int,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1,
-                 backup_device: torch.device | None = None, bucket_bytes: int = BUCKET_BYTES) -> None:
+                 backup_device: torch.device | None = None, bucket_bytes: int = BUCKET_BYTES,
+                 buffers: Iterable[Tensor] = ()) -> None:
         trained = [p for p in parameters if p.requires_grad]
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise HybridShardConfigError(f"replica_sync every={every!r} is not a number of steps >= 1. Fix: e.g. 20.")
@@ -86,6 +99,9 @@ class OuterSync:
             )
         self.group = group
         self.every = every
+        #: the trained parameters, in the order the fragments cut them
+        self.parameters = trained
+        self.buffers = [b for b in buffers if b.numel()]
         self.bucket_bytes = bucket_bytes
         self.steps = 0  # inner steps since the start (a checkpoint carries it)
         self.fragments: list[Fragment] = []
@@ -96,20 +112,37 @@ class OuterSync:
             start += size
             synced = [torch.nn.Parameter(part.detach().to(backup_device or part.device, copy=True)) for part in parts]
             outer = torch.optim.SGD(synced, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+            if outer_momentum:
+                for copy in synced:
+                    outer.state[copy]["momentum_buffer"] = torch.zeros_like(copy)
             self.fragments.append(Fragment(parts, synced, outer, (index + 1) * every // fragments % every))
 
     def after_step(self) -> list[int]:
         """After an inner optimizer step: sync the fragments whose turn it is; returns their indices."""
         self.steps += 1
         due = [index for index, fragment in enumerate(self.fragments) if self.steps % self.every == fragment.offset]
-        for index in due:
-            self._sync(self.fragments[index])
+        self._sync_fragments(due)
         return due
 
-    def sync(self) -> None:
-        """Sync every fragment now (the end of training between syncs): the groups leave bit-equal."""
-        for fragment in self.fragments:
-            self._sync(fragment)
+    def sync(self) -> list[int]:
+        """Sync every fragment that trained since its last sync (training that stops between syncs: a checkpoint, a
+        validation run, the end of fit); the groups leave bit-equal. Returns the fragments synced (none: the groups
+        are equal already, and nothing is sent)."""
+        pending = [index for index, fragment in enumerate(self.fragments) if fragment.synced_at < self.steps]
+        self._sync_fragments(pending)
+        return pending
+
+    @property
+    def pending(self) -> bool:
+        """Whether some fragment trained since its last sync (the groups may differ)."""
+        return any(fragment.synced_at < self.steps for fragment in self.fragments)
+
+    def _sync_fragments(self, indices: list[int]) -> None:
+        for index in indices:
+            self._sync(self.fragments[index])
+        if indices and self.buffers:
+            broadcast_tensors(self.buffers, dist.get_global_rank(self.group, 0) if self.group is not None else 0,
+                              self.group, self.buffers[0].device)
 
     @torch.no_grad()
     def _sync(self, fragment: Fragment) -> None:
@@ -121,6 +154,7 @@ class OuterSync:
         fragment.outer.zero_grad(set_to_none=True)
         for synced, part in zip(fragment.synced, fragment.parts):
             part.copy_(synced)
+        fragment.synced_at = self.steps
 
     def average(self, tensors: list[Tensor]) -> None:
         """Average ``tensors`` in place across :attr:`group`, in flat buffers of at most :attr:`bucket_bytes` (one
@@ -144,8 +178,8 @@ class OuterSync:
     def state_dict(self) -> dict[str, Any]:
         """The steps, each fragment's synced copies and its outer optimizer's state (this rank's parts)."""
         return {"steps": self.steps,
-                "fragments": [{"synced": [s.detach().clone() for s in f.synced], "outer": f.outer.state_dict()}
-                              for f in self.fragments]}
+                "fragments": [{"synced": [s.detach().clone() for s in f.synced], "outer": f.outer.state_dict(),
+                               "synced_at": f.synced_at} for f in self.fragments]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Back from :meth:`state_dict` (the same parameters and fragments)."""
@@ -155,6 +189,30 @@ class OuterSync:
                 for synced, value in zip(fragment.synced, saved["synced"], strict=True):
                     synced.copy_(value)
             fragment.outer.load_state_dict(saved["outer"])
+            fragment.synced_at = int(saved.get("synced_at", self.steps))
+
+    def momentum(self) -> list[Tensor]:
+        """The outer momentum of each trained parameter's part, in :attr:`parameters`' order (empty without
+        momentum)."""
+        return [buffer for fragment in self.fragments for buffer in fragment.momentum()]
+
+    @torch.no_grad()
+    def restart_from_parameters(self, steps: int, momentum: list[Tensor] | None) -> None:
+        """After a checkpoint (a sync point: the parameters are the synced ones) was loaded: the synced copies taken
+        from the parameters, ``steps`` inner steps done, the outer momentum ``momentum`` (this rank's parts, in
+        :attr:`parameters`' order; ``None``: zeros, a checkpoint without it)."""
+        self.steps = steps
+        buffers = iter(momentum) if momentum is not None else None
+        for fragment in self.fragments:
+            fragment.synced_at = steps
+            for synced, part in zip(fragment.synced, fragment.parts):
+                synced.copy_(part)
+                state = fragment.outer.state.get(synced, {})
+                if "momentum_buffer" in state:
+                    if buffers is None:
+                        state["momentum_buffer"].zero_()
+                    else:
+                        state["momentum_buffer"].copy_(next(buffers))
 
 
 __all__ = ["BUCKET_BYTES", "Fragment", "OuterSync", "fragment_sizes"]

@@ -112,6 +112,7 @@ class DDPEngine:
         replaces_parameters=False,
         syncs_buffers_itself=True,  # DistributedDataParallel with broadcast_buffers
         fault_tolerance=True,  # (a group of one rank: its whole gradient crosses the groups)
+        replica_sync=True,  # whole parameters: every rank averages all of them with its peers in the other groups
         own_options=DDP_ONLY_OPTIONS,
     )
     prediction: Prediction = DDPPrediction()

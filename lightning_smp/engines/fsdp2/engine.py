@@ -79,6 +79,7 @@ class FSDP2Engine:
         replaces_parameters=True,  # fully_shard swaps each parameter for a DTensor shard
         syncs_buffers_itself=False,  # FSDP never syncs buffers
         fault_tolerance=True,  # DTensor shards per parameter: each rank's part of each gradient crosses the groups
+        replica_sync=True,  # the same DTensor layout in every group: rank r's local shards pair across groups
     )
     prediction: Prediction = FSDP2Prediction()
 

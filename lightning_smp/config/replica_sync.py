@@ -1,0 +1,105 @@
+"""The ``replica_sync`` option: replica groups that train on their own and sync across the replicate axis every
+``every`` steps (DiLoCo; :mod:`lightning_smp.replica_sync`).
+
+Its value is a mapping, so that every configuration source can set part of it and the sources merge key by key
+(:mod:`lightning_smp.config`); once merged, :meth:`ReplicaSync.from_mapping` checks that nothing is missing and
+freezes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from lightning_smp.errors import HybridShardConfigError
+
+
+@dataclass(frozen=True)
+class ReplicaSync:
+    """Semi-synchronous replica groups (DiLoCo, arXiv 2311.08105): inside a replica group training runs as without the
+    option; across groups nothing is sent for ``every`` optimizer steps, then each rank averages its part of the
+    pseudo-gradient (the parameters as last synced minus as they are) over the groups and an outer SGD steps the
+    synced copy with it.
+
+    Attributes:
+        every: optimizer steps between two syncs of the whole model (DiLoCo's ``H``); each fragment syncs once per
+            ``every`` steps.
+        outer_lr: the outer SGD's learning rate (0.7: the paper's, torchft's and torchtitan's).
+        outer_momentum: the outer SGD's momentum (0.9; 0 for none).
+        nesterov: Nesterov momentum for the outer SGD (needs ``outer_momentum > 0``).
+        fragments: Streaming DiLoCo: the model cut into this many contiguous fragments, which sync in turn, one every
+            ``every / fragments`` steps, each with its own outer optimizer (``every`` must be a multiple).
+    """
+
+    every: int
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    fragments: int = 1
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], where: str = "replica_sync") -> ReplicaSync:
+        """The record of a merged ``replica_sync`` mapping, every key present and every rule checked."""
+        checked = check_replica_sync(values, where) or {}
+        if checked.get("every") is None:
+            raise HybridShardConfigError(
+                f"{where} lacks every. Fix: give replica_sync={{'every': 20}} (optimizer steps between syncs)."
+            )
+        record = cls(**checked)
+        if record.every % record.fragments:
+            fixed = record.every - record.every % record.fragments or record.fragments
+            raise HybridShardConfigError(
+                f"{where}: every={record.every} is not a multiple of fragments={record.fragments}: the fragments sync"
+                f" in turn, each every {record.every} steps. Fix: every={fixed}, or fragments=1."
+            )
+        if record.nesterov and record.outer_momentum == 0:
+            raise HybridShardConfigError(
+                f"{where}: nesterov=True with outer_momentum=0: Nesterov needs momentum. Fix: nesterov=False, or an"
+                " outer_momentum above 0 (0.9)."
+            )
+        return record
+
+
+_KINDS: dict[str, tuple[type, ...]] = {
+    "every": (int,), "outer_lr": (int, float), "outer_momentum": (int, float), "nesterov": (bool,),
+    "fragments": (int,),
+}
+if set(_KINDS) != {f.name for f in fields(ReplicaSync)}:  # one list of keys
+    raise RuntimeError("lightning_smp.config.replica_sync: the keys and their kinds differ")
+
+
+def check_replica_sync(value: Any, where: str = "replica_sync") -> dict[str, Any] | None:
+    """``value`` (a mapping, a :class:`ReplicaSync`, or ``None``: off) as a plain mapping of checked keys; a source
+    may give part of it (the sources merge key by key)."""
+    if value is None:
+        return None
+    if isinstance(value, ReplicaSync):
+        value = {f.name: getattr(value, f.name) for f in fields(value)}
+    if not isinstance(value, Mapping):
+        raise HybridShardConfigError(
+            f"{where}={value!r} is not a mapping. Fix: e.g. replica_sync={{'every': 20}} (sync every 20 steps)."
+        )
+    checked: dict[str, Any] = {}
+    given: dict[str, Any] = dict(value)
+    for key, item in given.items():
+        if key not in _KINDS:
+            raise HybridShardConfigError(f"{where}: unknown key {key!r}. Known keys: {', '.join(_KINDS)}.")
+        if item is None:
+            continue
+        kinds = _KINDS[key]
+        if (isinstance(item, bool) and bool not in kinds) or not isinstance(item, kinds):
+            raise HybridShardConfigError(
+                f"{where}: {key}={item!r} ({type(item).__name__}) is not {' or '.join(k.__name__ for k in kinds)}."
+            )
+        if key in ("every", "fragments") and item < 1:
+            raise HybridShardConfigError(f"{where}: {key}={item!r} is not a count >= 1. Fix: e.g. every=20, fragments=1.")
+        if key == "outer_lr" and item <= 0:
+            raise HybridShardConfigError(f"{where}: outer_lr={item!r} is not positive. Fix: e.g. 0.7.")
+        if key == "outer_momentum" and not 0 <= item < 1:
+            raise HybridShardConfigError(f"{where}: outer_momentum={item!r} is not in [0, 1). Fix: e.g. 0.9, or 0.")
+        checked[key] = float(item) if key in ("outer_lr", "outer_momentum") else item
+    return checked
+
+
+__all__ = ["ReplicaSync", "check_replica_sync"]

@@ -1,0 +1,117 @@
+"""Both front ends' part in semi-synchronous replica groups (``replica_sync``, DiLoCo): the outer loop started over
+the sharded model, its turn after every optimizer step, a sync wherever training stops between syncs, and its state
+in checkpoints. The step hooks that call these are each front end's own; what runs is
+:mod:`lightning_smp.replica_sync`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_smp.checkpoint.format import REPLICA_SYNC_KEY
+from lightning_smp.core import HybridShardCore
+from lightning_smp.errors import UnsupportedOptionError
+from lightning_smp.mesh import axis_group
+from lightning_smp.names import REPLICATE_AXIS, SHARDED, StateDictType
+from lightning_smp.replica_sync import OuterSync
+from lightning_smp.replica_sync.state import outer_optimizer, restore_outer
+
+#: the checkpoint entry of the outer optimizer's state
+OUTER_ENTRY = f"{REPLICA_SYNC_KEY}_outer"
+
+
+def inner_entry(group: int, index: int) -> str:
+    """The checkpoint entry of replica group ``group``'s ``index``-th optimizer (the groups after the first: the
+    first group's are the checkpoint's own optimizer states)."""
+    return f"{REPLICA_SYNC_KEY}_group{group}_{index}"
+
+
+class ReplicaSyncSteps:
+    """Mixin of :class:`~lightning_smp.frontend.HybridShardFrontEnd`: the semi-synchronous replica groups' glue."""
+
+    core: HybridShardCore
+    #: the outer loop over the model being trained (``replica_sync``), started when it is set up
+    _outer: OuterSync | None = None
+
+    @property
+    def outer_sync(self) -> OuterSync | None:
+        """The outer loop of ``replica_sync`` (DiLoCo) over the model being trained, once it is set up; ``None``
+        without the option."""
+        return self._outer
+
+    def sync_replicas(self) -> list[int]:
+        """``replica_sync``: sync now every fragment that trained since its last sync, so that every replica group
+        holds the same weights (the Trainer does it before validating, saving and at the end of ``fit``; a Fabric
+        loop calls it before it evaluates or returns the model). Collective: every rank calls it. Returns the
+        fragments synced; nothing (and nothing sent) without the option or when the groups are equal already."""
+        return self._outer.sync() if self._outer is not None else []
+
+    def _start_replica_sync(self, module: Module) -> None:
+        """The outer loop over ``module`` (the sharded root), its synced copies taken now (every group starts from
+        the same weights)."""
+        settings, mesh = self.core.replica_sync, self.core.device_mesh
+        if settings is None or mesh is None or (self._outer is not None and self._outer_module is module):
+            return
+        buffers = list(module.buffers()) if self.core.options.broadcast_buffers else []
+        self._outer = OuterSync(module.parameters(), axis_group(mesh, REPLICATE_AXIS), every=settings.every,
+                                outer_lr=settings.outer_lr, outer_momentum=settings.outer_momentum,
+                                nesterov=settings.nesterov, fragments=settings.fragments, buffers=buffers)
+        self._outer_module = module
+
+    _outer_module: Module | None = None
+
+    def _check_one_optimizer(self, optimizers: int) -> None:
+        """``replica_sync`` counts the steps of one inner optimizer (a second one would make the windows ambiguous)."""
+        if self.core.replica_sync is not None and optimizers > 1:
+            raise UnsupportedOptionError(
+                f"replica_sync with {optimizers} optimizers: the outer loop counts the steps of one inner optimizer."
+                " Fix: one optimizer (parameter groups for different settings), or drop replica_sync."
+            )
+
+    def _after_inner_step(self) -> None:
+        """After every optimizer step: the fragments whose turn it is sync."""
+        if self._outer is not None:
+            self._outer.after_step()
+
+    def _replica_sync_checkpoint(self, checkpoint: dict[str, Any], outer_state: dict[str, Any] | None,
+                                 kind: StateDictType) -> dict[str, Any]:
+        """``checkpoint`` with the outer loop's record and ``outer_state`` (the state of :func:`outer_optimizer`, as
+        the checkpoint's kind writes optimizers); in a sharded checkpoint, also this group's own optimizer states
+        when it is not the first group (the groups' inner optimizers differ between syncs)."""
+        if self._outer is None:
+            return checkpoint
+        group = dist.get_group_rank(self._outer.group, dist.get_rank()) if self._outer.group is not None else 0
+        extra: dict[str, Any] = {REPLICA_SYNC_KEY: {"steps": self._outer.steps}, OUTER_ENTRY: outer_state}
+        if kind == SHARDED and group > 0:
+            extra.update({inner_entry(group, index): state
+                          for index, state in enumerate(checkpoint.get("optimizer_states", []))})
+        return {**checkpoint, **extra}
+
+    def _outer_optimizer(self) -> torch.optim.SGD | None:
+        """The outer loop's state as an optimizer over the model's parameters (:func:`outer_optimizer`)."""
+        return outer_optimizer(self._outer) if self._outer is not None else None
+
+    def _replica_sync_load_entries(self, optimizers: list[Optimizer], shadow: Optimizer | None) -> dict[str, Optimizer]:
+        """What a checkpoint load fills beside the model and ``optimizers``: the outer state into ``shadow``, and this
+        group's own optimizer states where the checkpoint has them."""
+        if self._outer is None or shadow is None:
+            return {}
+        group = dist.get_group_rank(self._outer.group, dist.get_rank()) if self._outer.group is not None else 0
+        entries = {OUTER_ENTRY: shadow}
+        if group > 0:
+            entries.update({inner_entry(group, index): optimizer for index, optimizer in enumerate(optimizers)})
+        return entries
+
+    def _resume_replica_sync(self, checkpoint: dict[str, Any], shadow: torch.optim.SGD | None) -> None:
+        """After a checkpoint was loaded: the outer loop restarts from the parameters (a checkpoint is a sync point),
+        its step count and momentum from the checkpoint (none: from 0, with zero momentum)."""
+        record = checkpoint.pop(REPLICA_SYNC_KEY, None)
+        if self._outer is not None and shadow is not None:
+            restore_outer(self._outer, shadow, int(record["steps"]) if isinstance(record, dict) else 0)
+
+
+__all__ = ["OUTER_ENTRY", "ReplicaSyncSteps", "inner_entry"]

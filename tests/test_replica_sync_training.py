@@ -1,0 +1,156 @@
+"""``replica_sync`` (DiLoCo) through the front ends: the option from every source and its refusals, the replica groups
+bit-equal right after each sync and apart between (nothing crossing them between syncs, exactly one averaging of this
+rank's parameters at a sync), H = 1 with SGD equal to DDP, training that stops between syncs ending synced, and
+checkpoints that resume mid-window exactly as the run that was not interrupted, on the Trainer and in Fabric."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, UnsupportedOptionError
+from lightning_smp.accounting import CommCounter
+from lightning_smp.callbacks.memory import strategy_mesh
+from lightning_smp.replicas import local_part
+from tests.helpers import PARITY_BOUND, TinyModel, cpu_trainer, ddp_fit, make_loader
+
+WORLD = 4
+#: (fsdp_version, hybrid_shard_degree) of each engine replica_sync runs on: FSDP2 shards inside groups of two, the
+#: DDP engine runs groups of one rank
+ENGINES = [pytest.param(2, 2, id="fsdp2"), pytest.param(2, 1, id="ddp_engine")]
+
+
+def _digest(module: torch.nn.Module) -> str:
+    parts = [local_part(p).detach().cpu().contiguous() for p in module.parameters()]
+    return hashlib.sha1(b"".join(p.numpy().tobytes() for p in parts)).hexdigest()
+
+
+class SyncProbe(Callback):
+    """Per optimizer step, on every rank: the digest of this rank's parameters (each group's rank r holds the same
+    part as rank r of the others) and the collectives the step issued per mesh axis; at the end of fit (after the
+    strategy's final sync), the digest again. Rank 0 writes every rank's records to ``<folder>/probe.pt``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self.steps: list[dict[str, Any]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        self.counter = CommCounter(strategy_mesh(trainer.strategy)).__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           idx: int) -> None:
+        self.counter.__exit__(None, None, None)
+        counts = self.counter.counts()
+        self.steps.append({"digest": _digest(trainer.strategy.model),
+                           "crossing": {axis: dict(counts[axis]["all_reduce"]) for axis in ("replicate", "other")},
+                           "broadcasts": counts["replicate"]["broadcast"]["count"]})
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        record = {"steps": self.steps, "end": _digest(trainer.strategy.model),
+                  "local_bytes": sum(local_part(p).numel() * local_part(p).element_size()
+                                     for p in trainer.strategy.model.parameters())}
+        gathered: list[Any] = [None] * trainer.world_size
+        dist.all_gather_object(gathered, record)
+        if trainer.global_rank == 0:
+            torch.save(gathered, self.folder / "probe.pt")
+
+
+def _fit(folder: Path, version: int, degree: int, every: int, max_steps: int, model: L.LightningModule | None = None,
+         **strategy_kwargs: Any) -> list[dict[str, Any]]:
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version, start_method="fork",
+                                       replica_sync={"every": every, **strategy_kwargs.pop("sync", {})},
+                                       **strategy_kwargs)
+    torch.manual_seed(0)
+    trainer = cpu_trainer(strategy, folder, WORLD, max_steps=max_steps, callbacks=[SyncProbe(folder)])
+    trainer.fit(model or TinyModel(), make_loader(samples=128))
+    return torch.load(folder / "probe.pt", weights_only=False)
+
+
+@pytest.mark.parametrize(("version", "degree"), ENGINES)
+def test_groups_are_equal_right_after_each_sync_and_nothing_crosses_them_between(tmp_path, version, degree):
+    """Every ``every`` steps rank r of every group holds bit-equal parameters, different between syncs (each group
+    trains on its own data); a step that does not sync sends nothing across the groups (no collective on the
+    replicate axis, none over the world), a step that syncs all-reduces this rank's parameters once (in bytes,
+    exactly); fit stopping between syncs (max_steps 7, every 3) ends with the groups equal."""
+    every, steps = 3, 7
+    ranks = _fit(tmp_path, version, degree, every, steps)
+    groups = WORLD // degree
+    for step in range(steps):
+        for position in range(degree):  # rank `position` of each group holds the same part of the model
+            digests = {ranks[group * degree + position]["steps"][step]["digest"] for group in range(groups)}
+            synced = (step + 1) % every == 0
+            assert (len(digests) == 1) == synced, (step, digests)
+        for rank in ranks:
+            crossing = rank["steps"][step]["crossing"]
+            assert crossing["other"]["count"] == 0, (step, crossing)
+            expected = rank["local_bytes"] if (step + 1) % every == 0 else 0
+            assert crossing["replicate"]["bytes"] == expected, (step, crossing)
+    for position in range(degree):
+        assert len({ranks[group * degree + position]["end"] for group in range(groups)}) == 1
+
+
+@pytest.mark.parametrize(("version", "degree"), ENGINES)
+def test_every_step_with_plain_sgd_is_ddp(tmp_path, version, degree):
+    """H = 1, outer SGD lr 1 without momentum, an SGD inner optimizer without momentum: each sync sets the
+    parameters to the mean of the groups' SGD steps from the same point, which is DDP's step; the final weights
+    equal Lightning's DDP within the parity bound of the synchronous tests."""
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version, start_method="fork",
+                                       replica_sync={"every": 1, "outer_lr": 1.0, "outer_momentum": 0.0,
+                                                     "nesterov": False})
+    torch.manual_seed(0)
+    model = TinyModel(optimizer="sgd")
+    trainer = cpu_trainer(strategy, tmp_path, WORLD, max_steps=6)
+    trainer.fit(model, make_loader())
+    _, ddp_weights = ddp_fit(lambda: TinyModel(optimizer="sgd"), WORLD, max_steps=6)
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    assert weights.keys() == ddp_weights.keys()
+    for key, value in ddp_weights.items():
+        assert torch.allclose(weights[key], value, rtol=0, atol=PARITY_BOUND), key
+
+
+# ------------------------------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"fsdp_version": 1, "hybrid_shard_degree": 2}, r"fsdp1 engine.*Fix: pass fsdp_version=2"),
+    ({"fsdp_version": 2, "hybrid_shard_degree": 4}, r"1 replica group .*nothing to sync across"),
+    ({"fsdp_version": 2, "hybrid_shard_degree": "auto"}, r"'auto' with replica_sync"),
+    ({"fsdp_version": 2, "hybrid_shard_degree": 2, "device_mesh": None, "sync": {"every": 3, "fragments": 2}},
+     r"every=3 is not a multiple of fragments=2.*every=2"),
+    ({"fsdp_version": 2, "hybrid_shard_degree": 2, "sync": {"every": 0}}, r"every=0 is not a count >= 1"),
+    ({"fsdp_version": 2, "hybrid_shard_degree": 2, "sync": {"every": 5, "outer_momentum": 0.0}},
+     r"nesterov=True with outer_momentum=0"),
+    ({"fsdp_version": 2, "hybrid_shard_degree": 2, "sync": {"each": 5}}, r"unknown key 'each'.*every"),
+])
+def test_what_replica_sync_cannot_run_is_refused_when_the_trainer_is_made(kwargs, message):
+    """Refused at ``Trainer(...)``, before any process starts, naming the value and the fix."""
+    kwargs = dict(kwargs)
+    sync = kwargs.pop("sync", {"every": 4})
+    with pytest.raises(HybridShardConfigError, match=message):
+        strategy = HybridShardFSDPStrategy(start_method="fork", replica_sync=sync, **kwargs)
+        cpu_trainer(strategy, None, WORLD)
+
+
+def test_two_optimizers_are_refused(tmp_path):
+    class TwoOptimizers(TinyModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            return None
+
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=2, start_method="fork",
+                                       replica_sync={"every": 2})
+    with pytest.raises(UnsupportedOptionError, match=r"replica_sync with 2 optimizers"):
+        cpu_trainer(strategy, tmp_path, WORLD, max_steps=2).fit(TwoOptimizers(), make_loader())
