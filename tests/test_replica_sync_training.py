@@ -154,3 +154,42 @@ def test_two_optimizers_are_refused(tmp_path):
                                        replica_sync={"every": 2})
     with pytest.raises(UnsupportedOptionError, match=r"replica_sync with 2 optimizers"):
         cpu_trainer(strategy, tmp_path, WORLD, max_steps=2).fit(TwoOptimizers(), make_loader())
+
+
+# ------------------------------------------------------------------------------------------------- checkpoints
+
+
+def _fit_with_checkpoints(folder: Path, version: int, degree: int, kind: str, async_save: bool, inner: str,
+                          ckpt_path: Path | None = None) -> dict[str, torch.Tensor]:
+    """A fit to step 10 syncing every 3 steps, a checkpoint every 4 steps (4 and 8: inside a window; step 4 ends
+    epoch 0); returns the final weights (in the launching process)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version, start_method="fork",
+                                       state_dict_type=kind, async_save=async_save, replica_sync={"every": 3})
+    torch.manual_seed(0)
+    model = TinyModel(optimizer=inner)
+    saving = ModelCheckpoint(dirpath=folder / "checkpoints", save_top_k=-1, every_n_train_steps=4)
+    trainer = cpu_trainer(strategy, folder, WORLD, max_steps=10, callbacks=[saving], enable_checkpointing=True)
+    trainer.fit(model, make_loader(), ckpt_path=ckpt_path)
+    return {key: value.detach().clone() for key, value in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(("version", "degree", "kind", "async_save", "inner"), [
+    pytest.param(2, 2, "sharded", False, "adam", id="fsdp2-sharded"),
+    pytest.param(2, 2, "sharded", True, "adam", id="fsdp2-async"),
+    pytest.param(2, 1, "sharded", False, "adam", id="ddp_engine-sharded"),
+    # a full checkpoint holds the first group's inner optimizer state only: exact with a stateless inner optimizer
+    pytest.param(2, 2, "full", False, "sgd", id="fsdp2-full"),
+])
+def test_a_run_resumed_inside_a_window_continues_exactly(tmp_path, version, degree, kind, async_save, inner):
+    """Resumed from the checkpoint of step 4 (one step after a sync, two before the next), the run ends bit-equal to
+    the one that was not interrupted: the outer momentum, the step count inside the window and every group's own
+    inner optimizer state came back (a checkpoint is a sync point in both runs)."""
+    whole = _fit_with_checkpoints(tmp_path / "whole", version, degree, kind, async_save, inner)
+    saved = tmp_path / "whole" / "checkpoints" / "epoch=0-step=4.ckpt"
+    assert saved.exists()
+    resumed = _fit_with_checkpoints(tmp_path / "resumed", version, degree, kind, async_save, inner, ckpt_path=saved)
+    assert whole.keys() == resumed.keys()
+    for key in whole:
+        assert torch.equal(whole[key], resumed[key]), key

@@ -34,8 +34,8 @@ def load(model: ShardedModel, path: str | os.PathLike, *, optimizers: Sequence[O
     ``state_keys`` (the module's key, the optimizers' keys) are where a full checkpoint in Fabric's layout that does
     not record them holds the model and optimizers (one written by Lightning's own Fabric ``FSDPStrategy``).
     ``extra``: optimizers whose state an entry of its key holds
-    (:func:`~lightning_smp.checkpoint.format.tensor_entries`), each loaded when the checkpoint has its entry and
-    left as it is otherwise.
+    (:func:`~lightning_smp.checkpoint.format.tensor_entries`), each loaded when the checkpoint has its entry (in
+    place of its own, for one of ``optimizers``) and left as it is otherwise.
 
     Raises:
         CheckpointError: ``path`` is not a checkpoint, a key or shape does not fit, or the optimizer count differs.
@@ -130,7 +130,7 @@ def _load_full(model: ShardedModel, path: Path, optimizers: list[Optimizer], str
     set_model_state_dict(model.module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
     for optimizer, optim_state in zip(optimizers, saved or []):
         _load_full_optimizer(model, optimizer, optim_state)
-    for key, optimizer in extra.items():
+    for key, optimizer in extra.items():  # (after the optimizers' own: an entry found replaces it)
         if key in checkpoint:
             _load_full_optimizer(model, optimizer, checkpoint.pop(key))
     return dict(checkpoint)
@@ -178,8 +178,11 @@ def _load_sharded(model: ShardedModel, path: Path, optimizers: list[Optimizer], 
     if optimizers:
         count = len({k.split(".", 1)[0] for k in keys if k.startswith("optimizer_")})
         _check_optimizer_count(path, [None] * count if count else None, optimizers)
-    named = {**{f"optimizer_{idx}": optimizer for idx, optimizer in enumerate(optimizers)},
-             **{key: optimizer for key, optimizer in extra.items() if any(k.startswith(f"{key}.") for k in keys)}}
+    found = {key: optimizer for key, optimizer in extra.items() if any(k.startswith(f"{key}.") for k in keys)}
+    # an entry found for one of the optimizers replaces its own (the templates share the optimizer's tensors: DCP
+    # would read both into them, in no set order)
+    named = {**{f"optimizer_{idx}": optimizer for idx, optimizer in enumerate(optimizers)
+                if not any(optimizer is other for other in found.values())}, **found}
     for key, optimizer in named.items():
         if any(k.startswith(f"{key}.state.") for k in keys):
             # the template holds this layout's shards; DCP reads whichever saved chunks overlap them

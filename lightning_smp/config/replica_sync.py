@@ -92,13 +92,14 @@ def check_replica_sync(value: Any, where: str = "replica_sync") -> dict[str, Any
             raise HybridShardConfigError(
                 f"{where}: {key}={item!r} ({type(item).__name__}) is not {' or '.join(k.__name__ for k in kinds)}."
             )
-        if key in ("every", "fragments") and item < 1:
+        number: Any = item  # (an int, a float or a bool now)
+        if key in ("every", "fragments") and number < 1:
             raise HybridShardConfigError(f"{where}: {key}={item!r} is not a count >= 1. Fix: e.g. every=20, fragments=1.")
-        if key == "outer_lr" and item <= 0:
+        if key == "outer_lr" and number <= 0:
             raise HybridShardConfigError(f"{where}: outer_lr={item!r} is not positive. Fix: e.g. 0.7.")
-        if key == "outer_momentum" and not 0 <= item < 1:
+        if key == "outer_momentum" and not 0 <= number < 1:
             raise HybridShardConfigError(f"{where}: outer_momentum={item!r} is not in [0, 1). Fix: e.g. 0.9, or 0.")
-        checked[key] = float(item) if key in ("outer_lr", "outer_momentum") else item
+        checked[key] = float(number) if key in ("outer_lr", "outer_momentum") else number
     return checked
 
 

@@ -55,15 +55,21 @@ def fragment_sizes(numels: Sequence[int], fragments: int) -> list[int]:
 
 @dataclass
 class Fragment:
-    """One fragment: the rank's parts of its parameters, their copies as last synced (what the outer optimizer
+    """One fragment: its parameters, their copies as last synced (what the outer optimizer
     steps), the outer optimizer, and the step of the window at which it syncs."""
 
-    parts: list[Tensor]
+    params: list[Tensor]
     synced: list[torch.nn.Parameter]
     outer: torch.optim.SGD
     offset: int
     #: the inner step count at its last sync (0: the start, when the synced copies were taken)
     synced_at: int = 0
+
+    @property
+    def parts(self) -> list[Tensor]:
+        """This rank's part of each parameter, taken anew each time (loading a state dict may give a sharded
+        parameter new local storage: FSDP2's ``reset_sharded_param``)."""
+        return [local_part(p) for p in self.params]
 
     def momentum(self) -> list[Tensor]:
         """The outer optimizer's momentum buffer of each of its parameters (empty without momentum)."""
@@ -108,14 +114,15 @@ class OuterSync:
         start = 0
         # (whole parameters' sizes, a DTensor's too: every rank cuts the same fragments, one collective each)
         for index, size in enumerate(fragment_sizes([p.numel() for p in trained], fragments)):
-            parts = [local_part(p) for p in trained[start:start + size]]
+            params = trained[start:start + size]
+            parts = [local_part(p) for p in params]
             start += size
             synced = [torch.nn.Parameter(part.detach().to(backup_device or part.device, copy=True)) for part in parts]
             outer = torch.optim.SGD(synced, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
             if outer_momentum:
                 for copy in synced:
                     outer.state[copy]["momentum_buffer"] = torch.zeros_like(copy)
-            self.fragments.append(Fragment(parts, synced, outer, (index + 1) * every // fragments % every))
+            self.fragments.append(Fragment(params, synced, outer, (index + 1) * every // fragments % every))
 
     def after_step(self) -> list[int]:
         """After an inner optimizer step: sync the fragments whose turn it is; returns their indices."""
