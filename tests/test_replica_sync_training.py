@@ -193,3 +193,50 @@ def test_a_run_resumed_inside_a_window_continues_exactly(tmp_path, version, degr
     assert whole.keys() == resumed.keys()
     for key in whole:
         assert torch.equal(whole[key], resumed[key]), key
+
+
+class OuterProbe(Callback):
+    """At the start of training (after a checkpoint was loaded): the outer loop's step count and its momentum, each
+    parameter's gathered in full, written by rank 0 to ``<folder>/outer.pt``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning_smp.replica_sync.state import outer_optimizer
+
+        outer = trainer.strategy.outer_sync
+        shadow = outer_optimizer(outer)
+        names = {id(p): n.removeprefix("module.") for n, p in trainer.strategy.model.named_parameters()}
+        momentum = {}
+        for param in outer.parameters:
+            buffer = shadow.state[param]["momentum_buffer"]
+            momentum[names[id(param)]] = (buffer.full_tensor() if hasattr(buffer, "full_tensor") else buffer).cpu()
+        if trainer.global_rank == 0:
+            torch.save({"steps": outer.steps, "momentum": momentum}, self.folder / "outer.pt")
+
+
+def test_the_outer_state_moves_between_degrees_engines_and_formats(tmp_path):
+    """A sharded checkpoint of FSDP2 at degree 2 (2 groups) resumes on the DDP engine at degree 1 (4 groups): the
+    step count inside the window and the outer momentum come back resharded, equal to what consolidating the
+    checkpoint into one file holds."""
+    from lightning_smp.checkpoint import consolidate, read_full
+    from lightning_smp.frontend.replica_sync import OUTER_ENTRY
+
+    _fit_with_checkpoints(tmp_path / "first", 2, 2, "sharded", False, "adam")
+    saved = tmp_path / "first" / "checkpoints" / "epoch=0-step=4.ckpt"
+    full = read_full(consolidate(saved, tmp_path / "consolidated.ckpt"))
+    names = list(full["state_dict"])  # the outer optimizer's state in torch's layout: by index, in parameter order
+    saved_momentum = {names[index]: state["momentum_buffer"] for index, state in full[OUTER_ENTRY]["state"].items()}
+    assert set(saved_momentum) == set(names) and all(v.abs().sum() > 0 for v in saved_momentum.values())
+
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=1, fsdp_version=2, start_method="fork",
+                                       replica_sync={"every": 3})
+    torch.manual_seed(0)
+    trainer = cpu_trainer(strategy, tmp_path / "second", WORLD, max_steps=5, callbacks=[OuterProbe(tmp_path)])
+    trainer.fit(TinyModel(), make_loader(), ckpt_path=saved)
+    resumed = torch.load(tmp_path / "outer.pt", weights_only=True)
+    assert resumed["steps"] == 4
+    assert resumed["momentum"].keys() == saved_momentum.keys()
+    for name, value in saved_momentum.items():
+        assert torch.equal(resumed["momentum"][name], value), name

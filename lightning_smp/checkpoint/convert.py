@@ -22,6 +22,7 @@ from lightning_smp.checkpoint.format import (
     RUN_KEY,
     checkpoint_kind,
     fabric_layout,
+    tensor_entries,
     trainer_layout,
 )
 from lightning_smp.checkpoint.safety import SafeEmptyLoadPlanner, SafeFileSystemReader
@@ -70,6 +71,8 @@ def read_full(path: str | os.PathLike) -> dict[str, Any]:
     count = len([k for k in state if k.startswith("optimizer_")])
     if count:
         checkpoint["optimizer_states"] = [optimizer_state_by_index(state[f"optimizer_{i}"]) for i in range(count)]
+    for key in tensor_entries(state):  # replica_sync's outer and per-group optimizer states
+        checkpoint[key] = optimizer_state_by_index(state[key])
     record = dict(checkpoint.get(RUN_KEY) or {})
     record["state_dict_type"] = FULL
     checkpoint[RUN_KEY] = record
