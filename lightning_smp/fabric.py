@@ -51,7 +51,6 @@ from lightning_smp.checkpoint.fabric_state import (
     split_state,
     state_of,
 )
-from lightning_smp.checkpoint.local import optimizer_state_to_save
 from lightning_smp.checkpoint.saving import check_storage_options
 from lightning_smp.collectives import Collectives
 from lightning_smp.engines import ShardingPlan, engine_of, own_offload_config
@@ -500,15 +499,12 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         if not self._writes_checkpoints():
             return  # fault_tolerance: every group holds the same state, one live group writes it
         checkpoint.update(self._replica_checkpoint_state())
-        outer = self._outer_optimizer()
-        if outer is not None:
-            outer_state = optimizer_state_to_save(sharded, outer, len(optimizer_keys), kind, self._local_state_check)
-            # (Fabric's full layout keeps the optimizer states under the user's keys: the groups' own in sharded only)
-            checkpoint = self._replica_sync_checkpoint(checkpoint, outer_state, kind)
+        checkpoint = self._replica_sync_checkpoint(checkpoint, sharded, [state[key] for key in optimizer_keys], kind,
+                                                   self._local_state_check)
         checkpoint_lib.save(checkpoint, path, kind=kind, collectives=Collectives.current(self.root_device),
                             run=self.core.checkpoint_run, layout=self.core.layout, storage_options=storage_options,
                             background=background,
-                            writes_data=background is None or outer is not None or sharded.writes_data())
+                            writes_data=background is None or self.outer_sync is not None or sharded.writes_data())
 
     @override
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,

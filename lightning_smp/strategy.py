@@ -535,14 +535,13 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             # the ranks that held the shards have ended: one full file, with the optimizer state they sent back
             checkpoint, kind, background = self._launch_results.complete_checkpoint(checkpoint), FULL, None
         else:
-            outer = self._outer_optimizer()  # (replica_sync: synced when the model's state was taken)
-            if outer is not None:
-                outer_state = optimizer_state_to_save(self._sharded_model(), outer, len(self.optimizers), kind,
-                                                      self._local_state_check)
-                checkpoint = self._replica_sync_checkpoint(checkpoint, outer_state, kind)
+            # replica_sync: synced when the model's state was taken (lightning_module_state_dict)
+            checkpoint = self._replica_sync_checkpoint(checkpoint, self._sharded_model(),
+                                                       [_unwrap(o) for o in self.optimizers], kind,
+                                                       self._local_state_check)
             if background is not None:
                 # (replica_sync: every group writes its own inner optimizer state)
-                writes_data = outer is not None or self._sharded_model().writes_data()
+                writes_data = self.outer_sync is not None or self._sharded_model().writes_data()
         # atomic, never over another run's checkpoint, tensors written once (see lightning_smp.checkpoint)
         checkpoint_lib.save(checkpoint, filepath, kind=kind, collectives=Collectives.current(self.root_device),
                             run=self.checkpoint_run, layout=self.core.layout, storage_options=storage_options,

@@ -179,8 +179,8 @@ def _fit_with_checkpoints(folder: Path, version: int, degree: int, kind: str, as
     pytest.param(2, 2, "sharded", False, "adam", id="fsdp2-sharded"),
     pytest.param(2, 2, "sharded", True, "adam", id="fsdp2-async"),
     pytest.param(2, 1, "sharded", False, "adam", id="ddp_engine-sharded"),
-    # a full checkpoint holds the first group's inner optimizer state only: exact with a stateless inner optimizer
-    pytest.param(2, 2, "full", False, "sgd", id="fsdp2-full"),
+    pytest.param(2, 2, "full", False, "adam", id="fsdp2-full"),
+    pytest.param(2, 1, "full", False, "adam", id="ddp_engine-full"),
 ])
 def test_a_run_resumed_inside_a_window_continues_exactly(tmp_path, version, degree, kind, async_save, inner):
     """Resumed from the checkpoint of step 4 (one step after a sync, two before the next), the run ends bit-equal to
@@ -240,3 +240,60 @@ def test_the_outer_state_moves_between_degrees_engines_and_formats(tmp_path):
     assert resumed["momentum"].keys() == saved_momentum.keys()
     for name, value in saved_momentum.items():
         assert torch.equal(resumed["momentum"][name], value), name
+
+
+# ------------------------------------------------------------------------------------------------- Fabric
+
+
+def _fabric_loop(fabric: L.Fabric, steps: int, save_at: int | None, folder: str, resume: bool) -> list[Any]:
+    """A Fabric loop over this rank's batches (AdamW inside), syncing every 3 steps: per step, the digest of this
+    rank's parameters; optionally ``fabric.save`` at step ``save_at`` (a sync point), or a start from that save;
+    at the end ``sync_replicas()`` and the full weights on rank 0. Every rank's record, on every rank."""
+    from tests.fabric_loops import make_net, rank_batches
+
+    model = fabric.setup_module(make_net())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
+    if resume:
+        fabric.load(f"{folder}/ckpt", state)
+    start = state["step"]
+    batches = (rank_batches(fabric) * 4)[start:]
+    digests = []
+    for step in range(start, steps):
+        x, y = batches[step - start]
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        digests.append(_digest(model))
+        if step + 1 == save_at:
+            state["step"] = step + 1
+            fabric.save(f"{folder}/ckpt", state)
+    fabric.strategy.sync_replicas()
+    weights = {k: v.tolist() for k, v in fabric.strategy.full_state_dict(model).items()}
+    ranks: list[Any] = [None] * fabric.world_size
+    dist.all_gather_object(ranks, {"digests": digests, "end": _digest(model), "weights": weights})
+    return ranks  # (the launcher hands back rank 0's)
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_fabric_syncs_every_h_steps_ends_synced_and_resumes_exactly(tmp_path, kind):
+    """In a Fabric loop the groups are bit-equal after every third ``optimizer.step()`` and apart between;
+    ``sync_replicas()`` ends the loop synced; a loop started from ``fabric.save`` at step 4 (inside a window) ends
+    bit-equal to the loop that saved it."""
+    from lightning_smp.fabric import HybridShardFSDPStrategy as FabricStrategy
+
+    def launch(save_at: int | None, resume: bool, folder: Path) -> list[dict[str, Any]]:
+        strategy = FabricStrategy(hybrid_shard_degree=2, fsdp_version=2, start_method="fork", state_dict_type=kind,
+                                  replica_sync={"every": 3})
+        return L.Fabric(strategy=strategy, accelerator="cpu", devices=WORLD).launch(
+            _fabric_loop, 8, save_at, str(folder), resume)
+
+    whole = launch(4, False, tmp_path)
+    for step in range(8):
+        for position in range(2):
+            digests = {whole[group * 2 + position]["digests"][step] for group in range(2)}
+            assert (len(digests) == 1) == ((step + 1) % 3 == 0), step  # (the save at 4 syncs after the digest)
+    for position in range(2):
+        assert whole[position]["end"] == whole[2 + position]["end"]
+    resumed = launch(None, True, tmp_path)
+    assert resumed[0]["weights"] == whole[0]["weights"]

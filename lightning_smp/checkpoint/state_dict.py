@@ -98,6 +98,22 @@ def full_optimizer_state(model: ShardedModel, optimizer: Optimizer) -> dict[str,
     return state if model.rank == 0 else {}
 
 
+def full_optimizer_states_of_groups(model: ShardedModel, optimizer: Optimizer, across: ProcessGroup) -> list[Any]:
+    """Each replica group's unsharded state of ``optimizer`` (``replica_sync``: the groups' inner optimizers differ
+    between syncs), in torch's standard layout, on global rank 0 in the order of ``across`` (the replicate axis's
+    group of rank 0); an empty list elsewhere. Collective."""
+    import torch.distributed as dist
+
+    has_state = any_rank_has_state(model, optimizer)
+    state = (model.engine.full_optimizer_state(model.module, optimizer, model.collectives.device, model.writer_group())
+             if has_state else optimizer.state_dict())
+    if dist.get_rank(model.writer_group()) != 0:
+        return []  # (this group's first rank sends its state)
+    states: list[Any] = [None] * dist.get_world_size(across) if model.rank == 0 else []
+    dist.gather_object(state, states if model.rank == 0 else None, dst=0, group=across)
+    return states
+
+
 def module_state_dict(model: ShardedModel, kind: StateDictType) -> dict[str, Any]:
     """What a checkpoint's ``state_dict`` holds: full weights on rank 0, or this rank's DTensor shards."""
     if kind == FULL:
@@ -125,6 +141,7 @@ __all__ = [
     "any_rank_has_state",
     "full_model_state",
     "full_optimizer_state",
+    "full_optimizer_states_of_groups",
     "module_state_dict",
     "optimizer_state",
 ]

@@ -12,7 +12,9 @@ import torch.distributed as dist
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_smp.checkpoint.format import REPLICA_SYNC_KEY
+from lightning_smp.checkpoint.format import OPTIMIZERS_KEY, REPLICA_SYNC_KEY
+from lightning_smp.checkpoint.local import LocalStateCheck, optimizer_state_to_save
+from lightning_smp.checkpoint.state_dict import ShardedModel, full_optimizer_states_of_groups
 from lightning_smp.core import HybridShardCore
 from lightning_smp.errors import UnsupportedOptionError
 from lightning_smp.mesh import axis_group
@@ -77,18 +79,26 @@ class ReplicaSyncSteps:
         if self._outer is not None:
             self._outer.after_step()
 
-    def _replica_sync_checkpoint(self, checkpoint: dict[str, Any], outer_state: dict[str, Any] | None,
-                                 kind: StateDictType) -> dict[str, Any]:
-        """``checkpoint`` with the outer loop's record and ``outer_state`` (the state of :func:`outer_optimizer`, as
-        the checkpoint's kind writes optimizers); in a sharded checkpoint, also this group's own optimizer states
-        when it is not the first group (the groups' inner optimizers differ between syncs)."""
+    def _replica_sync_checkpoint(self, checkpoint: dict[str, Any], model: ShardedModel, optimizers: list[Optimizer],
+                                 kind: StateDictType, check: LocalStateCheck | None) -> dict[str, Any]:
+        """``checkpoint`` (whose optimizer states, sharded or full, are this rank's group's) with the outer loop's
+        record, its optimizer's state and the inner optimizers' states of the groups after the first (the groups'
+        inner optimizers differ between syncs), as ``kind`` writes optimizers. Collective."""
         if self._outer is None:
             return checkpoint
-        group = dist.get_group_rank(self._outer.group, dist.get_rank()) if self._outer.group is not None else 0
-        extra: dict[str, Any] = {REPLICA_SYNC_KEY: {"steps": self._outer.steps}, OUTER_ENTRY: outer_state}
-        if kind == SHARDED and group > 0:
-            extra.update({inner_entry(group, index): state
-                          for index, state in enumerate(checkpoint.get("optimizer_states", []))})
+        outer = self._outer
+        shadow = outer_optimizer(outer)
+        extra: dict[str, Any] = {REPLICA_SYNC_KEY: {"steps": outer.steps},
+                                 OUTER_ENTRY: optimizer_state_to_save(model, shadow, len(optimizers), kind, check)}
+        group = dist.get_group_rank(outer.group, dist.get_rank()) if outer.group is not None else 0
+        if kind == SHARDED:
+            if group > 0:  # (each group writes its own; the first group's are the checkpoint's optimizer states)
+                extra.update({inner_entry(group, index): state
+                              for index, state in enumerate(checkpoint.get(OPTIMIZERS_KEY, []))})
+        elif outer.group is not None:
+            for index, optimizer in enumerate(optimizers):  # (gathered to global rank 0, which writes the file)
+                states = full_optimizer_states_of_groups(model, optimizer, outer.group)
+                extra.update({inner_entry(g, index): state for g, state in enumerate(states) if g > 0})
         return {**checkpoint, **extra}
 
     def _outer_optimizer(self) -> torch.optim.SGD | None:
