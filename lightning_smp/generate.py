@@ -5,7 +5,8 @@ option or an SMP key is added or changed:
 - both strategies' constructors: their option parameters, typed and with their defaults (what static type checkers
   and IDEs read), and the options' entries of their docstrings;
 - the documentation's tables: ``docs/configuration.md``'s table of the strategies' options and its table of SMP keys,
-  ``docs/fault-tolerance.md``'s table of the ``fault_tolerance`` keys.
+  ``docs/fault-tolerance.md``'s table of the ``fault_tolerance`` keys, ``docs/replica-sync.md``'s of the
+  ``replica_sync`` keys.
 
 A tool, not a runtime concern: nothing in the package checks these texts when it is imported (at run time the
 signatures and docstrings come from the declarations themselves: :func:`lightning_smp.frontend.with_options`), and
@@ -47,7 +48,8 @@ CHECKOUT = PACKAGE.parent
 #: Each generated table's name (between its markers) and the page that holds it.
 TABLES: dict[str, Path] = {"strategy options": Path("docs") / "configuration.md",
                            "smp keys": Path("docs") / "configuration.md",
-                           "fault tolerance keys": Path("docs") / "fault-tolerance.md"}
+                           "fault tolerance keys": Path("docs") / "fault-tolerance.md",
+                           "replica sync keys": Path("docs") / "replica-sync.md"}
 
 
 def table_begin(name: str) -> str:
@@ -200,23 +202,35 @@ def attribute_docs(record: type) -> dict[str, str]:
     return entries
 
 
-def fault_tolerance_table() -> str:
-    """The keys of ``fault_tolerance=`` (:class:`~lightning_smp.config.fault_tolerance.FaultTolerance`): name, type,
-    default and meaning."""
-    from lightning_smp.config.fault_tolerance import FaultTolerance
-
-    meanings = attribute_docs(FaultTolerance)
+def record_table(record: type) -> str:
+    """The keys of an option whose value is a mapping, from its record (a dataclass whose docstring's
+    ``Attributes:`` say what each means): name, type, default and meaning."""
+    meanings = attribute_docs(record)
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    for declared in fields(FaultTolerance):
+    for declared in fields(record):
         default = "(required)" if declared.default is MISSING else f"`{declared.default!r}`"
         kind = _type_source(declared.type).replace("|", "or")
         rows.append(f"| `{declared.name}` | `{kind}` | {default} | {markdown(meanings[declared.name])} |")
     return "\n".join(rows)
 
 
+def fault_tolerance_table() -> str:
+    """The keys of ``fault_tolerance=`` (:class:`~lightning_smp.config.fault_tolerance.FaultTolerance`)."""
+    from lightning_smp.config.fault_tolerance import FaultTolerance
+
+    return record_table(FaultTolerance)
+
+
+def replica_sync_table() -> str:
+    """The keys of ``replica_sync=`` (:class:`~lightning_smp.config.replica_sync.ReplicaSync`)."""
+    from lightning_smp.config.replica_sync import ReplicaSync
+
+    return record_table(ReplicaSync)
+
+
 def table(name: str) -> str:
     return {"strategy options": options_table, "smp keys": keys_table,
-            "fault tolerance keys": fault_tolerance_table}[name]()
+            "fault tolerance keys": fault_tolerance_table, "replica sync keys": replica_sync_table}[name]()
 
 
 def write_tables(checkout: Path) -> list[Path]:
@@ -252,6 +266,8 @@ __all__ = [
     "TABLES",
     "attribute_docs",
     "fault_tolerance_table",
+    "record_table",
+    "replica_sync_table",
     "docstring_source",
     "generated_part",
     "keys_table",

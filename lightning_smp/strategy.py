@@ -142,10 +142,10 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             trains on its own and the groups sync every ``every`` optimizer steps through an outer
             optimizer; nothing crosses the groups in between. A mapping with ``every`` and optionally
             ``outer_lr``, ``outer_momentum``, ``nesterov`` and ``fragments``
-            (:class:`lightning_smp.config.replica_sync.ReplicaSync`). Needs ``fsdp_version=2`` where the
-            layout shards, and at least two replica groups. See ``docs/replica-sync.md``. ``None``
-            (default): from the configuration sources (the CLI's ``smp:`` section, ``lightning_smp.init``,
-            ``LIGHTNING_SMP_CONFIG``, ``SM_HP_MP_PARAMETERS``).
+            (:class:`lightning_smp.config.replica_sync.ReplicaSync`). Runs on FSDP2 where the layout shards
+            and on the DDP engine for groups of one rank, with at least two replica groups. See
+            ``docs/replica-sync.md``. ``None`` (default): from the configuration sources (the CLI's ``smp:``
+            section, ``lightning_smp.init``, ``LIGHTNING_SMP_CONFIG``, ``SM_HP_MP_PARAMETERS``).
         sharding_strategy: ``"HYBRID_SHARD"`` (default), ``"_HYBRID_SHARD_ZERO2"``, ``"FULL_SHARD"``,
             ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"`` (any case), or a ``ShardingStrategy``. With
             ``hybrid_shard_degree >= 2`` anything but ``"_HYBRID_SHARD_ZERO2"`` becomes ``"HYBRID_SHARD"``
@@ -260,6 +260,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         self._launch_results: MainProcessResults | None = None
         self._accumulating = False  # inside block_backward_sync: the micro-batches before a window's last
         self._undo_deferral: Callable[[], None] | None = None
+        self._validating_synced: Any = None  # (replica_sync: the synced weights shown during a validation run)
 
     # ------------------------------------------------------------------ launch and process groups
 
@@ -396,7 +397,16 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        self.sync_replicas()  # replica_sync: every group validates the same, synced weights
+        # replica_sync: every group validates the weights as last synced (nothing is sent, training is unchanged)
+        self._validating_synced = self.synced_weights()
+        self._validating_synced.__enter__()
+
+    @override
+    def on_validation_end(self) -> None:
+        if self._validating_synced is not None:
+            self._validating_synced.__exit__(None, None, None)  # each group's own weights back
+            self._validating_synced = None
+        super().on_validation_end()
 
     def _trained_module(self) -> Module | None:
         return self.model

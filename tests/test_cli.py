@@ -35,6 +35,8 @@ EXPECTED: dict[str, tuple | None] = {
     "hybrid_fsdp2_accumulation.yaml": ((2, 2), HYBRID_SHARD, 2),
     # one replica group (2 ranks) of a fault-tolerant job; a plain 2-rank run without torchft's variables
     "fault_tolerance.yaml": ((1, 2), FULL_SHARD, 2),
+    # two replica groups of two ranks syncing every 4 steps (each group's FSDP2 on its own ranks)
+    "replica_sync.yaml": ((2, 2), HYBRID_SHARD, 2),
 }
 
 
@@ -273,3 +275,18 @@ def test_python_dash_m_prints_resolved_config(tmp_path):
     printed = yaml.safe_load(out.stdout)
     assert printed["smp"] == {"hybrid_shard_degree": 4}
     assert printed["trainer"]["strategy"]["class_path"] == "lightning_smp.HybridShardFSDPStrategy"
+
+
+def test_the_replica_sync_example_trains_and_saves_its_section(tmp_path, monkeypatch):
+    """`lightning-smp fit --config examples/configs/replica_sync.yaml` (its ranks forked here): the smp section's
+    replica_sync reaches the strategy, every step is logged, and the saved config holds the section."""
+    monkeypatch.chdir(tmp_path)
+    main(["fit", "--config", str(CONFIGS / "replica_sync.yaml"), "--trainer.strategy.init_args.start_method=fork",
+          "--trainer.enable_progress_bar=false", "--trainer.max_steps=6", f"--trainer.default_root_dir={tmp_path}"])
+    run_dir = tmp_path / "lightning_logs" / "version_0"
+    with open(run_dir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len([row for row in rows if row.get("train_loss")]) == 6
+    assert len([row for row in rows if row.get("val_loss")]) == 1  # at step 6, after the sync
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())["smp"]
+    assert saved["replica_sync"] == {"every": 4} and saved["hybrid_shard_degree"] == 2

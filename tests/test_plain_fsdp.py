@@ -204,7 +204,8 @@ def test_units_wrapped_by_hand_keep_rank0s_weights(how):
 
 #: a value of every SMP key that only the strategies act on (their declaration's front_ends)
 STRATEGIES_ONLY = {"async_save": True,
-                   "fault_tolerance": {"lighthouse": "127.0.0.1:29510", "group": 0, "groups": 1}}
+                   "fault_tolerance": {"lighthouse": "127.0.0.1:29510", "group": 0, "groups": 1},
+                   "replica_sync": {"every": 2}}
 
 
 def test_every_key_the_strategies_alone_act_on_is_declared_so():

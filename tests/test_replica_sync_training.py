@@ -41,13 +41,18 @@ class SyncProbe(Callback):
         self.folder = Path(folder)
         self.steps: list[dict[str, Any]] = []
 
+    counter: CommCounter | None = None
+
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
-        self.counter = CommCounter(strategy_mesh(trainer.strategy)).__enter__()
+        if self.counter is None:  # (from the first micro-batch of an optimizer step)
+            self.counter = CommCounter(strategy_mesh(trainer.strategy)).__enter__()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            idx: int) -> None:
+        if self.counter is None or trainer.global_step == len(self.steps):
+            return  # (a micro-batch before the last of an optimizer step)
         self.counter.__exit__(None, None, None)
-        counts = self.counter.counts()
+        counts, self.counter = self.counter.counts(), None
         self.steps.append({"digest": _digest(trainer.strategy.model),
                            "crossing": {axis: dict(counts[axis]["all_reduce"]) for axis in ("replicate", "other")},
                            "broadcasts": counts["replicate"]["broadcast"]["count"]})
@@ -62,25 +67,36 @@ class SyncProbe(Callback):
             torch.save(gathered, self.folder / "probe.pt")
 
 
-def _fit(folder: Path, version: int, degree: int, every: int, max_steps: int, model: L.LightningModule | None = None,
-         **strategy_kwargs: Any) -> list[dict[str, Any]]:
+def _fit(folder: Path, version: int, degree: int, every: int, max_steps: int,
+         **trainer_kwargs: Any) -> tuple[list[dict[str, Any]], dict[str, list[dict]]]:
+    """The probe's records of every rank, and the memory reports."""
+    from lightning_smp.callbacks import MemorySavingsCallback
+
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version, start_method="fork",
-                                       replica_sync={"every": every, **strategy_kwargs.pop("sync", {})},
-                                       **strategy_kwargs)
+                                       replica_sync={"every": every})
     torch.manual_seed(0)
-    trainer = cpu_trainer(strategy, folder, WORLD, max_steps=max_steps, callbacks=[SyncProbe(folder)])
-    trainer.fit(model or TinyModel(), make_loader(samples=128))
-    return torch.load(folder / "probe.pt", weights_only=False)
+    memory = MemorySavingsCallback(print_table=False, log_metrics=False, filename=None)
+    trainer = cpu_trainer(strategy, folder, WORLD, max_steps=max_steps, callbacks=[SyncProbe(folder), memory],
+                          **trainer_kwargs)
+    trainer.fit(TinyModel(), make_loader(samples=256))
+    return torch.load(folder / "probe.pt", weights_only=False), memory.reports
 
 
+@pytest.mark.parametrize("within", [
+    pytest.param({}, id="plain"),
+    pytest.param({"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}, id="accumulation_and_clipping"),
+])
 @pytest.mark.parametrize(("version", "degree"), ENGINES)
-def test_groups_are_equal_right_after_each_sync_and_nothing_crosses_them_between(tmp_path, version, degree):
+def test_groups_are_equal_right_after_each_sync_and_nothing_crosses_them_between(tmp_path, version, degree, within):
     """Every ``every`` steps rank r of every group holds bit-equal parameters, different between syncs (each group
     trains on its own data); a step that does not sync sends nothing across the groups (no collective on the
-    replicate axis, none over the world), a step that syncs all-reduces this rank's parameters once (in bytes,
-    exactly); fit stopping between syncs (max_steps 7, every 3) ends with the groups equal."""
+    replicate axis, none over the world: gradient accumulation and clipping stay inside the group too), a step that
+    syncs all-reduces this rank's parameters once (in bytes, exactly); fit stopping between syncs (max_steps 7,
+    every 3) ends with the groups equal. The memory report counts the outer loop's two copies of the rank's part."""
     every, steps = 3, 7
-    ranks = _fit(tmp_path, version, degree, every, steps)
+    ranks, reports = _fit(tmp_path, version, degree, every, steps, **within)
+    for rank, record in zip(ranks, reports["fit_end"]):
+        assert record["replica_sync_bytes"] == 2 * rank["local_bytes"]  # the synced copy and the outer momentum
     groups = WORLD // degree
     for step in range(steps):
         for position in range(degree):  # rank `position` of each group holds the same part of the model
@@ -297,3 +313,60 @@ def test_fabric_syncs_every_h_steps_ends_synced_and_resumes_exactly(tmp_path, ki
         assert whole[position]["end"] == whole[2 + position]["end"]
     resumed = launch(None, True, tmp_path)
     assert resumed[0]["weights"] == whole[0]["weights"]
+
+
+class ValidationProbe(Callback):
+    """The digest of this rank's parameters during each validation run of fit, every rank's, on rank 0."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.digests = Path(folder), []
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        if batch_idx == 0 and not trainer.sanity_checking:
+            self.digests.append(_digest(trainer.strategy.model))
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        gathered: list[Any] = [None] * trainer.world_size
+        dist.all_gather_object(gathered, self.digests)
+        if trainer.global_rank == 0:
+            torch.save(gathered, self.folder / "validation.pt")
+
+
+class Validated(TinyModel):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+
+@pytest.mark.parametrize("saving", [False, True], ids=["validating", "validating_and_saving"])
+def test_validation_sees_the_synced_weights_and_changes_nothing(tmp_path, saving):
+    """Validating every 2 steps while syncing every 3: every group validates the weights as last synced (rank r of
+    each group the same), and the run ends bit-equal to one without validation: nothing was synced for it. With a
+    checkpoint after each validation (a sync right after a forward without backward, which FSDP2's root leaves
+    gathered), it ends bit-equal to a run that saves at the same steps without validating."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    weights = {}
+    for validate in (False, True):
+        strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=2, start_method="fork",
+                                           replica_sync={"every": 3})
+        torch.manual_seed(0)
+        model = Validated()
+        probe = ValidationProbe(tmp_path)
+        callbacks: list[Callback] = [probe]
+        if saving:  # after each validation, or at the same steps' ends
+            callbacks.append(ModelCheckpoint(dirpath=tmp_path / f"ckpt{validate}", save_top_k=-1,
+                                             every_n_train_steps=None if validate else 2))
+        trainer = cpu_trainer(strategy, tmp_path / str(validate), WORLD, max_steps=7, callbacks=callbacks,
+                              val_check_interval=2 if validate else None, limit_val_batches=2 if validate else 0,
+                              num_sanity_val_steps=0, enable_checkpointing=saving)
+        trainer.fit(model, make_loader(samples=256), make_loader(samples=32) if validate else None)
+        weights[validate] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for key, value in weights[False].items():
+        assert torch.equal(weights[True][key], value), key
+    ranks = torch.load(tmp_path / "validation.pt", weights_only=False)
+    assert len(ranks[0]) == 3  # at steps 2, 4 and 6
+    for position in range(2):
+        for run in range(3):
+            assert ranks[position][run] == ranks[2 + position][run], (position, run)

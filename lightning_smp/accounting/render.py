@@ -87,6 +87,10 @@ def memory_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
     staging = any(r.get("checkpoint_staging_bytes") is not None for r in records)
     if staging:
         header.append("ckpt staging")
+    # replica_sync's outer loop (the synced copy and the outer momentum), a column only where it runs
+    outer = any(r.get("replica_sync_bytes") is not None for r in records)
+    if outer:
+        header.append("replica sync")
     rows = []
     for r in records:
         peak = r["peak_allocated_bytes"] if r["peak_allocated_bytes"] is not None else r["peak_rss_bytes"]
@@ -96,6 +100,7 @@ def memory_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
             f"{fmt_bytes(r['saved_bytes'])} ({_ratio(r['saved_ratio'], '.1%')})", fmt_bytes(r["floor_bytes"]),
             _ratio(r["measured_over_floor"], ".3f"), fmt_bytes(peak),
             *([fmt_bytes(r.get("checkpoint_staging_bytes") or 0)] if staging else []),
+            *([fmt_bytes(r.get("replica_sync_bytes") or 0)] if outer else []),
         ])
     return header, rows
 

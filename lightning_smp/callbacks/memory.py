@@ -32,6 +32,8 @@ Record fields (one plain ``dict`` per rank; all sizes in bytes):
 ``checkpoint_staging_bytes``   with ``async_save``: host memory the largest background checkpoint save so far staged
                                on this rank (its shards, copied off the training tensors; 0 on ranks whose shards
                                another replica writes, and before the first save); ``None`` without it
+``replica_sync_bytes``         with ``replica_sync``: device memory this rank keeps for the outer loop (its part of
+                               the parameters as last synced and the outer momentum); ``None`` without it
 ``comm``                       collectives of optimizer step ``comm_step`` (all its micro-batches), as counted by
                                :class:`~lightning_smp.accounting.CommCounter`: ``{axis: {op: {"count", "bytes"}}}``;
                                ``None`` when counting is off
@@ -240,6 +242,8 @@ class MemorySavingsCallback(Callback):
             strategy=type(strategy).__name__, print_table=False,
             checkpoint_staging_bytes=getattr(strategy, "checkpoint_staging_bytes", None)
             if getattr(strategy, "async_save", False) else None,
+            replica_sync_bytes=getattr(strategy, "replica_sync_bytes", None)
+            if getattr(strategy, "outer_sync", None) is not None else None,
         )
         # a collective (broadcast of the directory) on every rank
         log_dir = trainer.log_dir if trainer.loggers else trainer.default_root_dir

@@ -163,8 +163,9 @@ class SMPConfig:
         doc="this library's key: semi-synchronous replica groups (DiLoCo): each replica group trains on its own and"
             " the groups sync every ``every`` optimizer steps through an outer optimizer; nothing crosses the groups"
             " in between. A mapping with ``every`` and optionally ``outer_lr``, ``outer_momentum``, ``nesterov`` and"
-            " ``fragments`` (:class:`lightning_smp.config.replica_sync.ReplicaSync`). Needs ``fsdp_version=2`` where"
-            " the layout shards, and at least two replica groups. See ``docs/replica-sync.md``.")
+            " ``fragments`` (:class:`lightning_smp.config.replica_sync.ReplicaSync`). Runs on FSDP2 where the layout"
+            " shards and on the DDP engine for groups of one rank, with at least two replica groups. See"
+            " ``docs/replica-sync.md``.")
     tensor_parallel_degree: int | None = None
     context_parallel_degree: int | None = None
     expert_parallel_degree: int | None = None

@@ -221,6 +221,12 @@ class Training(Protocol):
         in the middle of an accumulation window discards them, as it does under DDP)."""
         ...
 
+    def release_gathered(self, model: Module) -> None:
+        """Free the parameters a forward without backward left gathered (a validation run), so that the next forward
+        gathers the shards again: called before something outside a training step writes the shards in place
+        (``replica_sync``'s outer loop), which the gathered copies would otherwise hide from that forward."""
+        ...
+
     def clip_grad_norm(self, model: Module, max_norm: float,
                        parameters: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
         """Clip the gradients of ``parameters`` (an optimizer's, as Lightning and DDP clip; ``None``: the whole model)

@@ -5,6 +5,8 @@ in checkpoints. The step hooks that call these are each front end's own; what ru
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -45,12 +47,44 @@ class ReplicaSyncSteps:
         without the option."""
         return self._outer
 
+    @property
+    def replica_sync_bytes(self) -> int:
+        """Bytes this rank keeps for ``replica_sync``'s outer loop (its parts of the parameters as last synced and the
+        outer momentum; 0 without the option)."""
+        return self._outer.state_bytes if self._outer is not None else 0
+
+    @contextmanager
+    def synced_weights(self) -> Generator[None, None, None]:
+        """``replica_sync``: inside the block the model holds the weights as last synced, the same in every group
+        (what the Trainer validates with); leaving it gives each group its own back. Nothing is sent and training
+        continues as if the block had not been; the weights may be up to ``every`` steps old. Without the option, or
+        when the groups are equal already, the model as it is."""
+        if self._outer is None:
+            yield
+            return
+        self._release_gathered()
+        self._outer.show_synced()
+        try:
+            yield
+        finally:
+            self._release_gathered()  # (what the block's forwards gathered holds the synced weights)
+            self._outer.hide_synced()  # (nothing if a sync inside the block, a checkpoint's, put them back already)
+
+    def _release_gathered(self) -> None:
+        """Before the outer loop writes the shards outside a training step: nothing gathered may hide them from the
+        next forward (FSDP2's root after a validation forward)."""
+        if self._outer_module is not None:
+            self.core.engine.release_gathered(self._outer_module)
+
     def sync_replicas(self) -> list[int]:
         """``replica_sync``: sync now every fragment that trained since its last sync, so that every replica group
-        holds the same weights (the Trainer does it before validating, saving and at the end of ``fit``; a Fabric
-        loop calls it before it evaluates or returns the model). Collective: every rank calls it. Returns the
+        holds the same weights (the Trainer does it when a checkpoint is taken and at the end of ``fit``, ``fabric.save``
+        too; a Fabric loop calls it before it returns the model). Collective: every rank calls it. Returns the
         fragments synced; nothing (and nothing sent) without the option or when the groups are equal already."""
-        return self._outer.sync() if self._outer is not None else []
+        if self._outer is None or not self._outer.pending:
+            return []
+        self._release_gathered()
+        return self._outer.sync()
 
     def _start_replica_sync(self, module: Module) -> None:
         """The outer loop over ``module`` (the sharded root), its synced copies taken now (every group starts from

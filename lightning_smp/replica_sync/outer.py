@@ -108,6 +108,7 @@ class OuterSync:
         #: the trained parameters, in the order the fragments cut them
         self.parameters = trained
         self.buffers = [b for b in buffers if b.numel()]
+        self._kept: list[list[Tensor]] | None = None  # this group's own parts while the synced ones are shown
         self.bucket_bytes = bucket_bytes
         self.steps = 0  # inner steps since the start (a checkpoint carries it)
         self.fragments: list[Fragment] = []
@@ -139,12 +140,43 @@ class OuterSync:
         self._sync_fragments(pending)
         return pending
 
+    @torch.no_grad()
+    def show_synced(self) -> None:
+        """Put the parameters as last synced in place of this group's own (every group then holds the same model,
+        without a sync: nothing is sent), until :meth:`hide_synced` or the next sync, which put this group's back
+        first (training continues as if nothing had been shown). Nothing when no fragment trained since its last
+        sync."""
+        if not self.pending or self._kept is not None:
+            return
+        self._kept = [[part.clone() for part in fragment.parts] for fragment in self.fragments]
+        for fragment in self.fragments:
+            for synced, part in zip(fragment.synced, fragment.parts):
+                part.copy_(synced)
+
+    @torch.no_grad()
+    def hide_synced(self) -> None:
+        """This group's own parameters back in place of those :meth:`show_synced` put there (nothing if none)."""
+        if self._kept is None:
+            return
+        for fragment, own in zip(self.fragments, self._kept):
+            for part, value in zip(fragment.parts, own):
+                part.copy_(value)
+        self._kept = None
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes this rank keeps for the outer loop: the synced copies of its parts and the outer momentum."""
+        return sum(t.numel() * t.element_size() for fragment in self.fragments
+                   for t in (*fragment.synced, *fragment.momentum()))
+
     @property
     def pending(self) -> bool:
         """Whether some fragment trained since its last sync (the groups may differ)."""
         return any(fragment.synced_at < self.steps for fragment in self.fragments)
 
     def _sync_fragments(self, indices: list[int]) -> None:
+        if indices:
+            self.hide_synced()  # (a sync while the synced weights are shown: a checkpoint during validation)
         for index in indices:
             self._sync(self.fragments[index])
         if indices and self.buffers:

@@ -230,6 +230,9 @@ class DDPEngine:
     def discard_unreduced_gradients(self, model: Module) -> None:
         return None  # no_sync accumulates in .grad itself, which zero_grad clears
 
+    def release_gathered(self, model: Module) -> None:
+        return None  # every rank computes with the parameters themselves: nothing is gathered
+
     def gradient_bytes(self, model: Module) -> int:
         return sum(p.grad.numel() * p.grad.element_size() for p in _inner(model).parameters() if p.grad is not None)
 

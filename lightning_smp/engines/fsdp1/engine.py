@@ -323,6 +323,11 @@ class FSDP1Engine:
             return cast(AbstractContextManager[None], model.no_sync())
         return nullcontext()
 
+    def release_gathered(self, model: Module) -> None:
+        # nothing writes FSDP1's flat shards outside a training step: replica_sync, which does, refuses this engine
+        # (Capabilities.replica_sync)
+        return None
+
     def discard_unreduced_gradients(self, model: Module) -> None:
         # no_sync accumulates the unsharded gradient in .grad (the original parameters' views of it), which
         # zero_grad clears itself; nothing is held elsewhere. What the window used so far is dropped with it.

@@ -252,6 +252,12 @@ class FSDP2Engine:
     def discard_unreduced_gradients(self, model: Module) -> None:
         fsdp2_accumulation.discard_unreduced_gradients(model)
 
+    def release_gathered(self, model: Module) -> None:
+        # the root keeps its parameters gathered after a forward (reshard_after_forward=False: they are needed again
+        # in the backward), and after a forward without backward they stay so until the next backward ends
+        for module in fsdp_modules(model):
+            module.reshard()
+
     def gradient_bytes(self, model: Module) -> int:
         return fsdp2_groups.gradient_bytes(model)
 
