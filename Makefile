@@ -50,6 +50,11 @@ bench: $(STAMP)
 bench-cluster: $(STAMP)
 	$(BIN)/python -m benchmarks.cluster $(ARGS)
 
+# DiLoCo (replica_sync) against synchronous hybrid sharding across a 100 Mbit/s link, on the stdlib's sources (needs
+# root or CAP_NET_ADMIN); see docs/replica-sync.md
+bench-semi-sync: $(STAMP)
+	$(BIN)/python -m benchmarks.semi_sync $(ARGS)
+
 # how long a sharded save blocks training, blocking against async_save=True (4 CPU ranks); see docs/checkpoints.md
 bench-async: $(STAMP)
 	$(BIN)/python -m benchmarks.async_checkpoint $(ARGS)

@@ -191,12 +191,6 @@ class HybridShardCore:
                 "replica_sync with fault_tolerance: semi-synchronous replica groups on torchft are not implemented yet"
                 " (the groups of one job sync over the mesh's replicate axis). Fix: drop one of the two."
             )
-        if self.auto:
-            raise HybridShardConfigError(
-                "hybrid_shard_degree='auto' with replica_sync: the planner times synchronous steps. Fix: pass the"
-                " number of ranks each replica group shards over as hybrid_shard_degree (plan it with"
-                " `lightning-smp plan`)."
-            )
         fixed = ("device_mesh" if self.options.user_mesh is not None else
                  "process_group" if self.engine_options.get("process_group") is not None else None)
         if fixed is not None:
@@ -366,7 +360,7 @@ class HybridShardCore:
             optimizer=optimizer, sharding_strategy=self.options.sharding_strategy_name, precision=precision,
             micro_batches=micro_batches, accumulation=self.gradient_accumulation, example_input=example_input,
             checkpoint=checkpoint, training=training,
-            cpu_offload=offloads_parameters(offload),
+            cpu_offload=offloads_parameters(offload), replica_sync=config.replica_sync,
         )
         self.chosen = chosen
         self._set_layout(self.resolve_layout(num_nodes, devices))

@@ -358,6 +358,22 @@ def test_cli_plans_from_a_lightning_cli_config(capsys, tmp_path):
     assert [r["peak_bytes"] for r in data["rows"]] == [r.peak_bytes for r in expected.rows]
 
 
+def test_cli_plans_replica_sync_from_the_config(capsys, tmp_path):
+    """`lightning-smp plan --config examples/configs/replica_sync.yaml` plans with its smp section's replica_sync."""
+    from lightning_smp.demo import Block, TinyGPT
+
+    out = _cli(capsys, "--config", str(REPO / "examples" / "configs" / "replica_sync.yaml"), "--memory_budget", "50MB",
+               "--json", str(tmp_path / "p.json"))
+    data = json.loads((tmp_path / "p.json").read_text())
+    with torch.device("meta"):
+        expected = plan(TinyGPT(dim=64, layers=2), world_size=4, budget_bytes="50MB", fsdp_version=2,
+                        auto_wrap_policy={Block}, replica_sync={"every": 4})
+    assert [r["degree"] for r in data["rows"]] == [1, 2]  # both leave two groups or more
+    assert [r["outer_bytes"] for r in data["rows"]] == [r.outer_bytes for r in expected.rows] and all(
+        r["outer_bytes"] > 0 for r in data["rows"])
+    assert " outer" in out
+
+
 def test_cli_says_when_nothing_fits():
     from lightning_smp.cli import main
 
@@ -459,3 +475,41 @@ def test_cli_reads_registered_strategy_names_from_a_config(tmp_path):
     with pytest.raises(HybridShardConfigError, match="--activation_checkpointing true needs the modules"):
         plan_from_args(["--config", str(config), "--devices", "4", "--memory_budget", "1GB",
                         "--activation_checkpointing", "true"])
+
+
+def test_replica_sync_counts_the_outer_copies_and_a_sync_amortised_over_its_window():
+    """With ``replica_sync``: only degrees that leave two groups or more; each rank holds two more copies of its part
+    of the parameters (the synced copy and the outer momentum; one without momentum); an inner step sends nothing
+    across the groups, and a sync's all-reduce of the rank's part counts 1/H of its bytes and time per step."""
+    from lightning_smp.engines.textbook import ring_bytes
+    from lightning_smp.planner.links import axis_link, collective_seconds
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+    common = dict(world_size=16, devices_per_node=8, budget_bytes="1TB", auto_wrap_policy={torch.nn.Linear},
+                  links="aws-p4d", fsdp_version=2)
+    synchronous = plan(model, **common)
+    for every, momentum in ((20, 0.9), (5, 0.0)):
+        semi = plan(model, **common, replica_sync={"every": every, "outer_momentum": momentum, "nesterov": False})
+        assert [r.degree for r in semi.rows] == [1, 2, 4, 8]  # 16 would leave one group
+        for row in semi.rows:
+            sync_row = synchronous.row(row.degree)
+            part, copies = max_params_bytes(model, row.degree), 2 if momentum else 1
+            assert row.model_state_bytes == sync_row.model_state_bytes
+            assert row.outer_bytes == copies * part and row.peak_bytes == sync_row.peak_bytes + row.outer_bytes
+            assert row.shard_bytes == sync_row.shard_bytes and row.replicate_bytes == int(part / every)
+            link = axis_link(semi.links, 16, row.shard, False, 8)[0]
+            sync_seconds = collective_seconds(
+                {"all_reduce": {"count": 1, "ring_bytes": ring_bytes("all_reduce", part, row.replicas)}},
+                row.replicas, *link) / every
+            assert row.replicate_seconds == pytest.approx(sync_seconds)
+            assert row.step_seconds == pytest.approx(
+                sync_row.step_seconds - sync_row.exposed_seconds + row.exposed_seconds)
+            assert row.step_seconds <= sync_row.step_seconds
+
+
+def max_params_bytes(model: torch.nn.Module, degree: int) -> int:
+    from lightning_smp.planner.state import model_state
+
+    return max(s.params_bytes for s in model_state(model, world_size=16, hybrid_shard_degree=degree, fsdp_version=2,
+                                                     auto_wrap_policy={torch.nn.Linear}, optimizer="adamw"))

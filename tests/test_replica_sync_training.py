@@ -137,7 +137,6 @@ def test_every_step_with_plain_sgd_is_ddp(tmp_path, version, degree):
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"fsdp_version": 1, "hybrid_shard_degree": 2}, r"fsdp1 engine.*Fix: pass fsdp_version=2"),
     ({"fsdp_version": 2, "hybrid_shard_degree": 4}, r"1 replica group .*nothing to sync across"),
-    ({"fsdp_version": 2, "hybrid_shard_degree": "auto"}, r"'auto' with replica_sync"),
     ({"fsdp_version": 2, "hybrid_shard_degree": 2, "device_mesh": None, "sync": {"every": 3, "fragments": 2}},
      r"every=3 is not a multiple of fragments=2.*every=2"),
     ({"fsdp_version": 2, "hybrid_shard_degree": 2, "sync": {"every": 0}}, r"every=0 is not a count >= 1"),
@@ -370,3 +369,17 @@ def test_validation_sees_the_synced_weights_and_changes_nothing(tmp_path, saving
     for position in range(2):
         for run in range(3):
             assert ranks[position][run] == ranks[2 + position][run], (position, run)
+
+
+def test_auto_plans_with_the_outer_copies_and_leaves_two_groups(tmp_path):
+    """``hybrid_shard_degree="auto"`` with ``replica_sync``: the planner weighs only degrees that leave two groups
+    or more, counting the outer loop's copies, and the run trains on the degree it chose."""
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree="auto", memory_budget="1GB", fsdp_version=2,
+                                       start_method="fork", replica_sync={"every": 2})
+    torch.manual_seed(0)
+    trainer = cpu_trainer(strategy, tmp_path, WORLD, max_steps=3)
+    trainer.fit(TinyModel(), make_loader())
+    chosen = strategy.degree_plan
+    assert chosen is not None and [r.degree for r in chosen.rows] == [1, 2]
+    assert all(r.outer_bytes > 0 for r in chosen.rows) and strategy.hybrid_shard_degree in (1, 2)
+    assert trainer.global_step == 3

@@ -23,8 +23,10 @@ from typing import Any
 from torch.nn import Module
 
 from lightning_smp.accumulation import accumulation_mode
+from lightning_smp.config.replica_sync import ReplicaSync, check_replica_sync
 from lightning_smp.degree import resolve_layout, valid_degrees
 from lightning_smp.engines import engine_for, engine_for_layout
+from lightning_smp.engines.textbook import ring_bytes
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.links import Links, links_for
 from lightning_smp.names import HYBRID_SHARD, NO_SHARD
@@ -55,7 +57,7 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
          checkpoint: Callable[[Module], None] | set[type[Module]] | None = None, activation_bytes: int | None = None,
          headroom: float = 0.1, links: str | Links | None = None, device: Any = "cpu",
          degrees: Sequence[int] | None = None, training: bool = True, cpu_offload: bool = False,
-         flops: tuple[float, float] | None = None, may_checkpoint: Any = None) -> Plan:
+         flops: tuple[float, float] | None = None, may_checkpoint: Any = None, replica_sync: Any = None) -> Plan:
     """Every valid degree's figures for ``model`` on ``world_size`` ranks, and the recommended degree.
 
     Args:
@@ -86,6 +88,11 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
         cpu_offload: the sharded parameters, gradients and optimizer state live in CPU memory (FSDP1
             ``CPUOffload(offload_params=True)``, FSDP2 ``CPUOffloadPolicy``): the device holds the gathered units and
             the activations only.
+        replica_sync: ``replica_sync``'s value (a mapping or :class:`~lightning_smp.config.replica_sync.ReplicaSync`):
+            the candidates are the degrees that leave two replica groups or more; nothing crosses the groups in an
+            inner step, the sync's all-reduce of each rank's part of the parameters counts ``1 / every`` of its time
+            and bytes per step (after the step: not hidden), and each rank holds the outer loop's copies of its part
+            (the synced parameters, and the outer momentum).
 
     Raises:
         HybridShardConfigError: no degree fits; the message says what would help.
@@ -94,6 +101,7 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
 
     budget = parse_bytes(budget_bytes, "memory_budget")
     per_node = devices_per_node or world_size
+    sync = None if replica_sync is None else ReplicaSync.from_mapping(check_replica_sync(replica_sync) or {})
     engine = engine_for(fsdp_version)
     mode = accumulation or engine.capabilities.accumulations[0]
     name = optimizer_name(model if optimizer is None else optimizer)
@@ -117,25 +125,33 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
         activations, source = 0, NOT_INCLUDED
     def rows_for(activations: int, flops: tuple[float, float] | None) -> list[DegreePlan]:
         return [row_for(degree, activations, flops) for degree in degrees or [
-            d for d in valid_degrees(world_size) if d >= 1]]
+            d for d in valid_degrees(world_size) if d >= 1 and (sync is None or world_size // d >= 2)]]
 
     def row_for(degree: int, activations: int, flops: tuple[float, float] | None) -> DegreePlan:
         layout = resolve_layout(world_size, degree, sharding_strategy)
-        state = max(s.total_bytes if training else s.params_bytes for s in model_state(
-            model, world_size=world_size, hybrid_shard_degree=degree, fsdp_version=fsdp_version,
-            auto_wrap_policy=auto_wrap_policy, optimizer=name, sharding_strategy=sharding_strategy,
-            cpu_offload=cpu_offload))
+        states = model_state(model, world_size=world_size, hybrid_shard_degree=degree, fsdp_version=fsdp_version,
+                             auto_wrap_policy=auto_wrap_policy, optimizer=name, sharding_strategy=sharding_strategy,
+                             cpu_offload=cpu_offload)
+        state = max(s.total_bytes if training else s.params_bytes for s in states)
+        # replica_sync: the synced copy of this rank's part of the parameters, and the outer momentum
+        part = max(s.params_bytes for s in states)
+        outer = part * (2 if sync.outer_momentum else 1) if sync is not None and training else 0
         runs = engine_for_layout(fsdp_version, layout, cpu_offload=cpu_offload or None)  # DDP's when unsharded
         transient = transient_bytes(units, root_is_last, layout, runs.prediction,
                                     micro_batches if training else 1, mode, precision)
-        peak = (0 if cpu_offload else state) + transient + buffers + activations
+        peak = (0 if cpu_offload else state + outer) + transient + buffers + activations
         figure = textbook(units, layout, runs.prediction, micro_batches, mode, precision)
         replicas = world_size if layout.sharding_strategy == NO_SHARD else layout.replicate
         shard_link, shard_inter = axis_link(link, world_size, layout.shard, True, per_node)
         replica_link, replica_inter = axis_link(link, world_size, layout.shard, False, per_node)
+        if sync is not None:  # an inner step sends nothing across the groups; a sync, each rank's part, every H
+            figure = {**figure, "replicate": {}}
+            sync_ops = {"all_reduce": {"count": 1, "bytes": part,
+                                       "ring_bytes": ring_bytes("all_reduce", part, replicas)}}
         run = {axis: as_run(ops, link.reduce_scatter_as_all_reduce) for axis, ops in figure.items()}  # as run
         shard_s = collective_seconds(run["shard"], layout.shard, *shard_link)
-        replica_s = collective_seconds(run["replicate"], replicas, *replica_link)
+        replica_s = (collective_seconds(run["replicate"], replicas, *replica_link) if sync is None else
+                     collective_seconds(sync_ops, replicas, *replica_link) / sync.every)
         scattered, synced = accumulation_mode(mode).passes(micro_batches)
         timed = step_time(figure, sharding_strategy=layout.sharding_strategy, shard=layout.shard, replicas=replicas,
                           shard_link=shard_link, replicate_link=replica_link,
@@ -149,12 +165,14 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
             model_state_bytes=state, transient_bytes=transient, buffer_bytes=buffers, activation_bytes=activations,
             peak_bytes=peak, fits=peak * (1 + headroom) <= budget,
             shard_bytes=int(sum(e["bytes"] for e in figure["shard"].values())),
-            replicate_bytes=int(sum(e["bytes"] for e in figure["replicate"].values())),
+            replicate_bytes=(int(sum(e["bytes"] for e in figure["replicate"].values())) if sync is None else
+                             int(part / sync.every)),
             shard_seconds=shard_s, replicate_seconds=replica_s,
             shard_link="-" if layout.shard <= 1 else ("inter-node" if shard_inter else "intra-node"),
             replicate_link="-" if replicas <= 1 else ("inter-node" if replica_inter else "intra-node"),
-            compute_seconds=timed.compute, exposed_seconds=timed.exposed, engine_seconds=timed.engine,
-            step_seconds=timed.seconds)
+            compute_seconds=timed.compute, exposed_seconds=timed.exposed + (replica_s if sync else 0.0),
+            engine_seconds=timed.engine, step_seconds=timed.seconds + (replica_s if sync else 0.0),
+            outer_bytes=outer)
 
     rows = rows_for(activations, flops)
     fitting = [r for r in rows if r.fits]

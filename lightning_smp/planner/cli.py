@@ -193,7 +193,8 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
                 sharding_strategy=strategy.get("sharding_strategy") or HYBRID_SHARD,
                 micro_batches=accumulate, example_input=example_input, checkpoint=checkpoint,
                 activation_bytes=activation_bytes, headroom=cfg.headroom, links=links, flops=flops,
-                may_checkpoint=may_checkpoint), cfg
+                may_checkpoint=may_checkpoint,
+                replica_sync=strategy.get("replica_sync") or smp.get("replica_sync")), cfg
 
 
 def save_plot(result: Plan, path: Path) -> None:

@@ -27,8 +27,11 @@ class DegreePlan:
             :func:`~.step.gathered_bytes`) and, between micro-batches, FSDP1 ``no_sync``'s unsharded gradients or
             FSDP2's 1/shard partial buffer.
         buffer_bytes: the model's buffers (replicated). activation_bytes: one micro-batch.
+        outer_bytes: ``replica_sync``'s outer loop: the synced copy of the rank's part of the parameters and the
+            outer momentum (0 without it).
         peak_bytes: the sum; fits: ``peak_bytes * (1 + headroom) <= budget``.
-        shard_bytes, replicate_bytes: logical bytes of one optimizer step inside the shard group and across replicas.
+        shard_bytes, replicate_bytes: logical bytes of one optimizer step inside the shard group and across replicas
+            (``replica_sync``: a sync's, divided by its ``every``).
         shard_seconds, replicate_seconds: their time on the links (alpha-beta ring model, no overlap).
         shard_link, replicate_link: ``"intra-node"``, ``"inter-node"`` or ``"-"`` (a group of one rank).
         compute_seconds, exposed_seconds, engine_seconds, step_seconds: one optimizer step's predicted compute,
@@ -56,6 +59,7 @@ class DegreePlan:
     exposed_seconds: float = 0.0
     step_seconds: float = 0.0
     engine_seconds: float = 0.0
+    outer_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,8 @@ class Plan:
         rows = []
         for r in self.rows:
             mark = "<- chosen" if r.degree == self.degree else ("yes" if r.fits else "no")
-            rows.append([str(r.degree), f"{r.replicas} x {r.shard}", fmt_bytes(r.model_state_bytes),
+            state = fmt_bytes(r.model_state_bytes) + (f" + {fmt_bytes(r.outer_bytes)} outer" if r.outer_bytes else "")
+            rows.append([str(r.degree), f"{r.replicas} x {r.shard}", state,
                          fmt_bytes(r.transient_bytes), fmt_bytes(r.activation_bytes), fmt_bytes(r.peak_bytes), mark,
                          f"{fmt_bytes(r.shard_bytes)} ({r.shard_link})",
                          f"{fmt_bytes(r.replicate_bytes)} ({r.replicate_link})",

@@ -1,0 +1,287 @@
+"""``make bench-semi-sync``: semi-synchronous replica groups (``replica_sync``, DiLoCo) against synchronous hybrid
+sharding across a real, throttled inter-node link, on a language model that really learns.
+
+Two nodes x two ranks (:mod:`lightning_smp.testing.cluster`, gloo), FSDP2 at degree 2 (each node one replica
+group), the project's small GPT over bytes of a real text corpus that every machine has offline: the Python standard
+library's own ``.py`` sources (sorted by path, the last tenth held out for validation). Every row reads the same
+training windows in the same order and validates on the same held-out windows (:mod:`benchmarks.semi_sync_run`):
+
+- synchronous hybrid sharding; DiLoCo at H = 5, 20, 100, and H = 20 with 4 streaming fragments; both groups training
+  side by side and never syncing (nothing crosses the link: the compute bound, with the 4 ranks sharing this
+  machine's cores as in every other row); one group alone on one node (its own compute, on cores it shares with
+  nobody, and the loss of one group reading half the samples per step);
+- per row: the step (training time, validation excluded, over the optimizer steps: the amortised step, syncs
+  included), the bytes on the link per step (both nodes' counters, validation excluded), the validation loss after
+  the synchronous run's samples, and the training time at which the validation loss first reaches the synchronous
+  run's final one (the DiLoCo rows train ``--longer`` times as many steps to get there, the validation loss at equal
+  samples is read at the synchronous run's last step).
+
+Targets (checked in the same run, a miss reported, never hidden): bytes per step <= synchronous / H (+ 10 % for
+headers); at H >= 20 a step <= 1.2x the compute bound; the validation loss within 3 % of synchronous at equal samples
+for H <= 20 (the report says where it stops holding); the time to the synchronous run's final loss at least 3x
+shorter. Writes ``benchmarks/results/semi_sync.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+#: ``every`` of the row whose groups never sync while training (its steps, plus one)
+NEVER = -1
+#: (label, every (None: synchronous; NEVER), fragments, nodes)
+ROWS: list[tuple[str, int | None, int, int]] = [
+    ("synchronous hybrid sharding", None, 1, 2),
+    ("DiLoCo H=5", 5, 1, 2),
+    ("DiLoCo H=20", 20, 1, 2),
+    ("DiLoCo H=100", 100, 1, 2),
+    ("Streaming DiLoCo H=20, 4 fragments", 20, 4, 2),
+    ("both groups, never syncing (compute bound)", NEVER, 1, 2),
+    ("one group alone", None, 1, 1),
+]
+
+
+def corpus(limit: int) -> tuple[bytes, dict[str, Any]]:
+    """The standard library's ``.py`` sources (not site-packages), sorted by path, joined, at most ``limit``
+    bytes; and what they are (the Python version, the files, the size, a digest)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.rglob("*.py") if not {"site-packages", "dist-packages"} & set(p.parts))
+    parts, size, used = [], 0, 0
+    for path in files:
+        data = path.read_bytes()
+        parts.append(data)
+        size += len(data) + 1
+        used += 1
+        if size >= limit:
+            break
+    text = b"\n".join(parts)[:limit]
+    return text, {"python": platform.python_version(), "stdlib_files": used, "bytes": len(text),
+                  "sha1": hashlib.sha1(text).hexdigest()}
+
+
+def run_row(every: int | None, fragments: int, nodes: int, steps: int, args: argparse.Namespace, data: Path,
+            split: int, out: Path) -> dict[str, Any]:
+    """One row's run (``steps`` optimizer steps; every row's data is the longest row's windows, so that all read the
+    same ones in the same order)."""
+    from lightning_smp.testing.cluster import Cluster, LinkShape
+
+    script = [str(ROOT / "benchmarks" / "semi_sync_run.py"), "--corpus", str(data), "--split", str(split),
+              "--every", str(steps + 1 if every == NEVER else every or 0), "--fragments", str(fragments),
+              "--steps", str(steps),
+              "--data-steps", str(int(args.steps * args.longer)), "--val-every",
+              str(args.val_every), "--dim", str(args.dim), "--layers", str(args.layers), "--block", str(args.block),
+              "--batch", str(args.batch), "--lr", str(args.lr), "--out", str(out)]
+    env = {"PYTHONPATH": str(ROOT)}
+    with Cluster(2, LinkShape(rate=args.rate)) as cluster:
+        if nodes == 2:
+            procs = cluster.torchrun(script, nproc_per_node=2, env=env)
+        else:
+            procs = [cluster.torchrun_node(0, script, nproc_per_node=2, env=env, stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, text=True)]
+        for node, (rc, output) in enumerate(cluster.wait(procs, args.timeout)):
+            if rc != 0:
+                raise RuntimeError(f"node {node} failed:\n{output[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def summarize(label: str, every: int | None, fragments: int, nodes: int, record: dict[str, Any],
+              samples_per_step: int) -> dict[str, Any]:
+    ranks = record["ranks"]
+    train_s = max(r["marks"][-1][0] - r["marks"][0][0] - r["validating_s"] for r in ranks)
+    steps = len(ranks[0]["marks"]) - 1
+    first_of_node = {r["node"]: r for r in reversed(ranks)}
+    sent = sum(r["marks"][-1][1] - r["marks"][0][1] - r["validation_bytes"] for r in first_of_node.values())
+    return {"label": label, "every": every, "fragments": fragments, "nodes": nodes, "steps": steps,
+            "step_s": train_s / steps, "bytes_per_step": sent / steps if nodes == 2 else 0.0,
+            "curve": [{**v, "samples": v["step"] * samples_per_step * (nodes / 2)} for v in ranks[0]["validations"]]}
+
+
+def loss_at(curve: list[dict[str, Any]], step: int) -> float:
+    return next(v["val_loss"] for v in curve if v["step"] == step)
+
+
+def seconds_to(curve: list[dict[str, Any]], target: float) -> float | None:
+    """The training time at which the validation loss first reaches ``target`` (linear between validations)."""
+    before = {"train_s": 0.0, "val_loss": float("inf")}
+    for point in curve:
+        if point["val_loss"] <= target:
+            if before["val_loss"] == float("inf"):
+                return point["train_s"]
+            share = (before["val_loss"] - target) / (before["val_loss"] - point["val_loss"])
+            return before["train_s"] + share * (point["train_s"] - before["train_s"])
+        before = point
+    return None
+
+
+def targets(rows: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
+    sync = rows[0]
+    compute = next(r for r in rows if r["every"] == NEVER)["step_s"]
+    final = loss_at(sync["curve"], steps)
+    checks = []
+    for row in rows[1:]:
+        if row["every"] is None or row["every"] == NEVER:
+            continue
+        bound = sync["bytes_per_step"] / row["every"] * 1.1
+        checks.append({"name": f"{row['label']}: bytes per step <= synchronous / H (+10 %)",
+                       "value": row["bytes_per_step"] / 1e6, "target": bound / 1e6, "ok": row["bytes_per_step"] <= bound,
+                       "unit": "MB", "le": True})
+        if row["every"] >= 20:
+            checks.append({"name": f"{row['label']}: step / compute bound", "value": row["step_s"] / compute,
+                           "target": 1.2, "ok": row["step_s"] / compute <= 1.2, "unit": "x", "le": True})
+        ratio = loss_at(row["curve"], steps) / final - 1
+        checks.append({"name": f"{row['label']}: validation loss over synchronous at equal samples",
+                       "value": ratio * 100, "target": 3.0, "ok": ratio <= 0.03, "unit": "%", "le": True,
+                       "required": row["every"] <= 20})
+        reached = row["seconds_to_sync_final_loss"]
+        speedup = (sync["seconds_to_sync_final_loss"] / reached) if reached else 0.0
+        checks.append({"name": f"{row['label']}: time to the synchronous final loss, synchronous / this",
+                       "value": speedup, "target": 3.0, "ok": speedup >= 3.0, "unit": "x", "le": False})
+    return checks
+
+
+def markdown(result: dict[str, Any]) -> str:
+    args, rows, checks = result["args"], result["rows"], result["checks"]
+    text = result["corpus"]
+    lines = [
+        "# Semi-synchronous replica groups across a throttled link (`make bench-semi-sync`)",
+        "",
+        f"2 nodes x 2 ranks at {args['rate']} (network namespaces, gloo), FSDP2 at degree 2 (each node a replica"
+        f" group), the project's TinyGPT over bytes ({result['params'] / 1e6:.2f} M parameters: dim {args['dim']},"
+        f" {args['layers']} layers, {args['block']}-byte windows), AdamW lr {args['lr']}, {args['batch']} windows per"
+        f" rank and step. Corpus: the Python {text['python']} standard library's .py sources ({text['stdlib_files']}"
+        f" files, {text['bytes'] / 1e6:.1f} MB, sha1 {text['sha1'][:12]}), the last tenth held out. Every row reads the"
+        f" same windows in the same order; validation on {args['val_windows']} held-out windows every"
+        f" {args['val_every']} steps (DiLoCo rows: the weights as last synced). Step: training time / optimizer steps"
+        " (syncs included, validation excluded); bytes: both nodes' link counters per step.",
+        "",
+        f"| configuration | step (s) | across per step (MB) | val loss at {result['steps']} steps |"
+        " time to the synchronous final loss (s) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        reached = r["seconds_to_sync_final_loss"]
+        loss = f"{r['val_loss']:.4f}" if r["val_loss"] is not None else "n/a"
+        time_to = "n/a" if r["every"] == NEVER or r["nodes"] == 1 else (
+            f"{reached:.1f}" if reached is not None else "not reached")
+        lines.append(f"| {r['label']} | {r['step_s']:.3f} | {r['bytes_per_step'] / 1e6:.3f} | {loss} | {time_to} |")
+    lines += ["", f"Compute bound: {result['compute_bound_step_s']:.3f} s per step: both groups training side by side"
+              " with nothing crossing the link (their loss is n/a: never synced, they validate their start). One group"
+              " alone has this machine's 2 cores to itself and reads half the samples per step (its loss is at half"
+              " the samples).", "",
+              "| target | value | needed | met |", "|---|---|---|---|"]
+    for c in checks:
+        needed = f"{'<=' if c['le'] else '>='} {c['target']:.3g} {c['unit']}"
+        met = "yes" if c["ok"] else ("**no**" if c.get("required", True) else "no (H > 20: reported)")
+        lines.append(f"| {c['name']} | {c['value']:.3g} {c['unit']} | {needed} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), dpi=110)
+    for row in result["rows"]:
+        if row["every"] == NEVER:
+            continue
+        curve = row["curve"]
+        axes[0].plot([p["train_s"] for p in curve], [p["val_loss"] for p in curve], marker=".", label=row["label"])
+        axes[1].plot([p["samples"] for p in curve], [p["val_loss"] for p in curve], marker=".", label=row["label"])
+    target = result["sync_final_loss"]
+    for ax, xlabel in zip(axes, ("training time (s, validation excluded)", "training windows read")):
+        ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation loss (nats per byte)")
+        ax.grid(alpha=0.3)
+    axes[0].set_title(f"validation loss against time, link {result['args']['rate']}", fontsize=10)
+    axes[1].set_title("validation loss against samples", fontsize=10)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.semi_sync", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", default="100mbit")
+    parser.add_argument("--steps", type=int, default=600, help="optimizer steps of the synchronous run")
+    parser.add_argument("--longer", type=float, default=2.0, help="the DiLoCo rows train this many times longer")
+    parser.add_argument("--val-every", type=int, default=100)
+    parser.add_argument("--val-windows", type=int, default=256)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--corpus-bytes", type=int, default=16 * 1024 * 1024)
+    parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--report-only", type=Path, default=None, metavar="JSON",
+                        help="rebuild semi_sync.md and semi_sync.png from a semi_sync.json, running nothing")
+    args = parser.parse_args(argv)
+    if args.report_only is not None:
+        result = json.loads(args.report_only.read_text())
+        write(result, args.out)
+        return 0
+    from lightning_smp.testing.cluster import netadmin_problem
+
+    problem = netadmin_problem()
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    import torch
+
+    work = Path(tempfile.mkdtemp(prefix="bench-semi-sync-"))
+    text, about = corpus(args.corpus_bytes)
+    data = work / "corpus.pt"
+    torch.save(torch.frombuffer(bytearray(text), dtype=torch.uint8).clone(), data)
+    split = len(text) * 9 // 10
+    samples_per_step = args.batch * 4
+    rows, params = [], 0
+    for label, every, fragments, nodes in ROWS:
+        steps = int(args.steps * args.longer) if every and every != NEVER else args.steps
+        started = time.monotonic()
+        record = run_row(every, fragments, nodes, steps, args, data, split, work / f"{label}.json".replace(" ", "_"))
+        params = record["local_params"]
+        row = summarize(label, every, fragments, nodes, record, samples_per_step)
+        rows.append(row)
+        print(f"{label}: {time.monotonic() - started:.0f} s, step {row['step_s']:.3f} s,"
+              f" {row['bytes_per_step'] / 1e6:.3f} MB per step, val loss {row['curve'][-1]['val_loss']:.4f}",
+              flush=True)
+    final = loss_at(rows[0]["curve"], args.steps)
+    for row in rows:
+        synced = row["nodes"] == 2 and row["every"] != NEVER  # (the never-syncing groups validate their start)
+        row["val_loss"] = loss_at(row["curve"], args.steps) if row["every"] != NEVER else None
+        row["seconds_to_sync_final_loss"] = seconds_to(row["curve"], final) if synced else None
+    result = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "corpus": about,
+              "params": params, "steps": args.steps, "sync_final_loss": final,
+              "compute_bound_step_s": next(r for r in rows if r["every"] == NEVER)["step_s"], "rows": rows,
+              "checks": targets(rows, args.steps)}
+    write(result, args.out)
+    print(markdown(result))
+    return 0
+
+
+def write(result: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "semi_sync.json").write_text(json.dumps(result, indent=1))
+    (out / "semi_sync.md").write_text(markdown(result))
+    plot(result, out / "semi_sync.png")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
