@@ -6,7 +6,8 @@ group), the project's small GPT over bytes of a real text corpus that every mach
 library's own ``.py`` sources (sorted by path, the last tenth held out for validation). Every row reads the same
 training windows in the same order and validates on the same held-out windows (:mod:`benchmarks.semi_sync_run`):
 
-- synchronous hybrid sharding; DiLoCo at H = 5, 20, 100, and H = 20 with 4 streaming fragments; both groups training
+- synchronous hybrid sharding; DiLoCo at H = 5, 20, 100 (the paper's outer optimizer: Nesterov SGD, lr 0.7, momentum
+  0.9), H = 20 with 4 streaming fragments, and H = 20 with plain averaging (outer lr 1, no momentum); both groups training
   side by side and never syncing (nothing crosses the link: the compute bound, with the 4 ranks sharing this
   machine's cores as in every other row); one group alone on one node (its own compute, on cores it shares with
   nobody, and the loss of one group reading half the samples per step);
@@ -41,15 +42,18 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 #: ``every`` of the row whose groups never sync while training (its steps, plus one)
 NEVER = -1
-#: (label, every (None: synchronous; NEVER), fragments, nodes)
-ROWS: list[tuple[str, int | None, int, int]] = [
-    ("synchronous hybrid sharding", None, 1, 2),
-    ("DiLoCo H=5", 5, 1, 2),
-    ("DiLoCo H=20", 20, 1, 2),
-    ("DiLoCo H=100", 100, 1, 2),
-    ("Streaming DiLoCo H=20, 4 fragments", 20, 4, 2),
-    ("both groups, never syncing (compute bound)", NEVER, 1, 2),
-    ("one group alone", None, 1, 1),
+#: the outer optimizer of plain parameter averaging (local SGD): the groups' mean, no momentum
+AVERAGING = {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}
+#: (label, every (None: synchronous; NEVER), fragments, nodes, the outer optimizer's keys (default: the paper's))
+ROWS: list[tuple[str, int | None, int, int, dict[str, Any]]] = [
+    ("synchronous hybrid sharding", None, 1, 2, {}),
+    ("DiLoCo H=5", 5, 1, 2, {}),
+    ("DiLoCo H=20", 20, 1, 2, {}),
+    ("DiLoCo H=100", 100, 1, 2, {}),
+    ("Streaming DiLoCo H=20, 4 fragments", 20, 4, 2, {}),
+    ("H=20, plain averaging (outer lr 1, no momentum)", 20, 1, 2, AVERAGING),
+    ("both groups, never syncing (compute bound)", NEVER, 1, 2, {}),
+    ("one group alone", None, 1, 1, {}),
 ]
 
 
@@ -71,8 +75,8 @@ def corpus(limit: int) -> tuple[bytes, dict[str, Any]]:
                   "sha1": hashlib.sha1(text).hexdigest()}
 
 
-def run_row(every: int | None, fragments: int, nodes: int, steps: int, args: argparse.Namespace, data: Path,
-            split: int, out: Path) -> dict[str, Any]:
+def run_row(every: int | None, fragments: int, nodes: int, outer: dict[str, Any], steps: int,
+            args: argparse.Namespace, data: Path, split: int, out: Path) -> dict[str, Any]:
     """One row's run (``steps`` optimizer steps; every row's data is the longest row's windows, so that all read the
     same ones in the same order)."""
     from lightning_smp.testing.cluster import Cluster, LinkShape
@@ -82,7 +86,7 @@ def run_row(every: int | None, fragments: int, nodes: int, steps: int, args: arg
               "--steps", str(steps),
               "--data-steps", str(int(args.steps * args.longer)), "--val-every",
               str(args.val_every), "--dim", str(args.dim), "--layers", str(args.layers), "--block", str(args.block),
-              "--batch", str(args.batch), "--lr", str(args.lr), "--out", str(out)]
+              "--batch", str(args.batch), "--lr", str(args.lr), "--outer", json.dumps(outer), "--out", str(out)]
     env = {"PYTHONPATH": str(ROOT)}
     with Cluster(2, LinkShape(rate=args.rate)) as cluster:
         if nodes == 2:
@@ -218,15 +222,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.semi_sync", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", default="100mbit")
-    parser.add_argument("--steps", type=int, default=600, help="optimizer steps of the synchronous run")
+    parser.add_argument("--steps", type=int, default=400, help="optimizer steps of the synchronous run")
     parser.add_argument("--longer", type=float, default=2.0, help="the DiLoCo rows train this many times longer")
-    parser.add_argument("--val-every", type=int, default=100)
+    parser.add_argument("--val-every", type=int, default=50)
     parser.add_argument("--val-windows", type=int, default=256)
-    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--block", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--corpus-bytes", type=int, default=16 * 1024 * 1024)
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -252,12 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     split = len(text) * 9 // 10
     samples_per_step = args.batch * 4
     rows, params = [], 0
-    for label, every, fragments, nodes in ROWS:
+    for index, (label, every, fragments, nodes, outer) in enumerate(ROWS):
         steps = int(args.steps * args.longer) if every and every != NEVER else args.steps
         started = time.monotonic()
-        record = run_row(every, fragments, nodes, steps, args, data, split, work / f"{label}.json".replace(" ", "_"))
+        record = run_row(every, fragments, nodes, outer, steps, args, data, split, work / f"row{index}.json")
         params = record["local_params"]
         row = summarize(label, every, fragments, nodes, record, samples_per_step)
+        row["outer"] = outer
         rows.append(row)
         print(f"{label}: {time.monotonic() - started:.0f} s, step {row['step_s']:.3f} s,"
               f" {row['bytes_per_step'] / 1e6:.3f} MB per step, val loss {row['curve'][-1]['val_loss']:.4f}",

@@ -8,7 +8,7 @@ windows. Per optimizer step each rank records the time and its node's link count
 each validation run records the step, the training time so far (validation excluded) and the validation loss
 (``sync_dist``: the mean over every rank's part of the held-out windows). Global rank 0 writes ``--out``.
 
-``--every 0`` is synchronous hybrid sharding; ``--every H`` adds ``replica_sync={"every": H, "fragments": F}``.
+``--every 0`` is synchronous hybrid sharding; ``--every H`` adds ``replica_sync={"every": H, "fragments": F, **outer}``.
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--split", type=int, required=True, help="bytes of the corpus before the held-out part")
     parser.add_argument("--every", type=int, default=0, help="replica_sync's every (0: synchronous)")
     parser.add_argument("--fragments", type=int, default=1)
+    parser.add_argument("--outer", default="{}", help="replica_sync's outer-optimizer keys, as JSON (default: the paper's)")
     parser.add_argument("--degree", type=int, default=2)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--data-steps", type=int, default=None,
@@ -121,7 +122,8 @@ def main() -> None:
     train = Windows(corpus[:args.split], args.block + 1,
                     (args.data_steps or args.steps) * args.batch * args.samples_world, seed=1)
     val = Windows(corpus[args.split:], args.block + 1, args.val_windows, seed=2)
-    sync = {"replica_sync": {"every": args.every, "fragments": args.fragments}} if args.every else {}
+    sync = ({"replica_sync": {"every": args.every, "fragments": args.fragments, **json.loads(args.outer)}}
+            if args.every else {})
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=args.degree, fsdp_version=2, auto_wrap_policy={Block},
                                        **sync)
     torch.manual_seed(0)

@@ -425,3 +425,48 @@ def test_the_fault_benchmark_reports_every_figure_it_names(tmp_path, monkeypatch
     monkeypatch.setattr("lightning_smp.testing.cluster.netadmin_problem", lambda: "needs root")
     assert bench.main(["--out", str(tmp_path / "none")]) == 1
     assert not (tmp_path / "none").exists()
+
+
+def test_the_semi_sync_benchmark_reports_every_figure_it_names(tmp_path, monkeypatch):
+    """make bench-semi-sync's report from records shaped as its runs write them: the amortised step and the bytes per
+    step from the marks (validation taken out), the loss at equal samples, the time to the synchronous final loss
+    (linear between validations), the targets, the plot; without the cluster harness it says why."""
+    from benchmarks import semi_sync as bench
+
+    def record(step_s: float, sent_per_step: int, losses: list[float], every: int) -> dict:
+        marks = [(i * step_s, i * sent_per_step) for i in range(len(losses) * every + 1)]
+        validations = [{"step": (i + 1) * every, "train_s": (i + 1) * every * step_s, "val_loss": loss}
+                       for i, loss in enumerate(losses)]
+        rank = {"marks": marks, "validations": validations, "validating_s": 0.0, "validation_bytes": 0, "node": 0}
+        return {"ranks": [rank, {**rank, "node": 1}], "local_params": 1000}
+
+    sync = bench.summarize("sync", None, 1, 2, record(1.0, 1000, [3.0, 2.0], 10), 8)
+    semi = bench.summarize("H=20", 20, 1, 2, record(0.25, 50, [3.5, 2.5, 1.5, 1.0], 10), 8)
+    never = bench.summarize("never", bench.NEVER, 1, 2, record(0.2, 0, [5.0, 5.0], 10), 8)
+    assert (sync["step_s"], sync["bytes_per_step"], sync["steps"]) == (1.0, 2000.0, 20)  # both nodes' counters
+    assert bench.loss_at(semi["curve"], 20) == 2.5 and semi["curve"][0]["samples"] == 80
+    assert bench.seconds_to(semi["curve"], 2.0) == pytest.approx(6.25)  # halfway between 5 s (2.5) and 7.5 s (1.5)
+    assert bench.seconds_to(semi["curve"], 0.5) is None
+    for row in (sync, semi, never):
+        row["val_loss"] = bench.loss_at(row["curve"], 20) if row["every"] != bench.NEVER else None
+        row["seconds_to_sync_final_loss"] = bench.seconds_to(row["curve"], 2.0)
+    rows = [sync, semi, never]
+    checks = {c["name"]: c for c in bench.targets(rows, 20)}
+    assert checks["H=20: bytes per step <= synchronous / H (+10 %)"]["value"] == pytest.approx(100 / 1e6)
+    assert checks["H=20: step / compute bound"]["value"] == pytest.approx(1.25) and not checks[
+        "H=20: step / compute bound"]["ok"]
+    assert checks["H=20: validation loss over synchronous at equal samples"]["value"] == pytest.approx(25.0)
+    assert checks["H=20: time to the synchronous final loss, synchronous / this"]["value"] == pytest.approx(20 / 6.25)
+    result = {"args": {"rate": "100mbit", "dim": 8, "layers": 1, "block": 4, "lr": 0.1, "batch": 2,
+                       "val_windows": 4, "val_every": 10}, "corpus": {"python": "3", "stdlib_files": 1, "bytes": 10,
+                                                                       "sha1": "0" * 40},
+              "params": 1000, "steps": 20, "sync_final_loss": 2.0, "compute_bound_step_s": 0.2, "rows": rows,
+              "checks": list(checks.values())}
+    text = bench.markdown(result)
+    assert "| H=20 | 0.250 | 0.000 | 2.5000 | 6.2 |" in text and "| never | 0.200 | 0.000 | n/a | n/a |" in text
+    bench.write(result, tmp_path)
+    assert (tmp_path / "semi_sync.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "semi_sync.json").read_text())["compute_bound_step_s"] == 0.2
+    monkeypatch.setattr("lightning_smp.testing.cluster.netadmin_problem", lambda: "needs root")
+    assert bench.main(["--out", str(tmp_path / "none")]) == 2
+    assert not (tmp_path / "none").exists()

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from lightning_smp.config.mapping import typed_items
 from lightning_smp.degree import Layout
 from lightning_smp.errors import HybridShardConfigError
 
@@ -96,28 +97,11 @@ if set(_KINDS) != {f.name for f in fields(FaultTolerance)}:  # one list of keys
 def check_fault_tolerance(value: Any, where: str = "fault_tolerance") -> dict[str, Any] | None:
     """``value`` (a mapping, a :class:`FaultTolerance`, or ``None``: off) as a plain mapping of checked keys; a
     source may give part of it (the sources merge key by key)."""
-    if value is None:
+    items = typed_items(value, FaultTolerance, _KINDS, where, "{'lighthouse': 'host:29510', 'group': 0, 'groups': 2}")
+    if items is None:
         return None
-    if isinstance(value, FaultTolerance):
-        value = {f.name: getattr(value, f.name) for f in fields(value)}
-    if not isinstance(value, Mapping):
-        raise HybridShardConfigError(
-            f"{where}={value!r} is not a mapping. Fix: e.g. fault_tolerance={{'lighthouse': 'host:29510', 'group': 0,"
-            " 'groups': 2}}."
-        )
     checked: dict[str, Any] = {}
-    for key, item in value.items():
-        if key not in _KINDS:
-            raise HybridShardConfigError(
-                f"{where}: unknown key {key!r}. Known keys: {', '.join(_KINDS)}."
-            )
-        kinds = _KINDS[key]
-        if item is None:
-            continue
-        if isinstance(item, bool) or not isinstance(item, kinds):
-            raise HybridShardConfigError(
-                f"{where}: {key}={item!r} ({type(item).__name__}) is not {' or '.join(k.__name__ for k in kinds)}."
-            )
+    for key, item in items.items():
         if (key == "group" and item < 0) or (key in ("groups", "min_groups") and item < 1):
             raise HybridShardConfigError(f"{where}: {key}={item!r} is out of range. Fix: a group id >= 0, counts >= 1.")
         if key in ("timeout", "quorum_timeout") and item <= 0:

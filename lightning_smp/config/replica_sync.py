@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from lightning_smp.config.mapping import typed_items
 from lightning_smp.errors import HybridShardConfigError
 
 
@@ -72,33 +73,17 @@ if set(_KINDS) != {f.name for f in fields(ReplicaSync)}:  # one list of keys
 def check_replica_sync(value: Any, where: str = "replica_sync") -> dict[str, Any] | None:
     """``value`` (a mapping, a :class:`ReplicaSync`, or ``None``: off) as a plain mapping of checked keys; a source
     may give part of it (the sources merge key by key)."""
-    if value is None:
+    items = typed_items(value, ReplicaSync, _KINDS, where, "{'every': 20} (sync every 20 steps)")
+    if items is None:
         return None
-    if isinstance(value, ReplicaSync):
-        value = {f.name: getattr(value, f.name) for f in fields(value)}
-    if not isinstance(value, Mapping):
-        raise HybridShardConfigError(
-            f"{where}={value!r} is not a mapping. Fix: e.g. replica_sync={{'every': 20}} (sync every 20 steps)."
-        )
     checked: dict[str, Any] = {}
-    given: dict[str, Any] = dict(value)
-    for key, item in given.items():
-        if key not in _KINDS:
-            raise HybridShardConfigError(f"{where}: unknown key {key!r}. Known keys: {', '.join(_KINDS)}.")
-        if item is None:
-            continue
-        kinds = _KINDS[key]
-        if (isinstance(item, bool) and bool not in kinds) or not isinstance(item, kinds):
-            raise HybridShardConfigError(
-                f"{where}: {key}={item!r} ({type(item).__name__}) is not {' or '.join(k.__name__ for k in kinds)}."
-            )
-        number: Any = item  # (an int, a float or a bool now)
+    for key, number in items.items():
         if key in ("every", "fragments") and number < 1:
-            raise HybridShardConfigError(f"{where}: {key}={item!r} is not a count >= 1. Fix: e.g. every=20, fragments=1.")
+            raise HybridShardConfigError(f"{where}: {key}={number!r} is not a count >= 1. Fix: e.g. every=20, fragments=1.")
         if key == "outer_lr" and number <= 0:
-            raise HybridShardConfigError(f"{where}: outer_lr={item!r} is not positive. Fix: e.g. 0.7.")
+            raise HybridShardConfigError(f"{where}: outer_lr={number!r} is not positive. Fix: e.g. 0.7.")
         if key == "outer_momentum" and not 0 <= number < 1:
-            raise HybridShardConfigError(f"{where}: outer_momentum={item!r} is not in [0, 1). Fix: e.g. 0.9, or 0.")
+            raise HybridShardConfigError(f"{where}: outer_momentum={number!r} is not in [0, 1). Fix: e.g. 0.9, or 0.")
         checked[key] = float(number) if key in ("outer_lr", "outer_momentum") else number
     return checked
 

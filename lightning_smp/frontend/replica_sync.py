@@ -38,8 +38,9 @@ class ReplicaSyncSteps:
     """Mixin of :class:`~lightning_smp.frontend.HybridShardFrontEnd`: the semi-synchronous replica groups' glue."""
 
     core: HybridShardCore
-    #: the outer loop over the model being trained (``replica_sync``), started when it is set up
+    #: the outer loop over the model being trained (``replica_sync``), started when it is set up, and that model
     _outer: OuterSync | None = None
+    _outer_module: Module | None = None
 
     @property
     def outer_sync(self) -> OuterSync | None:
@@ -98,7 +99,10 @@ class ReplicaSyncSteps:
                                 nesterov=settings.nesterov, fragments=settings.fragments, buffers=buffers)
         self._outer_module = module
 
-    _outer_module: Module | None = None
+    def _group_index(self) -> int:
+        """This rank's replica group (its place on the replicate axis)."""
+        group = self._outer.group if self._outer is not None else None
+        return dist.get_group_rank(group, dist.get_rank()) if group is not None else 0
 
     def _check_one_optimizer(self, optimizers: int) -> None:
         """``replica_sync`` counts the steps of one inner optimizer (a second one would make the windows ambiguous)."""
@@ -124,7 +128,7 @@ class ReplicaSyncSteps:
         shadow = outer_optimizer(outer)
         extra: dict[str, Any] = {REPLICA_SYNC_KEY: {"steps": outer.steps},
                                  OUTER_ENTRY: optimizer_state_to_save(model, shadow, len(optimizers), kind, check)}
-        group = dist.get_group_rank(outer.group, dist.get_rank()) if outer.group is not None else 0
+        group = self._group_index()
         if kind == SHARDED:
             if group > 0:  # (each group writes its own; the first group's are the checkpoint's optimizer states)
                 extra.update({inner_entry(group, index): state
@@ -144,7 +148,7 @@ class ReplicaSyncSteps:
         group's own optimizer states where the checkpoint has them."""
         if self._outer is None or shadow is None:
             return {}
-        group = dist.get_group_rank(self._outer.group, dist.get_rank()) if self._outer.group is not None else 0
+        group = self._group_index()
         entries = {OUTER_ENTRY: shadow}
         if group > 0:
             entries.update({inner_entry(group, index): optimizer for index, optimizer in enumerate(optimizers)})

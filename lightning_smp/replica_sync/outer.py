@@ -55,8 +55,8 @@ def fragment_sizes(numels: Sequence[int], fragments: int) -> list[int]:
 
 @dataclass
 class Fragment:
-    """One fragment: its parameters, their copies as last synced (what the outer optimizer
-    steps), the outer optimizer, and the step of the window at which it syncs."""
+    """One fragment: its parameters, their copies as last synced (what the outer optimizer steps), the outer
+    optimizer, and the step of the window at which it syncs."""
 
     params: list[Tensor]
     synced: list[torch.nn.Parameter]
@@ -133,8 +133,8 @@ class OuterSync:
         return due
 
     def sync(self) -> list[int]:
-        """Sync every fragment that trained since its last sync (training that stops between syncs: a checkpoint, a
-        validation run, the end of fit); the groups leave bit-equal. Returns the fragments synced (none: the groups
+        """Sync every fragment that trained since its last sync (training that stops between syncs: a checkpoint,
+        the end of fit); the groups leave bit-equal. Returns the fragments synced (none: the groups
         are equal already, and nothing is sent)."""
         pending = [index for index, fragment in enumerate(self.fragments) if fragment.synced_at < self.steps]
         self._sync_fragments(pending)

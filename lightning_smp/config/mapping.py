@@ -1,0 +1,40 @@
+"""The value of an option that is a mapping of typed keys (``fault_tolerance``, ``replica_sync``): every
+configuration source may give part of it (the sources merge key by key), so each source's part is checked key by key
+here, and the option's record checks the merged whole (``from_mapping``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+from lightning_smp.errors import HybridShardConfigError
+
+
+def typed_items(value: Any, record: type, kinds: Mapping[str, tuple[type, ...]], where: str,
+                example: str) -> dict[str, Any] | None:
+    """``value`` (a mapping, a ``record``, or ``None``: the option is off) as a plain dict of its keys that are set,
+    each of its kind in ``kinds`` (a bool is never taken for a number). Raises :class:`HybridShardConfigError` naming
+    ``where`` for anything else: not a mapping (``example`` shows one), an unknown key, a value of another kind."""
+    if value is None:
+        return None
+    if isinstance(value, record) and is_dataclass(value):
+        value = {f.name: getattr(value, f.name) for f in fields(value)}
+    if not isinstance(value, Mapping):
+        raise HybridShardConfigError(f"{where}={value!r} is not a mapping. Fix: e.g. {where}={example}.")
+    items: dict[str, Any] = {}
+    for key, item in dict(value).items():
+        if key not in kinds:
+            raise HybridShardConfigError(f"{where}: unknown key {key!r}. Known keys: {', '.join(kinds)}.")
+        if item is None:
+            continue
+        allowed = kinds[key]
+        if (isinstance(item, bool) and bool not in allowed) or not isinstance(item, allowed):
+            raise HybridShardConfigError(
+                f"{where}: {key}={item!r} ({type(item).__name__}) is not {' or '.join(k.__name__ for k in allowed)}."
+            )
+        items[key] = item
+    return items
+
+
+__all__ = ["typed_items"]
