@@ -206,8 +206,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
         axes[0].plot([p["train_s"] for p in curve], [p["val_loss"] for p in curve], marker=".", label=row["label"])
         axes[1].plot([p["samples"] for p in curve], [p["val_loss"] for p in curve], marker=".", label=row["label"])
     target = result["sync_final_loss"]
+    # (a row that validates its start until its first sync, H=100's, would squash the rest: its first point is cut)
+    top = result["rows"][0]["curve"][0]["val_loss"] * 1.15
     for ax, xlabel in zip(axes, ("training time (s, validation excluded)", "training windows read")):
         ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+        ax.set_ylim(top=top)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("validation loss (nats per byte)")
         ax.grid(alpha=0.3)
