@@ -272,11 +272,12 @@ def test_the_generator_rewrites_a_stale_tree_and_says_nothing_else(tmp_path):
     import sys
 
     from lightning_smp.config.options import GENERATED_IN
+    from lightning_smp.generate import TABLES
 
     shutil.copytree(PACKAGE, tmp_path / "lightning_smp", ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "docs").mkdir()
-    for page in ("configuration.md", "fault-tolerance.md"):
-        shutil.copy(PACKAGE.parent / "docs" / page, tmp_path / "docs")
+    for page in set(TABLES.values()):  # every page with a generated table
+        shutil.copy(PACKAGE.parent / page, tmp_path / page)
     stale = tmp_path / "lightning_smp" / "strategy.py"
     stale.write_text(stale.read_text().replace("        broadcast_buffers: bool = True,\n", "", 1))
     page = tmp_path / "docs" / "configuration.md"
