@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.metadata
 import weakref
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -72,13 +73,14 @@ class Settled:
     layout: Layout | None
     engine: Engine
 
-    @property
+    # (cached: a Settled is never edited, and the core reads these on every backward)
+    @cached_property
     def fault_tolerance(self) -> FaultTolerance | None:
         """The ``fault_tolerance`` option in effect (merged from every source), checked; ``None``: off."""
         values = self.config.fault_tolerance
         return None if values is None else FaultTolerance.from_mapping(values)
 
-    @property
+    @cached_property
     def replica_sync(self) -> ReplicaSync | None:
         """The ``replica_sync`` option in effect (merged from every source), checked; ``None``: off."""
         values = self.config.replica_sync
@@ -415,7 +417,7 @@ class HybridShardCore:
             checkpoint_activations(module)
         # parameters the engine already manages were synced when they were sharded; their local views differ in
         # size between ranks and must not be broadcast
-        synced = engine.parameters_sharded(module)
+        synced = by_hand = engine.parameters_sharded(module)
         if engine.has_wrapped(module):
             on_already_sharded(module)
             module = engine.complete(module, plan)
@@ -426,9 +428,9 @@ class HybridShardCore:
             module = engine.wrap(module, plan)
         self._wrapped_root = module
         self._roots.add(module)
-        if (not synced or self.replica_sync is not None) and self.device_mesh is not None:
-            # (replica_sync: the engine sharded inside each group only, so a model sharded by hand starts from the
-            # first group's shards here; every group must start from the same weights)
+        if (not synced or (by_hand and self.replica_sync is not None)) and self.device_mesh is not None:
+            # (replica_sync: a model sharded by hand was synced inside its group only, the engine's mesh being the
+            # group's; it starts from the first group's shards here: every group must start from the same weights)
             broadcast_across_replicas(module, self.device_mesh, device)
         if not first:
             checkpoint_activations(module)
