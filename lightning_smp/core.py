@@ -188,11 +188,7 @@ class HybridShardCore:
     def _check_replica_sync(self) -> None:
         """What semi-synchronous replica groups (``replica_sync``) need of this job, checked before any process
         starts (the same answer on every rank)."""
-        if self.settled is not None and self.settled.fault_tolerance is not None:
-            raise HybridShardConfigError(
-                "replica_sync with fault_tolerance: semi-synchronous replica groups on torchft are not implemented yet"
-                " (the groups of one job sync over the mesh's replicate axis). Fix: drop one of the two."
-            )
+        fault_tolerance = self.settled.fault_tolerance if self.settled is not None else None
         fixed = ("device_mesh" if self.options.user_mesh is not None else
                  "process_group" if self.engine_options.get("process_group") is not None else None)
         if fixed is not None:
@@ -207,7 +203,13 @@ class HybridShardCore:
                 f" cut per parameter. Fix: pass {selected_by(lambda capabilities: capabilities.replica_sync)}."
             )
         layout = self.layout
-        if layout is not None and layout.replicate < 2:
+        if fault_tolerance is not None:  # (each group its own job, the groups meeting through the lighthouse)
+            if fault_tolerance.groups < 2:
+                raise HybridShardConfigError(
+                    f"replica_sync with fault_tolerance groups={fault_tolerance.groups}: there is nothing to sync"
+                    " across. Fix: groups >= 2 (a job per group), or drop replica_sync."
+                )
+        elif layout is not None and layout.replicate < 2:
             raise HybridShardConfigError(
                 f"replica_sync with {layout.replicate} replica group ({layout.world_size} ranks,"
                 f" hybrid_shard_degree={layout.shard}): there is nothing to sync across. Fix: a hybrid_shard_degree"

@@ -416,7 +416,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         the average across groups. With ``fault_tolerance`` also before clipping, and then the group's part once per
         backward (the average is once per optimizer step: :meth:`ReplicaGroups.reduce`)."""
         notes = None
-        if self._module is not None and not (self._replicas is not None and self._settled):
+        if self._module is not None and not (self._crosses_each_step and self._settled):
             notes = self._check_synced(self._module)
             self._settled = True
         self._reduce_across_groups(optimizer, notes)
@@ -424,14 +424,14 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
     def _check_synced(self, module: Module) -> Unreduced | None:
         engine = self._engine_of(module)
         # (fault tolerance reduces the unused-parameter notes inside its commit vote: one collective fewer a step)
-        return engine.settle_gradients(module, defer_unused=self._replicas is not None) if engine is not None else None
+        return engine.settle_gradients(module, defer_unused=self._crosses_each_step) if engine is not None else None
 
     def _engine_of(self, module: Module) -> Training | None:
         return self._module_engine if module is self._module else engine_of(module)
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        if self._replicas is not None:
+        if self._crosses_each_step:
             self._settle(optimizer)  # (the gradients averaged across groups are clipped, as DDP's)
         super().clip_gradients_value(module, optimizer, clip_val)
 
@@ -446,7 +446,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
                 f"norm_type={norm_type!r}: lightning_smp clips by the 2-norm only. Fix: norm_type=2.0."
             )
         self.precision.unscale_gradients(optimizer)
-        if self._replicas is not None:
+        if self._crosses_each_step:
             self._settle(optimizer)  # the norm of the gradients averaged across groups, as DDP's
         total = None
         if engine is not None:  # (the module is checked first: the optimizer's parameters are read only then)

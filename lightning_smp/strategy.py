@@ -374,7 +374,8 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # (set by Lightning's connector)
         if not any(isinstance(callback, ReplicaGroupMetrics) for callback in callbacks):
             callbacks.append(ReplicaGroupMetrics())  # (each step's groups, commit and heal, to every logger)
-        self.precision_plugin.reduce_across_groups = self._reduce_across_groups
+        if self._crosses_each_step:
+            self.precision_plugin.reduce_across_groups = self._reduce_across_groups
         configs = self.lr_scheduler_configs
         for config in configs:
             if config.interval == "step":

@@ -19,7 +19,7 @@ from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, Unsup
 from lightning_smp.accounting import CommCounter
 from lightning_smp.callbacks.memory import strategy_mesh
 from lightning_smp.replicas import local_part
-from tests.helpers import PARITY_BOUND, TinyModel, cpu_trainer, ddp_fit, make_loader
+from tests.helpers import PARITY_BOUND, TinyModel, cpu_trainer, ddp_fit, make_loader, run_distributed
 
 WORLD = 4
 #: (fsdp_version, hybrid_shard_degree) of each engine replica_sync runs on: FSDP2 shards inside groups of two, the
@@ -143,6 +143,9 @@ def test_every_step_with_plain_sgd_is_ddp(tmp_path, version, degree):
     ({"fsdp_version": 2, "hybrid_shard_degree": 2, "sync": {"every": 5, "outer_momentum": 0.0}},
      r"nesterov=True with outer_momentum=0"),
     ({"fsdp_version": 2, "hybrid_shard_degree": 2, "sync": {"each": 5}}, r"unknown key 'each'.*every"),
+    ({"fsdp_version": 2, "hybrid_shard_degree": 4,
+      "fault_tolerance": {"lighthouse": "http://127.0.0.1:29510", "group": 0, "groups": 1}},
+     r"fault_tolerance groups=1: there is nothing to sync across.*groups >= 2"),
 ])
 def test_what_replica_sync_cannot_run_is_refused_when_the_trainer_is_made(kwargs, message):
     """Refused at ``Trainer(...)``, before any process starts, naming the value and the fix."""
@@ -383,3 +386,65 @@ def test_auto_plans_with_the_outer_copies_and_leaves_two_groups(tmp_path):
     assert chosen is not None and [r.degree for r in chosen.rows] == [1, 2]
     assert all(r.outer_bytes > 0 for r in chosen.rows) and strategy.hybrid_shard_degree in (1, 2)
     assert trainer.global_step == 3
+
+
+# ------------------------------------------------------------------------------------- on torchft (fault_tolerance)
+
+
+class StepProbe(Callback):
+    """This rank's parts of the parameters after every optimizer step, and at the end of fit (after its sync)."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[torch.Tensor]] = []
+        self.end: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.steps.append([local_part(p).detach().clone() for p in trainer.strategy.model.parameters()])
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.end = [local_part(p).detach().clone() for p in trainer.strategy.model.parameters()]
+
+
+def _fit_steps(strategy: HybridShardFSDPStrategy, devices: int, folder: Path) -> tuple[list, list]:
+    torch.manual_seed(0)
+    probe = StepProbe()
+    trainer = cpu_trainer(strategy, folder, devices, max_steps=7, callbacks=[probe])
+    trainer.fit(TinyModel(), make_loader(samples=256))
+    return probe.steps, probe.end
+
+
+def _torchft_group(group: int, rank: int, degree: int, lighthouse: str, version: int,
+                   folder: Path) -> tuple[list, list]:
+    fault_tolerance = {"lighthouse": lighthouse, "group": group, "groups": WORLD // degree, "min_groups": WORLD // degree,
+                       "timeout": 30.0, "quorum_timeout": 60.0}
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version, replica_sync={"every": 3},
+                                       fault_tolerance=fault_tolerance)
+    return _fit_steps(strategy, degree, folder / f"group{group}")
+
+
+def _one_job(rank: int, world_size: int, degree: int, version: int, folder: Path) -> tuple[list, list]:
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version, replica_sync={"every": 3})
+    return _fit_steps(strategy, world_size, folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("version", "degree"), ENGINES)
+def test_groups_on_torchft_equal_the_groups_of_one_job_at_every_step(tmp_path, version, degree):
+    """The same algorithm across fault-tolerant replica groups (each its own world, a sync a round of torchft's
+    Manager) as across the replicate axis of one job: every rank's parameters bit-equal at every step (two syncs,
+    then the end of fit's), with no failure. The sum of two groups is the same in either order, and the inner steps
+    run the same collectives inside each group."""
+    from lightning_smp.testing.replica_groups import run_replica_groups
+
+    groups = WORLD // degree
+    ours = run_replica_groups(_torchft_group, groups, degree, version, tmp_path)
+    job = run_distributed(_one_job, WORLD, degree, version, tmp_path / "job")
+    for group in range(groups):
+        for rank in range(degree):
+            (steps, end), (job_steps, job_end) = ours[group][rank], job[group * degree + rank]
+            assert len(steps) == len(job_steps) == 7
+            for step, (mine, theirs) in enumerate(zip([*steps, end], [*job_steps, job_end]), start=1):
+                assert all(torch.equal(a, b) for a, b in zip(mine, theirs)), (group, rank, step)
+    for step in range(7):  # (and the groups apart between syncs, equal right after: the test can fail)
+        apart = [not torch.equal(a, b) for a, b in zip(ours[0][0][0][step], ours[1][0][0][step])]
+        assert any(apart) == ((step + 1) % 3 != 0), step

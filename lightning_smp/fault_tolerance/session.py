@@ -83,15 +83,19 @@ class ReplicaGroups:
         store_port: the port of the group's ``TCPStore`` (torchrun's, ``MASTER_PORT``), advertised at the group's
             address (``settings.host``, or the interface that reaches the lighthouse), whatever ``MASTER_ADDR`` is.
         sync_buffers: whether buffers cross the groups with the gradients (DDP's ``broadcast_buffers``).
+        semi_sync: the groups cross only at ``replica_sync``'s syncs (:mod:`~lightning_smp.fault_tolerance.rounds`),
+            never inside a step: each sync a round of its own (a synchronous quorum, in which a group behind the
+            others heals before anything is computed, the crossing and the vote), as torchft's DiLoCo needs.
     """
 
     def __init__(self, settings: FaultTolerance, device: torch.device, *, rank: int, world_size: int,
-                 store_port: int, sync_buffers: bool = True) -> None:
+                 store_port: int, sync_buffers: bool = True, semi_sync: bool = False) -> None:
         from torchft import Manager
 
         self.settings = settings
         self.device = device
         self.sync_buffers = sync_buffers
+        self.semi_sync = semi_sync
         timeout = timedelta(seconds=settings.timeout)
         #: the address every other group reaches this rank at (its process group across groups, its healing server)
         self.host = settings.host or address_towards(settings.lighthouse_url)
@@ -106,7 +110,7 @@ class ReplicaGroups:
         self._transport = bound_http_transport(timeout, self.host)
         self.manager = Manager(
             pg=self.process_group, load_state_dict=None, state_dict=None,
-            min_replica_size=settings.min_groups, use_async_quorum=True, timeout=timeout,
+            min_replica_size=settings.min_groups, use_async_quorum=not semi_sync, timeout=timeout,
             quorum_timeout=timedelta(seconds=settings.quorum_timeout), connect_timeout=timeout, rank=rank,
             world_size=world_size, store_addr=self.store_host, store_port=store_port,
             # (zero-padded: torchft orders the groups by replica id as text, and the first is the start's source)
@@ -135,6 +139,7 @@ class ReplicaGroups:
         self._uncommitted = 0  # uncommitted steps in a row
         self._failing_since: float | None = None
         self._healed_from: int | None = None
+        self._healed_in_round = False
         #: whether the last vote committed (``None`` before the first)
         self.last_committed: bool | None = None
         #: the committed step at which this group last received a peer's state (``None``: never)
@@ -160,6 +165,7 @@ class ReplicaGroups:
             raise FaultToleranceError("a peer's state arrived before the model was set up.")
         self._tracked.load_state_dict(state)
         self.healed_at = self.manager.current_step()
+        self._healed_in_round = True
         quorum = self._vote.quorum
         source = quorum.recover_src_replica_rank if quorum is not None else None
         self._healed_from = (_group_of(quorum.replica_ids[source]) if quorum is not None and source is not None
@@ -220,9 +226,51 @@ class ReplicaGroups:
         manager = self.manager
         if manager.errored():
             return False
-        work = self._collective("the all-reduce across groups", self.process_group.allreduce, [flat],
+        sent = flat.to(self.device) if flat.device != self.device else flat
+        work = self._collective("the all-reduce across groups", self.process_group.allreduce, [sent],
                                 _options(AllreduceOptions, reduceOp=dist.ReduceOp.SUM))
-        return work is not None and self._wait("the all-reduce across groups", work)
+        if work is None or not self._wait("the all-reduce across groups", work):
+            return False
+        if sent is not flat:
+            flat.copy_(sent)
+        return True
+
+    # ------------------------------------------------------------------ a sync of semi-synchronous groups
+
+    def begin_round(self, allow_heal: bool = True) -> bool:
+        """``semi_sync``: the quorum of a sync, waited for (with ``allow_heal``, a group behind the others receives a
+        live peer's state here, before its part of the sync is computed: :attr:`healed_in_round`), the first quorum's
+        check and, where every group is at step 0, the groups' comparison. ``False``: the round is dropped (reported
+        to torchft; its vote refuses it)."""
+        self._crossed, self._notes, self._healed_from, self._healed_in_round = [], None, None, False
+        self._in_step = True
+        # (synchronous: a heal is applied before it returns)
+        self._wait_quorum(lambda: self.manager.start_quorum(allow_heal=allow_heal))
+        self._check_first_quorum()
+        return self._agree_on_start()
+
+    @property
+    def healed_in_round(self) -> bool:
+        """Whether this group received a live peer's state in the current round."""
+        return self._healed_in_round
+
+    @property
+    def sends_own_part(self) -> bool:
+        """Whether this group's own training counts in the current round: not when it has just received a peer's
+        state (it holds the peer's), nor when it is behind the others without having healed yet (a round that allows
+        no heal)."""
+        quorum = self._vote.quorum
+        behind = quorum is not None and quorum.max_step > self.manager.current_step()
+        return not self._healed_in_round and not behind
+
+    def cross_sum(self, flat: Tensor) -> bool:
+        """``flat`` summed across the round's groups, in place. ``False``: it failed (reported; the vote refuses the
+        round)."""
+        return self._cross(flat)
+
+    def apply_when_committed(self, buffers: Sequence[tuple[Tensor, Tensor]]) -> None:
+        """Pairs of a buffer and the value a crossing brought, copied in once the round commits."""
+        self._crossed.extend(buffers)
 
     def _collective(self, operation: str, call: Any, *args: Any) -> Any:
         try:
@@ -316,11 +364,12 @@ class ReplicaGroups:
                 " model alike in every group (L.seed_everything) to start from your own.", stacklevel=2)
         return True
 
-    def _wait_quorum(self) -> None:
-        """The quorum of this step; without one within ``quorum_timeout`` the lighthouse is gone (or out of reach),
-        and no group can commit again: raised, naming it, on every rank."""
+    def _wait_quorum(self, wait: Any = None) -> None:
+        """The quorum of this step (``wait``: what waits for it, torchft's ``wait_quorum`` by default); without one
+        within ``quorum_timeout`` the lighthouse is gone (or out of reach), and no group can commit again: raised,
+        naming it, on every rank."""
         try:
-            self.manager.wait_quorum()
+            (wait or self.manager.wait_quorum)()
         except Exception as err:  # (torchft's client raises TimeoutError, or its transport's errors)
             settings, heard = self.settings, self._watch.heard()
             if heard is not None:
@@ -349,7 +398,10 @@ class ReplicaGroups:
         self._first_quorum_checked = True
         manager = self.manager
         quorum = int(manager._quorum_id)  # torchft 0.2.0 keeps the quorum's id only here
-        if quorum > 1 and manager.current_step() == 0 and manager.num_participants() <= 1 and self.healed_at is None:
+        # (the groups in the quorum, whatever their step: in a round that heals nobody, torchft counts as participants
+        # only the groups at the highest step)
+        groups = len(self._vote.quorum.replica_ids) if self._vote.quorum is not None else manager.num_participants()
+        if quorum > 1 and manager.current_step() == 0 and groups <= 1 and self.healed_at is None:
             raise FaultToleranceError(
                 f"replica group {self.settings.group} found no live peer to heal from, and the lighthouse"
                 f" ({self.settings.lighthouse}) has formed quorums before (this is quorum {quorum}): the groups that"

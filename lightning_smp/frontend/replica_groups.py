@@ -30,6 +30,10 @@ class ReplicaGroupSteps:
     _replicas: ReplicaGroups | None = None
     #: the forward pre-hook of the tracked module (the step-0 quorum before the first forward)
     _before_forward: Any = None
+    # (the replica_sync mixin's, beside this one in HybridShardFrontEnd: annotations only, never shadowing it)
+    _before_replica_forward: Callable[[], None]
+    _outer_state: Callable[[], dict[str, Any]]
+    _load_outer_state: Callable[[dict[str, Any]], None]
 
     @property
     def replica_groups(self) -> ReplicaGroups | None:
@@ -46,10 +50,16 @@ class ReplicaGroupSteps:
         return self._replicas.metrics() if self._replicas is not None else {}
 
     @property
+    def _crosses_each_step(self) -> bool:
+        """Whether every optimizer step's gradients cross the groups (``fault_tolerance`` without ``replica_sync``)."""
+        return self._replicas is not None and not self._replicas.semi_sync
+
+    @property
     def step_committed(self) -> bool:
         """Whether the last optimizer step was committed by every replica group (always ``True`` without
         ``fault_tolerance``). A hand-written loop steps its schedulers and counters only when it is."""
-        return self._replicas is None or self._replicas.last_committed is not False
+        # (replica_sync: every inner step is taken; only the syncs are voted on)
+        return self._replicas is None or self._replicas.semi_sync or self._replicas.last_committed is not False
 
     def _join_replica_groups(self, device_type: str) -> None:
         """Join the replica groups once this group's process group exists (``fault_tolerance``)."""
@@ -60,18 +70,19 @@ class ReplicaGroupSteps:
             # address, not MASTER_ADDR, which torchrun sets to 127.0.0.1)
             self._replicas = ReplicaGroups(settings, device, rank=dist.get_rank(), world_size=dist.get_world_size(),
                                            store_port=int(os.environ["MASTER_PORT"]),
-                                           sync_buffers=self.core.options.broadcast_buffers)
+                                           sync_buffers=self.core.options.broadcast_buffers,
+                                           semi_sync=self.core.replica_sync is not None)
 
     def _begin_replica_step(self) -> None:
         """Before a backward: the first of an optimizer step asks for the quorum of live groups."""
-        if self._replicas is not None:
+        if self._replicas is not None and not self._replicas.semi_sync:
             self._replicas.begin_step()
 
     def _reduce_across_groups(self, optimizer: Any, notes: Unreduced | None = None) -> None:
         """After the group's own reduction (the engine's ``settle_gradients``), before clipping and the step: the
         gradients of ``optimizer``'s parameters averaged across the live groups (``notes``: the engine's
         unused-parameter notes, reduced along)."""
-        if self._replicas is not None:
+        if self._replicas is not None and not self._replicas.semi_sync:
             self._replicas.reduce([p for group in optimizer.param_groups for p in group["params"]], notes)
 
     def _commit_step(self, optimizer: Any) -> bool:
@@ -80,8 +91,8 @@ class ReplicaGroupSteps:
 
     def _gate_steps(self, optimizer: Any) -> Any:
         """``optimizer`` stepping only when every replica group commits (``fault_tolerance``), else as it is."""
-        if self.core.fault_tolerance is None:
-            return optimizer
+        if self.core.fault_tolerance is None or self.core.replica_sync is not None:
+            return optimizer  # (replica_sync: the inner steps are each group's own; its syncs are voted on)
         return step_when_committed(optimizer, self._commit_step)
 
     def _track_for_healing(self, module: Module, optimizers: Callable[[], Sequence[Optimizer]],
@@ -91,12 +102,29 @@ class ReplicaGroupSteps:
         groups' comparison before the first forward (:meth:`ReplicaGroups.before_forward`)."""
         if self._replicas is not None:
             replicas = self._replicas
+            if replicas.semi_sync:  # (replica_sync: the outer loop's state too, as torchft's DiLoCo registers it)
+                extra, load_extra = self._with_outer(extra, load_extra)
             replicas.track(TrackedState.of(module, optimizers, extra, load_extra))
             if self._before_forward is not None:
                 self._before_forward.remove()  # (a model set up again: one hook)
+            before = self._before_replica_forward if replicas.semi_sync else replicas.before_forward
             # (first: FSDP2 gathers the root's parameters in its own pre-hook, and a copy from another group made
             # after it would not be what the first forward computes with)
-            self._before_forward = module.register_forward_pre_hook(lambda *_: replicas.before_forward(), prepend=True)
+            self._before_forward = module.register_forward_pre_hook(lambda *_: before(), prepend=True)
+
+    def _with_outer(self, extra: Callable[[], dict[str, Any]], load_extra: Callable[[dict[str, Any]], None]) -> tuple[
+            Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]:
+        """``extra`` and ``load_extra`` with the outer loop's state beside the front end's."""
+        def with_outer() -> dict[str, Any]:
+            return {**extra(), **self._outer_state()}
+
+        def load_with_outer(state: dict[str, Any]) -> None:
+            state = dict(state)
+            self._load_outer_state(state)
+            load_extra(state)
+
+        return with_outer, load_with_outer
+
 
     def _replica_checkpoint_state(self) -> dict[str, Any]:
         """What a persistent checkpoint records of the replica groups (torchft's step), to resume from."""

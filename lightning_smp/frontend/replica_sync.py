@@ -19,6 +19,8 @@ from lightning_smp.checkpoint.local import LocalStateCheck, optimizer_state_to_s
 from lightning_smp.checkpoint.state_dict import ShardedModel, full_optimizer_states_of_groups
 from lightning_smp.core import HybridShardCore
 from lightning_smp.errors import UnsupportedOptionError
+from lightning_smp.fault_tolerance.rounds import SyncRounds
+from lightning_smp.fault_tolerance.session import ReplicaGroups
 from lightning_smp.mesh import axis_group
 from lightning_smp.names import REPLICATE_AXIS, SHARDED, StateDictType
 from lightning_smp.replica_sync import OuterSync
@@ -41,6 +43,7 @@ class ReplicaSyncSteps:
     #: the outer loop over the model being trained (``replica_sync``), started when it is set up, and that model
     _outer: OuterSync | None = None
     _outer_module: Module | None = None
+    _replicas: ReplicaGroups | None = None
 
     @property
     def outer_sync(self) -> OuterSync | None:
@@ -90,14 +93,38 @@ class ReplicaSyncSteps:
     def _start_replica_sync(self, module: Module) -> None:
         """The outer loop over ``module`` (the sharded root), its synced copies taken now (every group starts from
         the same weights)."""
-        settings, mesh = self.core.replica_sync, self.core.device_mesh
-        if settings is None or mesh is None or (self._outer is not None and self._outer_module is module):
+        settings, mesh, replicas = self.core.replica_sync, self.core.device_mesh, self._replicas
+        if settings is None or (self._outer is not None and self._outer_module is module):
+            return
+        if replicas is None and mesh is None:
             return
         buffers = list(module.buffers()) if self.core.options.broadcast_buffers else []
-        self._outer = OuterSync(module.parameters(), axis_group(mesh, REPLICATE_AXIS), every=settings.every,
-                                outer_lr=settings.outer_lr, outer_momentum=settings.outer_momentum,
-                                nesterov=settings.nesterov, fragments=settings.fragments, buffers=buffers)
+        # (fault_tolerance: each group is its own job, and a sync is a round of torchft's Manager across them; else
+        # the groups are the rows of this job's mesh)
+        group = axis_group(mesh, REPLICATE_AXIS) if replicas is None and mesh is not None else None
+        self._outer = OuterSync(module.parameters(), group, every=settings.every, outer_lr=settings.outer_lr,
+                                outer_momentum=settings.outer_momentum, nesterov=settings.nesterov,
+                                fragments=settings.fragments, buffers=buffers,
+                                rounds=SyncRounds(replicas) if replicas is not None else None)
         self._outer_module = module
+
+    def _before_replica_forward(self) -> None:
+        """``fault_tolerance`` with ``replica_sync``, before the first forward with gradients: the groups' start round
+        (:meth:`~lightning_smp.fault_tolerance.rounds.SyncRounds.start`)."""
+        outer = self._outer
+        if outer is not None and outer.rounds is not None and torch.is_grad_enabled():
+            outer.rounds.start(outer)
+
+    def _outer_state(self) -> dict[str, Any]:
+        """What a healing group copies of the outer loop (``fault_tolerance``): its steps, synced copies and outer
+        optimizers, this rank's parts."""
+        return {REPLICA_SYNC_KEY: self._outer.state_dict()} if self._outer is not None else {}
+
+    def _load_outer_state(self, state: dict[str, Any]) -> None:
+        """A live peer's outer loop (:meth:`_outer_state`), taken out of ``state``."""
+        outer = state.pop(REPLICA_SYNC_KEY, None)
+        if outer is not None and self._outer is not None:
+            self._outer.load_state_dict(outer)
 
     def _group_index(self) -> int:
         """This rank's replica group (its place on the replicate axis)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,16 @@ def fragment_sizes(numels: Sequence[int], fragments: int) -> list[int]:
         taken += sum(numels[start:end])
         start = end
     return sizes
+
+
+class Rounds(Protocol):
+    """How a sync crosses replica groups that are separate jobs (:class:`~lightning_smp.fault_tolerance.rounds.SyncRounds`
+    on torchft): it syncs at least ``indices`` (more if another group asks for more), through the outer loop's
+    :meth:`OuterSync.pseudo_gradients`, :meth:`OuterSync.step_outer` and :meth:`OuterSync.roll_back`."""
+
+    def start(self, outer: OuterSync) -> None: ...
+
+    def sync(self, outer: OuterSync, indices: list[int]) -> None: ...
 
 
 @dataclass
@@ -94,7 +104,7 @@ class OuterSync:
     def __init__(self, parameters: Iterable[Tensor], group: dist.ProcessGroup | None, *, every: int,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1,
                  backup_device: torch.device | None = None, bucket_bytes: int = BUCKET_BYTES,
-                 buffers: Iterable[Tensor] = ()) -> None:
+                 buffers: Iterable[Tensor] = (), rounds: Rounds | None = None) -> None:
         trained = [p for p in parameters if p.requires_grad]
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise HybridShardConfigError(f"replica_sync every={every!r} is not a number of steps >= 1. Fix: e.g. 20.")
@@ -104,6 +114,9 @@ class OuterSync:
                 f" each every {every} steps. Fix: every={every - every % fragments or fragments}, or fragments=1."
             )
         self.group = group
+        #: how a sync crosses the replica groups when they are separate jobs (``fault_tolerance``: torchft's quorum,
+        #: all-reduce and commit vote); ``None``: an all-reduce over :attr:`group`
+        self.rounds = rounds
         self.every = every
         #: the trained parameters, in the order the fragments cut them
         self.parameters = trained
@@ -177,20 +190,38 @@ class OuterSync:
     def _sync_fragments(self, indices: list[int]) -> None:
         if indices:
             self.hide_synced()  # (a sync while the synced weights are shown: a checkpoint during validation)
+        if self.rounds is not None:
+            if indices:
+                self.rounds.sync(self, indices)
+            return
         for index in indices:
-            self._sync(self.fragments[index])
+            fragment = self.fragments[index]
+            pseudo = self.pseudo_gradients(fragment)
+            self.average(pseudo)
+            for synced, gradient in zip(fragment.synced, pseudo):
+                synced.grad = gradient.to(synced.device)
+            self.step_outer(fragment)
         if indices and self.buffers:
             broadcast_tensors(self.buffers, dist.get_global_rank(self.group, 0) if self.group is not None else 0,
                               self.group, self.buffers[0].device)
 
     @torch.no_grad()
-    def _sync(self, fragment: Fragment) -> None:
-        pseudo = [synced.to(part.device) - part for synced, part in zip(fragment.synced, fragment.parts)]
-        self.average(pseudo)
-        for synced, gradient in zip(fragment.synced, pseudo):
-            synced.grad = gradient.to(synced.device)
+    def pseudo_gradients(self, fragment: Fragment) -> list[Tensor]:
+        """This rank's part of ``fragment``'s pseudo-gradient: the parameters as last synced minus as they are now."""
+        return [synced.to(part.device) - part for synced, part in zip(fragment.synced, fragment.parts)]
+
+    @torch.no_grad()
+    def step_outer(self, fragment: Fragment) -> None:
+        """The outer step of ``fragment`` with the averaged pseudo-gradient in its synced copies' ``.grad``; every
+        group then takes the result."""
         fragment.outer.step()
         fragment.outer.zero_grad(set_to_none=True)
+        self.roll_back(fragment)
+
+    @torch.no_grad()
+    def roll_back(self, fragment: Fragment) -> None:
+        """``fragment``'s parameters set to its synced copies (after an outer step: the new ones; after a sync that
+        was not committed: the last synced, the window's own training dropped, as torchft's DiLoCo drops it)."""
         for synced, part in zip(fragment.synced, fragment.parts):
             part.copy_(synced)
         fragment.synced_at = self.steps
@@ -254,4 +285,4 @@ class OuterSync:
                         state["momentum_buffer"].copy_(next(buffers))
 
 
-__all__ = ["BUCKET_BYTES", "Fragment", "OuterSync", "fragment_sizes"]
+__all__ = ["BUCKET_BYTES", "Fragment", "OuterSync", "Rounds", "fragment_sizes"]

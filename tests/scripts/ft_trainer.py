@@ -2,7 +2,8 @@
 ``hybrid_shard_degree`` ranks: every committed optimizer step writes one line per rank to ``--out`` (torchft's step,
 ``global_step``, the wall time, digests of this rank's shards and optimizer state, the learning rate, the epoch, the
 batch's index in it and the index of its first sample, in a shuffled order), so that a test compares groups step by
-step."""
+step. With ``--every H`` the groups sync every H steps (``replica_sync``) and every step is recorded, with a digest of
+the outer loop's state (its synced copies and outer momentum)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,9 @@ class Record(L.Callback):
                     "sample": module.first_sample, "batch_idx": trainer.fit_loop.epoch_loop.batch_idx,
                     "epoch": trainer.current_epoch,
                     "healed_at": strategy.replica_groups.healed_at}
+            outer = strategy.outer_sync
+            if outer is not None:
+                line["outer"] = digest([t for f in outer.fragments for t in (*f.synced, *f.momentum())])
             with (self.out / f"group{self.group}_rank{trainer.global_rank}.jsonl").open("a") as f:
                 f.write(json.dumps(line) + "\n")
         time.sleep(self.pause)
@@ -74,6 +78,7 @@ def main() -> None:
     parser.add_argument("--fsdp_version", type=int, default=2)
     parser.add_argument("--fail_at", type=int, default=None, help="report an error to torchft in this step")
     parser.add_argument("--samples", type=int, default=4096, help="the dataset's size (all groups together)")
+    parser.add_argument("--every", type=int, default=None, help="replica_sync: sync the groups every this many steps")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -84,7 +89,8 @@ def main() -> None:
     strategy = HybridShardFSDPStrategy(
         hybrid_shard_degree=args.degree, fsdp_version=args.fsdp_version,
         fault_tolerance={"lighthouse": args.lighthouse, "group": args.group, "groups": args.groups, "timeout": 10.0,
-                         "quorum_timeout": 30.0})
+                         "quorum_timeout": 30.0},
+        replica_sync={"every": args.every} if args.every else None)
     # (the strategy logs each step's groups, commit and heal to every logger: fault_tolerance/...)
     logger = CSVLogger(out / "metrics", name=f"group{args.group}")
     trainer = L.Trainer(accelerator="cpu", devices=args.degree, strategy=strategy, max_steps=args.steps,
