@@ -30,7 +30,9 @@ def full_weights(fabric: L.Fabric, model: Any) -> dict[str, list]:
 
 def rank_batches(fabric: L.Fabric) -> list[tuple[torch.Tensor, torch.Tensor]]:
     x, y = make_loader().dataset.tensors
-    mine = slice(fabric.global_rank, None, fabric.world_size)  # what a DistributedSampler gives this rank
+    # what a DistributedSampler gives this rank (with fault_tolerance: its part of every group's ranks)
+    split = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {}
+    mine = slice(split.get("rank", fabric.global_rank), None, split.get("num_replicas", fabric.world_size))
     xs, ys = x[mine], y[mine]
     return [(xs[i:i + 2], ys[i:i + 2]) for i in range(0, len(xs), 2)]
 

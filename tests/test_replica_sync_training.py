@@ -405,40 +405,60 @@ class StepProbe(Callback):
         self.end = [local_part(p).detach().clone() for p in trainer.strategy.model.parameters()]
 
 
-def _fit_steps(strategy: HybridShardFSDPStrategy, devices: int, folder: Path) -> tuple[list, list]:
+def _run_front_end(front_end: str, strategy_kwargs: dict[str, Any], devices: int, folder: Path) -> tuple[list, list]:
+    """7 optimizer steps syncing every 3 (the Trainer on TinyModel, or a Fabric loop), in ranks that exist already:
+    this rank's parameter parts after each step, and at the end (synced)."""
+    from lightning_smp.fabric import HybridShardFSDPStrategy as FabricStrategy
+    from tests.fabric_loops import make_net, rank_batches
+
     torch.manual_seed(0)
-    probe = StepProbe()
-    trainer = cpu_trainer(strategy, folder, devices, max_steps=7, callbacks=[probe])
-    trainer.fit(TinyModel(), make_loader(samples=256))
-    return probe.steps, probe.end
+    if front_end == "trainer":
+        probe = StepProbe()
+        trainer = cpu_trainer(HybridShardFSDPStrategy(**strategy_kwargs), folder, devices, max_steps=7,
+                              callbacks=[probe])
+        trainer.fit(TinyModel(), make_loader(samples=256))
+        return probe.steps, probe.end
+    fabric = L.Fabric(strategy=FabricStrategy(**strategy_kwargs), accelerator="cpu", devices=devices)
+    fabric.launch()  # (the ranks exist already)
+    model = fabric.setup_module(make_net())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    steps = []
+    for x, y in rank_batches(fabric)[:7]:
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        steps.append([local_part(p).detach().clone() for p in model.parameters()])
+    fabric.strategy.sync_replicas()
+    return steps, [local_part(p).detach().clone() for p in model.parameters()]
 
 
-def _torchft_group(group: int, rank: int, degree: int, lighthouse: str, version: int,
+def _torchft_group(group: int, rank: int, degree: int, lighthouse: str, front_end: str, version: int,
                    folder: Path) -> tuple[list, list]:
     fault_tolerance = {"lighthouse": lighthouse, "group": group, "groups": WORLD // degree, "min_groups": WORLD // degree,
                        "timeout": 30.0, "quorum_timeout": 60.0}
-    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version, replica_sync={"every": 3},
-                                       fault_tolerance=fault_tolerance)
-    return _fit_steps(strategy, degree, folder / f"group{group}")
+    kwargs = {"hybrid_shard_degree": degree, "fsdp_version": version, "replica_sync": {"every": 3},
+              "fault_tolerance": fault_tolerance}
+    return _run_front_end(front_end, kwargs, degree, folder / f"group{group}")
 
 
-def _one_job(rank: int, world_size: int, degree: int, version: int, folder: Path) -> tuple[list, list]:
-    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version, replica_sync={"every": 3})
-    return _fit_steps(strategy, world_size, folder)
+def _one_job(rank: int, world_size: int, front_end: str, degree: int, version: int, folder: Path) -> tuple[list, list]:
+    kwargs = {"hybrid_shard_degree": degree, "fsdp_version": version, "replica_sync": {"every": 3}}
+    return _run_front_end(front_end, kwargs, world_size, folder)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("front_end", ["trainer", "fabric"])
 @pytest.mark.parametrize(("version", "degree"), ENGINES)
-def test_groups_on_torchft_equal_the_groups_of_one_job_at_every_step(tmp_path, version, degree):
+def test_groups_on_torchft_equal_the_groups_of_one_job_at_every_step(tmp_path, front_end, version, degree):
     """The same algorithm across fault-tolerant replica groups (each its own world, a sync a round of torchft's
     Manager) as across the replicate axis of one job: every rank's parameters bit-equal at every step (two syncs,
-    then the end of fit's), with no failure. The sum of two groups is the same in either order, and the inner steps
-    run the same collectives inside each group."""
+    then the end's), with no failure. The sum of two groups is the same in either order, and the inner steps run the
+    same collectives inside each group."""
     from lightning_smp.testing.replica_groups import run_replica_groups
 
     groups = WORLD // degree
-    ours = run_replica_groups(_torchft_group, groups, degree, version, tmp_path)
-    job = run_distributed(_one_job, WORLD, degree, version, tmp_path / "job")
+    ours = run_replica_groups(_torchft_group, groups, degree, front_end, version, tmp_path)
+    job = run_distributed(_one_job, WORLD, front_end, degree, version, tmp_path / "job")
     for group in range(groups):
         for rank in range(degree):
             (steps, end), (job_steps, job_end) = ours[group][rank], job[group * degree + rank]
