@@ -380,14 +380,16 @@ def _assert_logged_the_heal(jobs, last_before: int, healed_at: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("how", ["stop", "kill"])
+@pytest.mark.parametrize("how", ["stop"])
 def test_a_group_that_vanishes_inside_the_crossing_costs_the_survivor_a_heartbeat(tmp_path, how):
     """Group 1 vanishes at the all-reduce of its gradients across groups, while the survivor waits inside it, after
-    its 4th committed step or later: frozen (``stop``: its processes and their heartbeats stop, no connection closes, as a node that lost power
-    or its link) or killed (``kill``: the connections close). The survivor, inside that all-reduce, leaves it once the
-    lighthouse stops hearing from group 1 and commits its next step within the heartbeat timeout + 5 s (not the
-    collective's 10 s timeout), on both of its ranks; it never commits a step group 1 took part in after that, and it
-    finishes every step."""
+    its 4th committed step or later: frozen (``stop``: its processes and their heartbeats stop, no connection closes,
+    as a node that lost power or its link; only the watch on the lighthouse can end the wait). The survivor, inside
+    that all-reduce, leaves it once the lighthouse stops hearing from group 1 and commits its next step within the
+    heartbeat timeout + 5 s (not the collective's 10 s timeout), on both of its ranks; it never commits a step group 1
+    took part in after that, and it finishes every step. (``--vanish kill``, where the closed connections end the
+    survivor's all-reduce at once, is measured by ``make bench-fault``; a step whose all-reduce fails is held
+    uncommitted everywhere by test_a_step_that_fails_in_one_group_is_committed_nowhere_and_changes_nothing.)"""
     with _jobs(tmp_path, FABRIC_SCRIPT) as jobs:
         for group in (0, 1):
             vanish = ["--vanish_at", "4", "--vanish", how] if group == 1 else []
@@ -622,14 +624,14 @@ def test_when_the_lighthouse_dies_every_group_stops_within_the_quorum_timeout_na
     lighthouse = Lighthouse(_ProcessServer(process), process.stdout.readline().split(": ", 1)[1].strip())
     with _jobs(tmp_path, FABRIC_SCRIPT, lighthouse=lighthouse) as jobs:
         for group in (0, 1):
-            jobs.start(group, "--steps", "400", "--pause", "0.2", "--quorum_timeout", "8")
+            jobs.start(group, "--steps", "400", "--pause", "0.2", "--quorum_timeout", "4")
         jobs.wait_for(lambda: len(jobs.records(0)) >= 4 and len(jobs.records(1)) >= 4, 120, "4 steps each")
         process.kill()
         died = time.time()
         last = {group: jobs.records(group)[-1]["step"] for group in (0, 1)}
         codes = jobs.wait(60)
         assert all(code not in (0, None) for code in codes.values()), codes
-        assert time.time() - died <= 8 + 15
+        assert time.time() - died <= 4 + 15
         assert {group: jobs.records(group)[-1]["step"] for group in (0, 1)} == last
         assert "FaultToleranceError" in jobs.logs(80) and "does not answer" in jobs.logs(80)
 

@@ -82,11 +82,12 @@ def _fit(folder: Path, version: int, degree: int, every: int, max_steps: int,
     return torch.load(folder / "probe.pt", weights_only=False), memory.reports
 
 
-@pytest.mark.parametrize("within", [
-    pytest.param({}, id="plain"),
-    pytest.param({"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}, id="accumulation_and_clipping"),
+@pytest.mark.parametrize(("version", "degree", "within"), [
+    pytest.param(2, 2, {}, id="fsdp2-plain"),
+    pytest.param(2, 2, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}, id="fsdp2-accumulation_and_clipping"),
+    pytest.param(2, 1, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
+                 id="ddp_engine-accumulation_and_clipping"),
 ])
-@pytest.mark.parametrize(("version", "degree"), ENGINES)
 def test_groups_are_equal_right_after_each_sync_and_nothing_crosses_them_between(tmp_path, version, degree, within):
     """Every ``every`` steps rank r of every group holds bit-equal parameters, different between syncs (each group
     trains on its own data); a step that does not sync sends nothing across the groups (no collective on the
@@ -198,7 +199,6 @@ def _fit_with_checkpoints(folder: Path, version: int, degree: int, kind: str, as
     pytest.param(2, 2, "sharded", True, "adam", id="fsdp2-async"),
     pytest.param(2, 1, "sharded", False, "adam", id="ddp_engine-sharded"),
     pytest.param(2, 2, "full", False, "adam", id="fsdp2-full"),
-    pytest.param(2, 1, "full", False, "adam", id="ddp_engine-full"),
 ])
 def test_a_run_resumed_inside_a_window_continues_exactly(tmp_path, version, degree, kind, async_save, inner):
     """Resumed from the checkpoint of step 4 (one step after a sync, two before the next), the run ends bit-equal to
@@ -405,13 +405,14 @@ class StepProbe(Callback):
         self.end = [local_part(p).detach().clone() for p in trainer.strategy.model.parameters()]
 
 
-def _run_front_end(front_end: str, strategy_kwargs: dict[str, Any], devices: int, folder: Path) -> tuple[list, list]:
-    """7 optimizer steps syncing every 3 (the Trainer on TinyModel, or a Fabric loop), in ranks that exist already:
-    this rank's parameter parts after each step, and at the end (synced)."""
+def _run_front_end(front_end: str, strategy_kwargs: dict[str, Any], devices: int, folder: Path,
+                   seed: int = 0) -> tuple[list, list]:
+    """7 optimizer steps syncing every 3 (the Trainer on TinyModel, or a Fabric loop), in ranks that exist already,
+    the model initialised from ``seed``: this rank's parameter parts after each step, and at the end (synced)."""
     from lightning_smp.fabric import HybridShardFSDPStrategy as FabricStrategy
     from tests.fabric_loops import make_net, rank_batches
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     if front_end == "trainer":
         probe = StepProbe()
         trainer = cpu_trainer(HybridShardFSDPStrategy(**strategy_kwargs), folder, devices, max_steps=7,
@@ -433,12 +434,12 @@ def _run_front_end(front_end: str, strategy_kwargs: dict[str, Any], devices: int
 
 
 def _torchft_group(group: int, rank: int, degree: int, lighthouse: str, front_end: str, version: int,
-                   folder: Path) -> tuple[list, list]:
+                   seeded_apart: bool, folder: Path) -> tuple[list, list]:
     fault_tolerance = {"lighthouse": lighthouse, "group": group, "groups": WORLD // degree, "min_groups": WORLD // degree,
                        "timeout": 30.0, "quorum_timeout": 60.0}
     kwargs = {"hybrid_shard_degree": degree, "fsdp_version": version, "replica_sync": {"every": 3},
               "fault_tolerance": fault_tolerance}
-    return _run_front_end(front_end, kwargs, degree, folder / f"group{group}")
+    return _run_front_end(front_end, kwargs, degree, folder / f"group{group}", seed=group if seeded_apart else 0)
 
 
 def _one_job(rank: int, world_size: int, front_end: str, degree: int, version: int, folder: Path) -> tuple[list, list]:
@@ -447,17 +448,24 @@ def _one_job(rank: int, world_size: int, front_end: str, degree: int, version: i
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("front_end", ["trainer", "fabric"])
-@pytest.mark.parametrize(("version", "degree"), ENGINES)
-def test_groups_on_torchft_equal_the_groups_of_one_job_at_every_step(tmp_path, front_end, version, degree):
+@pytest.mark.parametrize(("front_end", "version", "degree", "seeded_apart"), [
+    pytest.param("trainer", 2, 2, False, id="trainer-fsdp2"),
+    pytest.param("trainer", 2, 1, False, id="trainer-ddp_engine"),
+    pytest.param("fabric", 2, 2, False, id="fabric-fsdp2"),
+    pytest.param("trainer", 2, 2, True, id="trainer-fsdp2-seeded_apart"),
+])
+def test_groups_on_torchft_equal_the_groups_of_one_job_at_every_step(tmp_path, front_end, version, degree,
+                                                                     seeded_apart):
     """The same algorithm across fault-tolerant replica groups (each its own world, a sync a round of torchft's
     Manager) as across the replicate axis of one job: every rank's parameters bit-equal at every step (two syncs,
     then the end's), with no failure. The sum of two groups is the same in either order, and the inner steps run the
-    same collectives inside each group."""
+    same collectives inside each group. Groups initialised from different seeds start from the first group's whole
+    weights (compared at the start round, before the first forward), as one job starts from rank 0's: never a
+    mosaic of shards from different groups (torchft's init_sync)."""
     from lightning_smp.testing.replica_groups import run_replica_groups
 
     groups = WORLD // degree
-    ours = run_replica_groups(_torchft_group, groups, degree, front_end, version, tmp_path)
+    ours = run_replica_groups(_torchft_group, groups, degree, front_end, version, seeded_apart, tmp_path)
     job = run_distributed(_one_job, WORLD, front_end, degree, version, tmp_path / "job")
     for group in range(groups):
         for rank in range(degree):
@@ -468,3 +476,41 @@ def test_groups_on_torchft_equal_the_groups_of_one_job_at_every_step(tmp_path, f
     for step in range(7):  # (and the groups apart between syncs, equal right after: the test can fail)
         apart = [not torch.equal(a, b) for a, b in zip(ours[0][0][0][step], ours[1][0][0][step])]
         assert any(apart) == ((step + 1) % 3 != 0), step
+
+
+def _torchft_checkpoints(group: int, rank: int, degree: int, lighthouse: str, kind: str, folder: Path,
+                         resume: Path | None) -> list[torch.Tensor]:
+    """A fit of 2 fault-tolerant groups to step 10 syncing every 3 steps (inner SGD), a checkpoint every 4 steps
+    (written by one group); this rank's parameter parts at the end."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    fault_tolerance = {"lighthouse": lighthouse, "group": group, "groups": 2, "min_groups": 2, "timeout": 30.0,
+                       "quorum_timeout": 60.0}
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=2, state_dict_type=kind,
+                                       replica_sync={"every": 3}, fault_tolerance=fault_tolerance)
+    torch.manual_seed(0)
+    saving = ModelCheckpoint(dirpath=folder / "checkpoints", save_top_k=-1, every_n_train_steps=4)
+    trainer = cpu_trainer(strategy, folder / f"group{group}", degree, max_steps=10, callbacks=[saving],
+                          enable_checkpointing=True)
+    trainer.fit(TinyModel(optimizer="sgd"), make_loader(), ckpt_path=resume)
+    return [local_part(p).detach().clone() for p in trainer.strategy.model.parameters()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_groups_on_torchft_resume_inside_a_window_exactly(tmp_path, kind):
+    """Fault-tolerant groups resumed from the checkpoint of step 4 (a sync point inside a window, written by one
+    group) end bit-equal to the run that was not interrupted, on every rank of both groups: the outer momentum and
+    the step count inside the window came back. (The inner optimizer is SGD: one group writes a fault-tolerant
+    checkpoint, so a stateful inner optimizer's state comes back as that group's in every group; docs/replica-sync.md.)"""
+    from lightning_smp.testing.replica_groups import run_replica_groups
+
+    whole = run_replica_groups(_torchft_checkpoints, 2, 2, kind, tmp_path / "whole", None)
+    saved = tmp_path / "whole" / "checkpoints" / "epoch=0-step=4.ckpt"
+    assert saved.exists()
+    resumed = run_replica_groups(_torchft_checkpoints, 2, 2, kind, tmp_path / "resumed", saved)
+    for group in range(2):
+        for rank in range(2):
+            assert all(torch.equal(a, b) for a, b in zip(whole[group][rank], resumed[group][rank])), (group, rank)
+        # (and fit ended on a sync: both groups hold the same parts)
+        assert all(torch.equal(a, b) for a, b in zip(whole[0][rank], whole[1][rank])), rank
