@@ -506,6 +506,13 @@ def test_replica_sync_counts_the_outer_copies_and_a_sync_amortised_over_its_wind
             assert row.step_seconds == pytest.approx(
                 sync_row.step_seconds - sync_row.exposed_seconds + row.exposed_seconds)
             assert row.step_seconds <= sync_row.step_seconds
+    # backup="cpu": the copies live in host memory, out of the device's peak; the crossing is the same
+    host = plan(model, **common, replica_sync={"every": 20, "backup": "cpu"})
+    device = plan(model, **common, replica_sync={"every": 20})
+    for row, on_device in zip(host.rows, device.rows):
+        assert row.outer_bytes == 0 < on_device.outer_bytes
+        assert row.peak_bytes == on_device.peak_bytes - on_device.outer_bytes
+        assert row.replicate_bytes == on_device.replicate_bytes
 
 
 def max_params_bytes(model: torch.nn.Module, degree: int) -> int:

@@ -67,13 +67,13 @@ class SyncProbe(Callback):
             torch.save(gathered, self.folder / "probe.pt")
 
 
-def _fit(folder: Path, version: int, degree: int, every: int, max_steps: int,
+def _fit(folder: Path, version: int, degree: int, every: int, max_steps: int, backup: str = "device",
          **trainer_kwargs: Any) -> tuple[list[dict[str, Any]], dict[str, list[dict]]]:
     """The probe's records of every rank, and the memory reports."""
     from lightning_smp.callbacks import MemorySavingsCallback
 
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version, start_method="fork",
-                                       replica_sync={"every": every})
+                                       replica_sync={"every": every, "backup": backup})
     torch.manual_seed(0)
     memory = MemorySavingsCallback(print_table=False, log_metrics=False, filename=None)
     trainer = cpu_trainer(strategy, folder, WORLD, max_steps=max_steps, callbacks=[SyncProbe(folder), memory],
@@ -83,7 +83,7 @@ def _fit(folder: Path, version: int, degree: int, every: int, max_steps: int,
 
 
 @pytest.mark.parametrize(("version", "degree", "within"), [
-    pytest.param(2, 2, {}, id="fsdp2-plain"),
+    pytest.param(2, 2, {"backup": "cpu"}, id="fsdp2-plain-cpu_backup"),
     pytest.param(2, 2, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}, id="fsdp2-accumulation_and_clipping"),
     pytest.param(2, 1, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
                  id="ddp_engine-accumulation_and_clipping"),
@@ -93,11 +93,13 @@ def test_groups_are_equal_right_after_each_sync_and_nothing_crosses_them_between
     trains on its own data); a step that does not sync sends nothing across the groups (no collective on the
     replicate axis, none over the world: gradient accumulation and clipping stay inside the group too), a step that
     syncs all-reduces this rank's parameters once (in bytes, exactly); fit stopping between syncs (max_steps 7,
-    every 3) ends with the groups equal. The memory report counts the outer loop's two copies of the rank's part."""
+    every 3) ends with the groups equal. The memory report counts the outer loop's two copies of the rank's part, and
+    says where they live (``backup``)."""
     every, steps = 3, 7
     ranks, reports = _fit(tmp_path, version, degree, every, steps, **within)
     for rank, record in zip(ranks, reports["fit_end"]):
         assert record["replica_sync_bytes"] == 2 * rank["local_bytes"]  # the synced copy and the outer momentum
+        assert record["replica_sync_backup"] == within.get("backup", "device")
     groups = WORLD // degree
     for step in range(steps):
         for position in range(degree):  # rank `position` of each group holds the same part of the model
@@ -147,6 +149,8 @@ def test_every_step_with_plain_sgd_is_ddp(tmp_path, version, degree):
     ({"fsdp_version": 2, "hybrid_shard_degree": 4,
       "fault_tolerance": {"lighthouse": "http://127.0.0.1:29510", "group": 0, "groups": 1}},
      r"fault_tolerance groups=1: there is nothing to sync across.*groups >= 2"),
+    ({"fsdp_version": 2, "hybrid_shard_degree": 2, "sync": {"every": 4, "backup": "disk"}},
+     r"backup='disk' is not a place.*'device'.*'cpu'"),
 ])
 def test_what_replica_sync_cannot_run_is_refused_when_the_trainer_is_made(kwargs, message):
     """Refused at ``Trainer(...)``, before any process starts, naming the value and the fix."""

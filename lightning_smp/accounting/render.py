@@ -100,7 +100,8 @@ def memory_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
             f"{fmt_bytes(r['saved_bytes'])} ({_ratio(r['saved_ratio'], '.1%')})", fmt_bytes(r["floor_bytes"]),
             _ratio(r["measured_over_floor"], ".3f"), fmt_bytes(peak),
             *([fmt_bytes(r.get("checkpoint_staging_bytes") or 0)] if staging else []),
-            *([fmt_bytes(r.get("replica_sync_bytes") or 0)] if outer else []),
+            *([fmt_bytes(r.get("replica_sync_bytes") or 0) + (" (cpu)" if r.get("replica_sync_backup") == "cpu" else "")]
+              if outer else []),
         ])
     return header, rows
 

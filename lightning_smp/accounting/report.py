@@ -63,6 +63,7 @@ def memory_report(
     print_table: bool = True,
     checkpoint_staging_bytes: int | None = None,
     replica_sync_bytes: int | None = None,
+    replica_sync_backup: str | None = None,
 ) -> list[dict[str, Any]]:
     """Measure what this rank holds, gather every rank's record (a collective: call it on every rank) and, on rank
     0, print the memory and communication tables; return the records, sorted by rank, on every rank.
@@ -79,7 +80,8 @@ def memory_report(
         checkpoint_staging_bytes: host memory this rank's background checkpoint saves stage (the strategy's
             ``checkpoint_staging_bytes``), or ``None`` without ``async_save``.
         replica_sync_bytes: memory this rank keeps for ``replica_sync``'s outer loop (the strategy's
-            ``replica_sync_bytes``), or ``None`` without it.
+            ``replica_sync_bytes``), or ``None`` without it; ``replica_sync_backup``: where (``"device"`` or
+            ``"cpu"``, ``replica_sync``'s ``backup``).
     """
     module: Module = _module(model)
     plain: list[Optimizer] = [_module(o) for o in optimizers]
@@ -95,6 +97,7 @@ def memory_report(
     record.update(peak_memory(collectives.device))
     record["checkpoint_staging_bytes"] = checkpoint_staging_bytes
     record["replica_sync_bytes"] = replica_sync_bytes
+    record["replica_sync_backup"] = replica_sync_backup
     record["comm"] = comm
     record["comm_textbook"] = textbook(module, backward_passes, accumulation, root_gathered=root_gathered)
     record["backward_passes"] = backward_passes

@@ -32,8 +32,10 @@ Record fields (one plain ``dict`` per rank; all sizes in bytes):
 ``checkpoint_staging_bytes``   with ``async_save``: host memory the largest background checkpoint save so far staged
                                on this rank (its shards, copied off the training tensors; 0 on ranks whose shards
                                another replica writes, and before the first save); ``None`` without it
-``replica_sync_bytes``         with ``replica_sync``: device memory this rank keeps for the outer loop (its part of
-                               the parameters as last synced and the outer momentum); ``None`` without it
+``replica_sync_bytes``         with ``replica_sync``: memory this rank keeps for the outer loop (its part of the
+                               parameters as last synced and the outer momentum); ``None`` without it
+``replica_sync_backup``        where that memory is: ``"device"`` (beside the parameters) or ``"cpu"`` (host memory,
+                               ``replica_sync``'s ``backup``); ``None`` without it
 ``comm``                       collectives of optimizer step ``comm_step`` (all its micro-batches), as counted by
                                :class:`~lightning_smp.accounting.CommCounter`: ``{axis: {op: {"count", "bytes"}}}``;
                                ``None`` when counting is off
@@ -244,6 +246,7 @@ class MemorySavingsCallback(Callback):
             if getattr(strategy, "async_save", False) else None,
             replica_sync_bytes=getattr(strategy, "replica_sync_bytes", None)
             if getattr(strategy, "outer_sync", None) is not None else None,
+            replica_sync_backup=getattr(strategy, "replica_sync_backup", None),
         )
         # a collective (broadcast of the directory) on every rank
         log_dir = trainer.log_dir if trainer.loggers else trainer.default_root_dir

@@ -31,6 +31,10 @@ class ReplicaSync:
         nesterov: Nesterov momentum for the outer SGD (needs ``outer_momentum > 0``).
         fragments: Streaming DiLoCo: the model cut into this many contiguous fragments, which sync in turn, one every
             ``every / fragments`` steps, each with its own outer optimizer (``every`` must be a multiple).
+        backup: where the outer loop keeps its copies (the rank's part of the parameters as last synced, and the outer
+            momentum): ``"device"``, beside the parameters, or ``"cpu"``, host memory (pinned where an accelerator
+            runs), which frees two copies of the rank's parameter shard on the device for a copy of each fragment to
+            the host and back at its sync (torchft's ``backup_device``).
     """
 
     every: int
@@ -38,6 +42,7 @@ class ReplicaSync:
     outer_momentum: float = 0.9
     nesterov: bool = True
     fragments: int = 1
+    backup: str = "device"
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], where: str = "replica_sync") -> ReplicaSync:
@@ -64,8 +69,10 @@ class ReplicaSync:
 
 _KINDS: dict[str, tuple[type, ...]] = {
     "every": (int,), "outer_lr": (int, float), "outer_momentum": (int, float), "nesterov": (bool,),
-    "fragments": (int,),
+    "fragments": (int,), "backup": (str,),
 }
+#: where ``backup`` may keep the outer loop's copies
+BACKUPS = ("device", "cpu")
 if set(_KINDS) != {f.name for f in fields(ReplicaSync)}:  # one list of keys
     raise RuntimeError("lightning_smp.config.replica_sync: the keys and their kinds differ")
 
@@ -78,6 +85,13 @@ def check_replica_sync(value: Any, where: str = "replica_sync") -> dict[str, Any
         return None
     checked: dict[str, Any] = {}
     for key, number in items.items():
+        if key == "backup":
+            if number not in BACKUPS:
+                raise HybridShardConfigError(
+                    f"{where}: backup={number!r} is not a place the outer copies can live. Fix: 'device' (beside the"
+                    " parameters) or 'cpu' (host memory).")
+            checked[key] = number
+            continue
         if key in ("every", "fragments") and number < 1:
             raise HybridShardConfigError(f"{where}: {key}={number!r} is not a count >= 1. Fix: e.g. every=20, fragments=1.")
         if key == "outer_lr" and number <= 0:
@@ -88,4 +102,4 @@ def check_replica_sync(value: Any, where: str = "replica_sync") -> dict[str, Any
     return checked
 
 
-__all__ = ["ReplicaSync", "check_replica_sync"]
+__all__ = ["BACKUPS", "ReplicaSync", "check_replica_sync"]

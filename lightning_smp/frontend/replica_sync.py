@@ -54,8 +54,15 @@ class ReplicaSyncSteps:
     @property
     def replica_sync_bytes(self) -> int:
         """Bytes this rank keeps for ``replica_sync``'s outer loop (its parts of the parameters as last synced and the
-        outer momentum; 0 without the option)."""
+        outer momentum; 0 without the option), where :attr:`replica_sync_backup` says."""
         return self._outer.state_bytes if self._outer is not None else 0
+
+    @property
+    def replica_sync_backup(self) -> str | None:
+        """Where the outer loop keeps its copies: ``"device"`` or ``"cpu"`` (``replica_sync``'s ``backup``);
+        ``None`` without the option."""
+        settings = self.core.replica_sync
+        return settings.backup if settings is not None and self._outer is not None else None
 
     @contextmanager
     def synced_weights(self) -> Generator[None, None, None]:
@@ -105,6 +112,7 @@ class ReplicaSyncSteps:
         self._outer = OuterSync(module.parameters(), group, every=settings.every, outer_lr=settings.outer_lr,
                                 outer_momentum=settings.outer_momentum, nesterov=settings.nesterov,
                                 fragments=settings.fragments, buffers=buffers,
+                                backup_device=torch.device("cpu") if settings.backup == "cpu" else None,
                                 rounds=SyncRounds(replicas) if replicas is not None else None)
         self._outer_module = module
 

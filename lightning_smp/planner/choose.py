@@ -135,7 +135,9 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
         state = max(s.total_bytes if training else s.params_bytes for s in states)
         # replica_sync: the synced copy of this rank's part of the parameters, and the outer momentum
         part = max(s.params_bytes for s in states)
-        outer = part * (2 if sync.outer_momentum else 1) if sync is not None and training else 0
+        # (backup="cpu": in host memory, out of the device's peak)
+        outer = (part * (2 if sync.outer_momentum else 1)
+                 if sync is not None and training and sync.backup == "device" else 0)
         runs = engine_for_layout(fsdp_version, layout, cpu_offload=cpu_offload or None)  # DDP's when unsharded
         transient = transient_bytes(units, root_is_last, layout, runs.prediction,
                                     micro_batches if training else 1, mode, precision)

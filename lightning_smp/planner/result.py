@@ -28,7 +28,7 @@ class DegreePlan:
             FSDP2's 1/shard partial buffer.
         buffer_bytes: the model's buffers (replicated). activation_bytes: one micro-batch.
         outer_bytes: ``replica_sync``'s outer loop: the synced copy of the rank's part of the parameters and the
-            outer momentum (0 without it).
+            outer momentum (0 without it, and with ``backup='cpu'``, where they live in host memory).
         peak_bytes: the sum; fits: ``peak_bytes * (1 + headroom) <= budget``.
         shard_bytes, replicate_bytes: logical bytes of one optimizer step inside the shard group and across replicas
             (``replica_sync``: a sync's, divided by its ``every``).

@@ -131,7 +131,7 @@ class OuterSync:
             params = trained[start:start + size]
             parts = [local_part(p) for p in params]
             start += size
-            synced = [torch.nn.Parameter(part.detach().to(backup_device or part.device, copy=True)) for part in parts]
+            synced = [torch.nn.Parameter(_backup(part, backup_device)) for part in parts]
             outer = torch.optim.SGD(synced, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
             if outer_momentum:
                 for copy in synced:
@@ -283,6 +283,15 @@ class OuterSync:
                         state["momentum_buffer"].zero_()
                     else:
                         state["momentum_buffer"].copy_(next(buffers))
+
+
+def _backup(part: Tensor, device: torch.device | None) -> Tensor:
+    """A copy of ``part`` on ``device`` (``None``: its own), pinned when it leaves an accelerator for the host (the
+    copies at each sync then run at the link's speed, as torchft's ``pin_memory``)."""
+    copy = part.detach().to(device or part.device, copy=True)
+    if copy.device.type == "cpu" and part.device.type != "cpu":
+        copy = copy.pin_memory()
+    return copy
 
 
 __all__ = ["BUCKET_BYTES", "Fragment", "OuterSync", "Rounds", "fragment_sizes"]

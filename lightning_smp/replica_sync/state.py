@@ -18,9 +18,11 @@ from lightning_smp.replicas import local_part
 
 def _shaped_like(local: Tensor, param: Tensor) -> Tensor:
     """``local`` (this rank's part of a tensor shaped like ``param``) as ``param`` is laid out: a ``DTensor`` on its
-    mesh and placements, sharing ``local``'s storage, or ``local`` itself."""
+    mesh and placements, sharing ``local``'s storage, or ``local`` itself (a copy on the parameter's device where it
+    lives elsewhere: ``backup='cpu'``)."""
     from torch.distributed.tensor import DTensor
 
+    local = local.to(param.device)  # (no copy where it is there already)
     if isinstance(param, DTensor):
         return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
                                   stride=param.stride())
