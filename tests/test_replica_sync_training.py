@@ -115,23 +115,102 @@ def test_groups_are_equal_right_after_each_sync_and_nothing_crosses_them_between
         assert len({ranks[group * degree + position]["end"] for group in range(groups)}) == 1
 
 
-@pytest.mark.parametrize(("version", "degree"), ENGINES)
-def test_every_step_with_plain_sgd_is_ddp(tmp_path, version, degree):
+class BuffersAndHeads(L.LightningModule):
+    """BatchNorm in the body, and two heads of one shape, ``even`` used in even batches only and ``odd`` in odd ones
+    (under accumulation of 2, each unused in one micro-batch of every window); inner SGD. ``manual``: the same step
+    by manual optimization (``manual_backward``, one optimizer), both heads every time."""
+
+    def __init__(self, manual: bool = False) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.Tanh(), torch.nn.BatchNorm1d(33),
+                                        torch.nn.Linear(33, 4))
+        self.even, self.odd = torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+        self.automatic_optimization = not manual
+
+    def forward(self, x: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        if index is None:
+            return self.body(x) + self.even(x) + self.odd(x)
+        return self.body(x) + (self.even if index % 2 == 0 else self.odd)(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.automatic_optimization:
+            return torch.nn.functional.mse_loss(self(x, batch_idx), y)
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss.detach()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _buffers_and_heads(manual: bool) -> BuffersAndHeads:
+    torch.manual_seed(0)
+    return BuffersAndHeads(manual)
+
+
+class SeenStatistics(Callback):
+    """Every rank's BatchNorm running mean as each training forward computes with it (after the strategy's own
+    pre-forward broadcasts), written to ``<folder>/seen<rank>.pt``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.seen = Path(folder), []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        norm = pl_module.body[2]
+        norm.register_forward_pre_hook(lambda module, args: self.seen.append(module.running_mean.detach().clone()))
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        torch.save(self.seen, self.folder / f"seen{trainer.global_rank}.pt")
+
+
+@pytest.mark.parametrize(("version", "degree", "manual", "trainer_kwargs"), [
+    pytest.param(2, 2, False, {"accumulate_grad_batches": 2}, id="fsdp2-accumulation"),
+    pytest.param(2, 1, False, {"accumulate_grad_batches": 2}, id="ddp_engine-accumulation"),
+    pytest.param(2, 2, True, {}, id="fsdp2-manual"),
+])
+def test_every_step_with_plain_sgd_is_ddp(tmp_path, version, degree, manual, trainer_kwargs):
     """H = 1, outer SGD lr 1 without momentum, an SGD inner optimizer without momentum: each sync sets the
-    parameters to the mean of the groups' SGD steps from the same point, which is DDP's step; the final weights
-    equal Lightning's DDP within the parity bound of the synchronous tests."""
+    parameters to the mean of the groups' SGD steps from the same point, which is DDP's step (a head a group left
+    unused in a window stays, and counts as DDP's zero), and every group starts each step from the first group's
+    BatchNorm statistics, as every DDP rank from rank 0's: the final weights and statistics equal Lightning's DDP
+    (``find_unused_parameters=True``) within the parity bound of the synchronous tests, under accumulation and
+    manual optimization."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from tests.helpers import fit_and_record, weights_of
+
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version, start_method="fork",
                                        replica_sync={"every": 1, "outer_lr": 1.0, "outer_momentum": 0.0,
                                                      "nesterov": False})
-    torch.manual_seed(0)
-    model = TinyModel(optimizer="sgd")
-    trainer = cpu_trainer(strategy, tmp_path, WORLD, max_steps=6)
-    trainer.fit(model, make_loader())
-    _, ddp_weights = ddp_fit(lambda: TinyModel(optimizer="sgd"), WORLD, max_steps=6)
-    weights = {k: v.detach() for k, v in model.state_dict().items()}
-    assert weights.keys() == ddp_weights.keys()
-    for key, value in ddp_weights.items():
-        assert torch.allclose(weights[key], value, rtol=0, atol=PARITY_BOUND), key
+    loader = make_loader(samples=128, batch_size=8)
+    _, ours, _ = fit_and_record(strategy, tmp_path / "ours", WORLD, model=_buffers_and_heads(manual),
+                                train_loader=loader, callbacks=[SeenStatistics(tmp_path / "ours")], **trainer_kwargs)
+    _, ddp, _ = fit_and_record(DDPStrategy(start_method="fork", find_unused_parameters=True), tmp_path / "ddp", WORLD,
+                               model=_buffers_and_heads(manual), train_loader=loader,
+                               callbacks=[SeenStatistics(tmp_path / "ddp")], **trainer_kwargs)
+    # the statistics every rank computes with at the first forward of each optimizer step: global rank 0's, bit for
+    # bit (the sync gives every group the first group's), and those equal DDP's rank 0's (the later micro-batches of
+    # a window see their group's own: nothing crosses the groups inside a window)
+    window = int(trainer_kwargs.get("accumulate_grad_batches", 1))
+    seen = [torch.load(tmp_path / "ours" / f"seen{rank}.pt") for rank in range(WORLD)]
+    theirs = torch.load(tmp_path / "ddp" / "seen0.pt")
+    assert len(seen[0]) == len(theirs) == 6 * window
+    for forward in range(0, len(theirs), window):
+        assert all(torch.equal(seen[rank][forward], seen[0][forward]) for rank in range(WORLD)), forward
+        assert (seen[0][forward].double() - theirs[forward].double()).abs().max().item() <= 64 * PARITY_BOUND
+    weights, reference = weights_of(ours), weights_of(ddp)
+    assert weights.keys() == reference.keys() and any("running_mean" in key for key in weights)
+    for key, value in reference.items():
+        # (a statistic moves by the inputs' 1-norm, < 64 here, times the largest weight difference; a count not)
+        bound = 0 if "num_batches" in key else 64 * PARITY_BOUND if "running_" in key else PARITY_BOUND
+        worst = (weights[key].double() - value.double()).abs().max().item()
+        assert worst <= bound, (key, worst, bound)
+    assert not torch.equal(weights["even.weight"], _buffers_and_heads(manual).even.weight.detach())  # (it trained)
 
 
 # ------------------------------------------------------------------------------------------------- refusals
