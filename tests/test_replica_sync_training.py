@@ -296,6 +296,27 @@ def test_a_run_resumed_inside_a_window_continues_exactly(tmp_path, version, degr
         assert torch.equal(whole[key], resumed[key]), key
 
 
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_a_run_resumed_with_another_outer_momentum_takes_the_new_one(tmp_path, kind):
+    """A checkpoint saved with outer momentum resumes without it (outer_momentum=0: the saved momentum is not
+    loaded), and one saved without resumes with it (from zero momentum), in either format."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(folder: Path, momentum: float, ckpt_path: Path | None = None) -> Path:
+        sync = {"every": 3, "outer_momentum": momentum, "nesterov": bool(momentum)}
+        strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=2, start_method="fork",
+                                           state_dict_type=kind, replica_sync=sync)
+        torch.manual_seed(0)
+        saving = ModelCheckpoint(dirpath=folder / "checkpoints", save_top_k=-1, every_n_train_steps=4)
+        trainer = cpu_trainer(strategy, folder, WORLD, max_steps=6, callbacks=[saving], enable_checkpointing=True)
+        trainer.fit(TinyModel(), make_loader(), ckpt_path=ckpt_path)
+        assert trainer.global_step == 6
+        return folder / "checkpoints" / "epoch=0-step=4.ckpt"
+
+    fit(tmp_path / "without", 0.0, fit(tmp_path / "with", 0.9))
+    fit(tmp_path / "with_again", 0.9, fit(tmp_path / "without_first", 0.0))
+
+
 class OuterProbe(Callback):
     """At the start of training (after a checkpoint was loaded): the outer loop's step count and its momentum, each
     parameter's gathered in full, written by rank 0 to ``<folder>/outer.pt``."""

@@ -184,7 +184,9 @@ class ReplicaSyncSteps:
         if self._outer is None or shadow is None:
             return {}
         group = self._group_index()
-        entries = {OUTER_ENTRY: shadow}
+        # (without outer momentum the outer state is its step count alone, in the record: a checkpoint's momentum,
+        # saved with outer_momentum > 0, is not loaded)
+        entries: dict[str, Optimizer] = {OUTER_ENTRY: shadow} if self._outer.momentum() else {}
         if group > 0:
             entries.update({inner_entry(group, index): optimizer for index, optimizer in enumerate(optimizers)})
         return entries
