@@ -618,3 +618,31 @@ def test_groups_on_torchft_resume_inside_a_window_exactly(tmp_path, kind):
             assert all(torch.equal(a, b) for a, b in zip(whole[group][rank], resumed[group][rank])), (group, rank)
         # (and fit ended on a sync: both groups hold the same parts)
         assert all(torch.equal(a, b) for a, b in zip(whole[0][rank], whole[1][rank])), rank
+
+
+def _meta_init_loop(fabric: L.Fabric) -> list[Any]:
+    from tests.fabric_loops import make_net
+
+    torch.manual_seed(fabric.global_rank)  # (every rank its own initialisation)
+    with fabric.init_module(empty_init=True):
+        net = make_net()
+    model = fabric.setup_module(net)
+    outer = fabric.strategy.outer_sync
+    record = {"model": _digest(model),
+              "synced": hashlib.sha1(b"".join(t.detach().contiguous().numpy().tobytes()
+                                              for f in outer.fragments for t in f.synced)).hexdigest()}
+    ranks: list[Any] = [None] * fabric.world_size
+    dist.all_gather_object(ranks, record)
+    return ranks
+
+
+def test_a_model_initialised_on_the_meta_device_starts_alike_in_every_group():
+    """``fabric.init_module(empty_init=True)`` with every rank seeded apart: after ``setup_module`` rank r of every
+    group holds the same part, and the outer loop's synced copies are those weights (the anchor of the first sync)."""
+    from lightning_smp.fabric import HybridShardFSDPStrategy as FabricStrategy
+
+    strategy = FabricStrategy(hybrid_shard_degree=2, fsdp_version=2, start_method="fork", replica_sync={"every": 3})
+    ranks = L.Fabric(strategy=strategy, accelerator="cpu", devices=WORLD).launch(_meta_init_loop)
+    for position in range(2):
+        assert ranks[position] == ranks[2 + position]
+        assert ranks[position]["model"] == ranks[position]["synced"]
