@@ -19,7 +19,7 @@ from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, Unsup
 from lightning_smp.accounting import CommCounter
 from lightning_smp.callbacks.memory import strategy_mesh
 from lightning_smp.replicas import local_part
-from tests.helpers import PARITY_BOUND, TinyModel, cpu_trainer, ddp_fit, make_loader, run_distributed
+from tests.helpers import PARITY_BOUND, TinyModel, cpu_trainer, make_loader, run_distributed
 
 WORLD = 4
 #: (fsdp_version, hybrid_shard_degree) of each engine replica_sync runs on: FSDP2 shards inside groups of two, the
