@@ -247,20 +247,21 @@ def _assert_bit_equal(jobs, groups: tuple[int, int], steps, keys=("model", "opti
     return compared
 
 
-def _kill_group_1_and_start_it_again(jobs, *extra: str) -> int:
-    """Both groups train 60 slow steps; group 1 is SIGKILLed after 4, and started again once the survivor committed
-    its next step, which must come within the heartbeat timeout + 5 s with none of the survivor's processes gone.
-    Returns group 1's last committed step before the kill."""
+def _kill_group_1_and_start_it_again(jobs, *extra: str, killed_group: int = 1) -> int:
+    """Both groups train 60 slow steps; group 1 (``killed_group``) is SIGKILLed after 4, and started again once the
+    survivor committed its next step, which must come within the heartbeat timeout + 5 s with none of the
+    survivor's processes gone. Returns the killed group's last committed step before the kill."""
+    survivor = 1 - killed_group
     for group in (0, 1):
         jobs.start(group, "--steps", "60", "--pause", "0.3", *extra)
     jobs.wait_for(lambda: len(jobs.records(1)) >= 4 and len(jobs.records(0)) >= 4, 120, "4 committed steps")
-    last_before = jobs.records(1)[-1]["step"]
-    killed = jobs.kill(1)
-    jobs.wait_for(lambda: any(r["time"] > killed for r in jobs.records(0)), HEARTBEAT + 5 + 10,
+    last_before = jobs.records(killed_group)[-1]["step"]
+    killed = jobs.kill(killed_group)
+    jobs.wait_for(lambda: any(r["time"] > killed for r in jobs.records(survivor)), HEARTBEAT + 5 + 10,
                   "the survivor's next committed step")
-    assert min(r["time"] for r in jobs.records(0) if r["time"] > killed) - killed <= HEARTBEAT + 5
-    assert jobs.jobs[0].poll() is None  # no process of the survivor exited
-    jobs.start(1, "--steps", "60", "--pause", "0.3", *extra)
+    assert min(r["time"] for r in jobs.records(survivor) if r["time"] > killed) - killed <= HEARTBEAT + 5
+    assert jobs.jobs[survivor].poll() is None  # no process of the survivor exited
+    jobs.start(killed_group, "--steps", "60", "--pause", "0.3", *extra)
     return last_before
 
 
@@ -317,16 +318,17 @@ def test_trainer_groups_survive_a_killed_group_and_heal_it_at_the_peer_s_step_an
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_semi_synchronous_groups_survive_a_killed_group_that_heals_at_a_sync_with_the_outer_state(tmp_path):
-    """replica_sync on torchft: group 1 is SIGKILLed and started again from nothing; the survivor syncs alone
-    meanwhile; the restarted group joins its peer's next sync without its own part, and heals at its own next sync
-    (the shards, AdamW's state, the loop's counters and data position, and the outer loop's synced copies and
-    momentum). From then on both groups' parameters are bit-equal right after every sync and the outer state at every
-    step, global steps aligned, to the end (a sync)."""
+    """replica_sync on torchft: group 0 (the first group, whose buffers the syncs carry) is SIGKILLed and started
+    again from nothing, while the survivor syncs alone; the restarted group joins its peer's next sync without its
+    own part, and heals at its own next sync after an optimizer step (the shards, AdamW's state, the loop's counters
+    and data position, and the outer loop's synced copies and momentum). From then on both groups' parameters and
+    BatchNorm statistics are bit-equal right after every sync and the outer state at every step, global steps
+    aligned, to the end (a sync)."""
     every = 4
     with _jobs(tmp_path, TRAINER_SCRIPT) as jobs:
-        _kill_group_1_and_start_it_again(jobs, "--every", str(every))
+        _kill_group_1_and_start_it_again(jobs, "--every", str(every), "--norm", killed_group=0)
         assert jobs.wait(240) == {0: 0, 1: 0}, jobs.logs()
-        restarted = _since_last_start(jobs.records(1))
+        restarted = _since_last_start(jobs.records(0))
         healed = [r for r in restarted if r["healed_at"] is not None]
         assert healed and restarted[0]["global_step"] == 1, jobs.logs()  # (it started from nothing)
         first = healed[0]["global_step"]
@@ -335,18 +337,23 @@ def test_semi_synchronous_groups_survive_a_killed_group_that_heals_at_a_sync_wit
         for rank in range(jobs.degree):
             by_step = [{r["global_step"]: r for r in jobs.records(group, rank) if r["global_step"] >= first}
                        for group in (0, 1)]
-            assert sorted(by_step[1]) == sorted(by_step[0]) == list(range(first, 61))
+            assert sorted(by_step[0]) == sorted(by_step[1]) == list(range(first, 61))
             for step in range(first, 61):
                 left, right = by_step[0][step], by_step[1][step]
                 assert left["outer"] == right["outer"], (rank, step)
-                assert (left["model"] == right["model"]) == (step % every == 0), (rank, step)
+                synced = step % every == 0
+                assert (left["model"] == right["model"]) == synced, (rank, step)
+                assert (left["buffers"] == right["buffers"]) == synced, (rank, step)
                 compared += 1
         assert compared == 2 * (61 - first)
         # the survivor took every inner step once, through the outage (from its own last heal: with min_groups=1 a
         # group that asks for its first quorum before the other has started trains alone, and the later heals)
-        survivor = jobs.records(0)
+        survivor = jobs.records(1)
         steps = [r["global_step"] for r in survivor if r["healed_at"] == survivor[-1]["healed_at"]]
         assert steps == list(range(steps[0], 61)) and steps[0] < first - every
+        # and its BatchNorm counted every batch: no sync ever gave it another group's statistics from behind, or none
+        tracked = [r["tracked"] for r in survivor if r["global_step"] >= steps[0]]
+        assert tracked == list(range(tracked[0], tracked[0] + len(tracked))), tracked
 
 
 def _since_last_start(records: list[dict]) -> list[dict]:

@@ -33,8 +33,8 @@ class ReplicaSync:
             ``every / fragments`` steps, each with its own outer optimizer (``every`` must be a multiple).
         backup: where the outer loop keeps its copies (the rank's part of the parameters as last synced, and the outer
             momentum): ``"device"``, beside the parameters, or ``"cpu"``, host memory (pinned where an accelerator
-            runs), which frees two copies of the rank's parameter shard on the device for a copy of each fragment to
-            the host and back at its sync (torchft's ``backup_device``).
+            runs), which frees two copies of the rank's parameter shard on the device (one without outer momentum)
+            for a copy of each fragment to the host and back at its sync (torchft's ``backup_device``).
     """
 
     every: int

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar, Protocol
@@ -65,6 +65,8 @@ class StepReport:
     heal_seconds: float | None = None
 
 
+#: where the state a group serves for healing records the kind of ``semi_sync`` round it was taken in
+ROUND_KEY = "round"
 #: how long a crossing runs before the lighthouse's status page is read, and then how often
 WATCH_GRACE, WATCH_EVERY = 1.0, 0.5
 #: a group gives up when it has committed no step for ``quorum_timeout`` seconds, over at least this many uncommitted
@@ -140,6 +142,11 @@ class ReplicaGroups:
         self._failing_since: float | None = None
         self._healed_from: int | None = None
         self._healed_in_round = False
+        #: semi_sync: the kind of the current round (what a peer's served state records), the step before its quorum
+        self._round_kind: str | None = None
+        self._step_before_round = 0
+        #: semi_sync: whether the current round compared the groups' states (every group at step 0)
+        self.compared_in_round = False
         #: whether the last vote committed (``None`` before the first)
         self.last_committed: bool | None = None
         #: the committed step at which this group last received a peer's state (``None``: never)
@@ -158,11 +165,19 @@ class ReplicaGroups:
     def _tracked_state(self) -> dict[str, Any]:
         if self._tracked is None:
             raise FaultToleranceError("a peer asked for this group's state before the model was set up.")
-        return self._tracked.state_dict()
+        return {**self._tracked.state_dict(), ROUND_KEY: self._round_kind}
 
     def _load_tracked(self, state: dict[str, Any]) -> None:
         if self._tracked is None:
             raise FaultToleranceError("a peer's state arrived before the model was set up.")
+        if state.get(ROUND_KEY) != self._round_kind:
+            # (semi_sync: the peer took its state in another kind of round, at another point of a step, whose loop
+            # counters and schedulers this group's step would then count twice or not at all: not taken; this group
+            # stays behind, sends nothing of its own in this round, and heals at a later one)
+            self.manager._step = self._step_before_round  # torchft 0.2.0 moved it to the peer's in the quorum
+            log.info("replica group %d: a peer's state from a %s round not taken in a %s round",
+                     self.settings.group, state.get(ROUND_KEY), self._round_kind)
+            return
         self._tracked.load_state_dict(state)
         self.healed_at = self.manager.current_step()
         self._healed_in_round = True
@@ -237,22 +252,34 @@ class ReplicaGroups:
 
     # ------------------------------------------------------------------ a sync of semi-synchronous groups
 
-    def begin_round(self, allow_heal: bool = True) -> bool:
+    def begin_round(self, kind: str, allow_heal: bool = True) -> bool:
         """``semi_sync``: the quorum of a sync, waited for (with ``allow_heal``, a group behind the others receives a
-        live peer's state here, before its part of the sync is computed: :attr:`healed_in_round`), the first quorum's
-        check and, where every group is at step 0, the groups' comparison. ``False``: the round is dropped (reported
-        to torchft; its vote refuses it)."""
+        live peer's state here, before its part of the sync is computed: :attr:`healed_in_round`; only from a peer in
+        a round of the same ``kind``, the same point of a step), the first quorum's check and, where every group is at
+        step 0, the groups' comparison (:attr:`compared_in_round`). ``False``: the round is dropped (reported to
+        torchft; its vote refuses it)."""
         self._crossed, self._notes, self._healed_from, self._healed_in_round = [], None, None, False
         self._in_step = True
+        self._round_kind, self._step_before_round = kind, self.manager.current_step()
+        compared = len(self._agreed)
         # (synchronous: a heal is applied before it returns)
         self._wait_quorum(lambda: self.manager.start_quorum(allow_heal=allow_heal))
         self._check_first_quorum()
-        return self._agree_on_start()
+        usable = self._agree_on_start()
+        self.compared_in_round = len(self._agreed) > compared
+        return usable
 
     @property
     def healed_in_round(self) -> bool:
         """Whether this group received a live peer's state in the current round."""
         return self._healed_in_round
+
+    @property
+    def first_up_to_date(self) -> bool:
+        """Whether this group is the first of the last quorum's groups at its highest step (the same answer in every
+        group, whatever each asked of its quorum; before any quorum: group 0)."""
+        quorum = self._vote.quorum
+        return self.settings.group == 0 if quorum is None else quorum.max_replica_rank == 0
 
     @property
     def sends_own_part(self) -> bool:
@@ -364,7 +391,7 @@ class ReplicaGroups:
                 " model alike in every group (L.seed_everything) to start from your own.", stacklevel=2)
         return True
 
-    def _wait_quorum(self, wait: Any = None) -> None:
+    def _wait_quorum(self, wait: Callable[[], None] | None = None) -> None:
         """The quorum of this step (``wait``: what waits for it, torchft's ``wait_quorum`` by default); without one
         within ``quorum_timeout`` the lighthouse is gone (or out of reach), and no group can commit again: raised,
         naming it, on every rank."""
@@ -411,11 +438,9 @@ class ReplicaGroups:
             )
 
     def writes_checkpoints(self) -> bool:
-        """Whether this group writes the job's persistent checkpoints: the first participant of the last quorum
-        (before any quorum: group 0), so that exactly one live group writes."""
-        if self.manager._quorum_future is None:  # (no quorum yet; participating_rank would be None)
-            return self.settings.group == 0
-        return self.manager.participating_rank() == 0
+        """Whether this group writes the job's persistent checkpoints: the first of the last quorum's groups at its
+        highest step (before any quorum: group 0), so that exactly one live, up-to-date group writes."""
+        return self.first_up_to_date
 
     def commit(self) -> bool:
         """Vote on the step; ``True`` only if every participating group commits (the optimizer must step then, and

@@ -125,7 +125,6 @@ class ReplicaGroupSteps:
 
         return with_outer, load_with_outer
 
-
     def _replica_checkpoint_state(self) -> dict[str, Any]:
         """What a persistent checkpoint records of the replica groups (torchft's step), to resume from."""
         return {REPLICA_GROUPS_KEY: self._replicas.state_dict()} if self._replicas is not None else {}

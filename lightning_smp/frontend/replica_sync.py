@@ -101,7 +101,12 @@ class ReplicaSyncSteps:
         """The outer loop over ``module`` (the sharded root), its synced copies taken now (every group starts from
         the same weights)."""
         settings, mesh, replicas = self.core.replica_sync, self.core.device_mesh, self._replicas
-        if settings is None or (self._outer is not None and self._outer_module is module):
+        if settings is None:
+            return
+        if self._outer is not None and self._outer_module is module:
+            rounds = self._outer.rounds
+            if replicas is not None and not (isinstance(rounds, SyncRounds) and rounds.replicas is replicas):
+                self._outer.rounds = SyncRounds(replicas)  # (another fit: the replica groups were joined again)
             return
         if replicas is None and mesh is None:
             return

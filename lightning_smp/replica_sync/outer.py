@@ -60,7 +60,7 @@ class Rounds(Protocol):
 
     def start(self, outer: OuterSync) -> None: ...
 
-    def sync(self, outer: OuterSync, indices: list[int]) -> None: ...
+    def sync(self, outer: OuterSync, indices: list[int], *, after_step: bool) -> None: ...
 
 
 @dataclass
@@ -142,7 +142,7 @@ class OuterSync:
         """After an inner optimizer step: sync the fragments whose turn it is; returns their indices."""
         self.steps += 1
         due = [index for index, fragment in enumerate(self.fragments) if self.steps % self.every == fragment.offset]
-        self._sync_fragments(due)
+        self._sync_fragments(due, after_step=True)
         return due
 
     def sync(self) -> list[int]:
@@ -150,7 +150,7 @@ class OuterSync:
         the end of fit); the groups leave bit-equal. Returns the fragments synced (none: the groups
         are equal already, and nothing is sent)."""
         pending = [index for index, fragment in enumerate(self.fragments) if fragment.synced_at < self.steps]
-        self._sync_fragments(pending)
+        self._sync_fragments(pending, after_step=False)
         return pending
 
     @torch.no_grad()
@@ -187,12 +187,12 @@ class OuterSync:
         """Whether some fragment trained since its last sync (the groups may differ)."""
         return any(fragment.synced_at < self.steps for fragment in self.fragments)
 
-    def _sync_fragments(self, indices: list[int]) -> None:
+    def _sync_fragments(self, indices: list[int], *, after_step: bool) -> None:
         if indices:
             self.hide_synced()  # (a sync while the synced weights are shown: a checkpoint during validation)
         if self.rounds is not None:
             if indices:
-                self.rounds.sync(self, indices)
+                self.rounds.sync(self, indices, after_step=after_step)
             return
         for index in indices:
             fragment = self.fragments[index]

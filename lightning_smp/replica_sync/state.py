@@ -31,7 +31,8 @@ def _shaped_like(local: Tensor, param: Tensor) -> Tensor:
 
 def outer_optimizer(outer: OuterSync) -> torch.optim.SGD:
     """The outer loop's optimizer state as an SGD over the model's own parameters (never stepped): what a checkpoint
-    saves and loads of it. Its momentum buffers share storage with ``outer``'s (this rank's parts)."""
+    saves and loads of it. Its momentum buffers share storage with ``outer``'s (this rank's parts; copies on the
+    parameters' device under ``backup='cpu'``, which :func:`restore_outer` copies back)."""
     settings = outer.fragments[0].outer.param_groups[0]
     shadow = torch.optim.SGD(outer.parameters, lr=settings["lr"], momentum=settings["momentum"],
                              nesterov=settings["nesterov"])

@@ -24,9 +24,11 @@ BATCH = 8
 
 
 class Model(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, norm: bool = False) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        # (norm: BatchNorm's running statistics, buffers that the groups' syncs carry)
+        middle = [torch.nn.BatchNorm1d(32)] if norm else []
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), *middle, torch.nn.Linear(32, 4))
 
     fail_at: int | None = None
 
@@ -68,6 +70,8 @@ class Record(L.Callback):
             outer = strategy.outer_sync
             if outer is not None:
                 line["outer"] = digest([t for f in outer.fragments for t in (*f.synced, *f.momentum())])
+                line["buffers"] = digest(list(module.buffers()))
+                line["tracked"] = sum(int(b) for n, b in module.named_buffers() if n.endswith("num_batches_tracked"))
             with (self.out / f"group{self.group}_rank{trainer.global_rank}.jsonl").open("a") as f:
                 f.write(json.dumps(line) + "\n")
         time.sleep(self.pause)
@@ -79,6 +83,7 @@ def main() -> None:
     parser.add_argument("--fail_at", type=int, default=None, help="report an error to torchft in this step")
     parser.add_argument("--samples", type=int, default=4096, help="the dataset's size (all groups together)")
     parser.add_argument("--every", type=int, default=None, help="replica_sync: sync the groups every this many steps")
+    parser.add_argument("--norm", action="store_true", help="a BatchNorm in the model (buffers)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -97,7 +102,7 @@ def main() -> None:
                         accumulate_grad_batches=args.accumulate, enable_checkpointing=False, logger=logger,
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Record(out, args.group, args.pause)])
-    model = Model()
+    model = Model(norm=args.norm)
     model.fail_at = args.fail_at
     # shuffled: each epoch its own order (DistributedSampler's seed 0 plus the epoch), each group its own part of it
     trainer.fit(model, DataLoader(data, batch_size=BATCH, shuffle=True))
