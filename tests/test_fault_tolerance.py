@@ -168,6 +168,33 @@ def test_what_healing_copies_is_each_rank_s_shards_and_optimizer_state(tmp_path)
     assert results == [True, True]
 
 
+def test_a_semi_synchronous_heal_is_taken_only_from_a_peer_at_the_same_point_of_its_step():
+    """replica_sync on torchft: the state a group serves records the kind of round it was taken in; a group healing
+    in a sync after an optimizer step takes a peer's state only from the same kind (one from a checkpoint's or the
+    end's sync would count a step twice in the loop's counters and schedulers): otherwise nothing is loaded and
+    torchft's step goes back to this group's, so that it is still behind and heals at a later sync."""
+    from types import SimpleNamespace
+
+    from lightning_smp.fault_tolerance.rounds import AFTER_STEP, BETWEEN_STEPS
+    from lightning_smp.fault_tolerance.session import ROUND_KEY, ReplicaGroups
+
+    loaded: list[dict] = []
+    groups = object.__new__(ReplicaGroups)  # (the decision alone: torchft's Manager as far as it is read)
+    manager = SimpleNamespace(_step=9)
+    manager.current_step = lambda: manager._step
+    groups.manager, groups.settings, groups._vote = manager, SimpleNamespace(group=1), SimpleNamespace(quorum=None)
+    groups._tracked = SimpleNamespace(load_state_dict=loaded.append, state_dict=lambda: {"tensors": {}})
+    groups._healed_in_round, groups.healed_at, groups._healed_from = False, None, None
+    groups._round_kind, groups._step_before_round = AFTER_STEP, 3  # (torchft moved its step to the peer's, 9)
+    groups._load_tracked({"tensors": {}, ROUND_KEY: BETWEEN_STEPS})
+    assert loaded == [] and manager._step == 3 and not groups.healed_in_round and groups.healed_at is None
+    manager._step = 9
+    groups._load_tracked({"tensors": {}, ROUND_KEY: AFTER_STEP})
+    assert len(loaded) == 1 and groups.healed_in_round and groups.healed_at == 9
+    groups._round_kind = BETWEEN_STEPS
+    assert groups._tracked_state() == {"tensors": {}, ROUND_KEY: BETWEEN_STEPS}
+
+
 def _healing_round_trip(rank: int, world_size: int) -> bool:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
