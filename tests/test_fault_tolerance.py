@@ -717,9 +717,9 @@ def _votes(rank: int, world_size: int) -> list:
     from datetime import timedelta
 
     from lightning_smp.engines.unused import UNUSED, USED, USED_WITHOUT_GRAD, Unreduced
-    from lightning_smp.fault_tolerance.session import _GroupVote
+    from lightning_smp.fault_tolerance.vote import GroupVote
 
-    vote = _GroupVote(client=None, device=torch.device("cpu"))
+    vote = GroupVote(client=None, device=torch.device("cpu"))
     mine = {0: [USED, UNUSED, UNUSED], 1: [UNUSED, USED, UNUSED]}[rank]
     outcomes = []
     for commit, missing in ((True, False), (rank == 0, False), (True, rank == 1)):

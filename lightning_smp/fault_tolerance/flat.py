@@ -30,7 +30,7 @@ _PIECE_BITS = 8
 
 
 class Levels(Protocol):
-    """The unused-parameter notes as the crossing reads them (:class:`~lightning_smp.fault_tolerance.session.UnusedNotes`)."""
+    """The unused-parameter notes as the crossing reads them (:class:`~lightning_smp.fault_tolerance.vote.UnusedNotes`)."""
 
     levels: Tensor
     LEVELS: ClassVar[int]
