@@ -67,12 +67,14 @@ class SyncRounds:
             outer.restart_from_parameters(outer.steps, outer.momentum() or None)
         wished = torch.zeros(len(outer.fragments), dtype=torch.float32, device=replicas.device)
         wished[indices] = 1.0
-        if usable and replicas.cross_sum(wished):
+        agreed = usable and replicas.cross_sum(wished)
+        if agreed:
             indices = sorted(set(indices) | {i for i, count in enumerate(wished.tolist()) if count > 0})
-            usable = self._average(outer, indices)
+            self._average(outer, indices)
         committed = replicas.commit()  # (refused in this group if it failed anywhere in the round)
-        if not committed and healed:
-            # (the peer's window is dropped in the peer: this group, which holds it now, drops it too)
+        if not committed and healed and not agreed:
+            # (the peer drops the fragments it wanted: this group, which holds the peer's window now and does not know
+            # which, drops every fragment that trained)
             indices = [i for i, fragment in enumerate(outer.fragments) if fragment.synced_at < outer.steps]
         for index in indices:
             fragment = outer.fragments[index]
