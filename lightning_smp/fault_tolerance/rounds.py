@@ -85,10 +85,11 @@ class SyncRounds:
                 outer.roll_back(fragment)
         return committed
 
-    def _average(self, outer: OuterSync, indices: list[int]) -> bool:
+    def _average(self, outer: OuterSync, indices: list[int]) -> None:
         """The pseudo-gradients of ``indices`` averaged, parameter by parameter, across the groups that sent theirs
         (a fragment that has not trained since its last sync sends nothing), into the synced copies' ``.grad``; the
-        buffers of the first up-to-date group ride along, applied when the round commits."""
+        buffers of the first up-to-date group ride along, applied when the round commits. A crossing that fails is
+        reported to torchft, whose vote then refuses the round."""
         replicas = self.replicas
         synced = [copy for index in indices for copy in outer.fragments[index].synced]
         if replicas.sends_own_part:
@@ -100,7 +101,7 @@ class SyncRounds:
         for item in pack(synced, None, outer.buffers, sends_buffers=replicas.first_up_to_date,
                          device=replicas.device):
             if not replicas.cross_sum(item.flat):
-                return False
+                return
             # (each parameter's flag summed over the groups: how many sent it; unpack leaves the sums, and
             # None where nobody sent)
             at = sum(item.sizes)
@@ -109,7 +110,6 @@ class SyncRounds:
             for summed, count in zip(item.parameters, senders):
                 if summed.grad is not None and count > 1:
                     summed.grad.div_(count)
-        return True
 
 
 __all__ = ["SyncRounds"]
