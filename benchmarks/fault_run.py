@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -58,24 +59,46 @@ class Heads(torch.nn.Module):
         return out + self.only_first(batch) if first else out
 
 
-def vanish_inside_the_crossing(replicas: Any, after: int, how: str, marker: Path | None) -> None:
-    """Make this rank vanish at the all-reduce of the gradients across groups of the first step after committed step
-    ``after``, while the other groups wait inside it: SIGSTOP (``how="stop"``: every thread frozen, the manager
-    server's heartbeats too, no connection closed) or SIGKILL itself. Writes the time to ``marker`` first, whole (the
-    group's rank 0 alone; the others pass ``None``)."""
+def vanish_inside_the_crossing(replicas: Any, after: int, how: str, marker: Path | None,
+                               thaw_after: float | None = None) -> None:
+    """Make this rank vanish at the first crossing (an all-reduce across groups of floating-point values: gradients,
+    or a sync's) after committed step ``after``, while the other groups wait inside it: SIGSTOP (``how="stop"``: every
+    thread frozen, the manager server's heartbeats too, no connection closed; with ``thaw_after``, a process that this
+    rank started first sends SIGCONT that many seconds later, once, and the rank goes on into the crossing its peers
+    may have left: a partition that ends) or SIGKILL itself. Writes the time to ``marker`` first, whole (the group's
+    rank 0 alone; the others pass ``None``)."""
     process_group = replicas.process_group
     issue = process_group.allreduce
+    done = []
 
     def allreduce(tensors: list[torch.Tensor], options: Any) -> Any:
-        if replicas.step >= after and tensors[0].is_floating_point():  # (the gradients', not the start's check)
+        # (floating point: the gradients' or a sync's, not the start's or a meeting's comparison)
+        if replicas.step >= after and tensors[0].is_floating_point() and not done:
+            done.append(True)
             if marker is not None and not marker.exists():
                 written = marker.with_suffix(".writing")
-                written.write_text(json.dumps({"time": time.time(), "step": replicas.step}))
+                written.write_text(json.dumps({"time": time.time(), "step": replicas.step, "thaw_after": thaw_after}))
                 written.replace(marker)  # (the reader never sees half of it)
+            if how == "stop" and thaw_after is not None:
+                subprocess.Popen(["sh", "-c", f"sleep {thaw_after}; kill -CONT {os.getpid()}"], start_new_session=True)
             os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
         return issue(tensors, options)
 
     process_group.allreduce = allreduce
+
+
+def refuse_once(replicas: Any, at: int) -> None:
+    """Report an error to torchft in committed step ``at``'s vote (after its crossing completed), once: the step is
+    refused, as a failed fence would refuse it."""
+    commit, done = replicas.commit, []
+
+    def refused() -> bool:
+        if replicas.step == at - 1 and not done:
+            done.append(True)
+            replicas.manager.report_error(RuntimeError("injected: refused after the crossing"))
+        return commit()
+
+    replicas.commit = refused
 
 
 def group_arguments() -> argparse.ArgumentParser:
@@ -89,6 +112,10 @@ def group_arguments() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=10, help="committed steps to reach")
     parser.add_argument("--pause", type=float, default=0.0, help="seconds per step")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--vanish_at", type=int, default=None, help="vanish inside the crossing after this step")
+    parser.add_argument("--vanish", choices=["stop", "kill"], default="stop")
+    parser.add_argument("--thaw_after", type=float, default=None,
+                        help="(--vanish stop) go on this many seconds later: a partition that ends")
     return parser
 
 
@@ -105,8 +132,11 @@ def main() -> None:
     parser.add_argument("--checkpoint_every", type=int, default=3)
     parser.add_argument("--async_save", action="store_true", help="checkpoints written in the background")
     parser.add_argument("--unused", action="store_true", help="heads some or all ranks do not use (Heads)")
-    parser.add_argument("--vanish_at", type=int, default=None, help="vanish inside the crossing after this step")
-    parser.add_argument("--vanish", choices=["stop", "kill"], default="stop")
+    parser.add_argument("--every", type=int, default=None,
+                        help="replica_sync: the groups sync every this many steps (--steps counts inner steps then)")
+    parser.add_argument("--perturb_at", type=int, default=None,
+                        help="after this committed step, this group's weights move (its state differs from its peers')")
+    parser.add_argument("--refuse_at", type=int, default=None, help="this committed step is refused after its crossing")
     args = parser.parse_args()
 
     fault_tolerance = None if args.no_ft else {"lighthouse": args.lighthouse, "group": args.group,
@@ -114,6 +144,7 @@ def main() -> None:
                                                 "quorum_timeout": args.quorum_timeout, "min_groups": args.min_groups}
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=args.degree, fsdp_version=2,
                                        fault_tolerance=fault_tolerance, async_save=args.async_save or None,
+                                       replica_sync={"every": args.every} if args.every else None,
                                        timeout=timedelta(seconds=args.collective_timeout))
     fabric = L.Fabric(accelerator="cpu", devices=args.degree, num_nodes=args.nodes, strategy=strategy,
                       loggers=CSVLogger(Path(args.out) / "metrics", name=f"group{args.group}"))
@@ -135,12 +166,14 @@ def main() -> None:
     record = out / f"group{args.group}_rank{fabric.global_rank}.jsonl"
     replicas = strategy.replica_groups
 
-    def step() -> int:  # torchft's committed steps (without fault_tolerance: the loop's own counter)
-        return replicas.step if replicas is not None else state["iteration"]
+    def step() -> int:  # torchft's committed steps (without fault_tolerance or with replica_sync: the loop's own)
+        return replicas.step if replicas is not None and not args.every else state["iteration"]
 
     if args.vanish_at is not None and replicas is not None:
         vanish_inside_the_crossing(replicas, args.vanish_at, args.vanish,
-                                   out / f"vanished{args.group}" if fabric.global_rank == 0 else None)
+                                   out / f"vanished{args.group}" if fabric.global_rank == 0 else None, args.thaw_after)
+    if args.refuse_at is not None and replicas is not None:
+        refuse_once(replicas, args.refuse_at)
     loop_start = time.time()  # (the first step's time after it: what the start costs)
 
     while step() < args.steps:
@@ -164,6 +197,10 @@ def main() -> None:
                     "optimizer": digest(optimizer_tensors(optimizer)), "iteration": state["iteration"],
                     "lr": scheduler.get_last_lr()[0], "healed_at": replicas.healed_at if replicas else None,
                     "groups": replicas.manager.num_participants() if replicas else args.nodes,
+                    # (--every) the outer loop's state (its synced copies and momentum) and the syncs committed
+                    "outer": digest([t for f in strategy.outer_sync.fragments for t in (*f.synced, *f.momentum())])
+                    if strategy.outer_sync is not None else None,
+                    "syncs": replicas.step if replicas is not None and args.every else None,
                     "pid": os.getpid(),
                     # on a cluster node: what the node has sent on its link so far (everything that crossed)
                     "tx": link_tx_bytes() if "GLOO_SOCKET_IFNAME" in os.environ else None,
@@ -177,7 +214,13 @@ def main() -> None:
                 f.write(json.dumps(line) + "\n")
             if args.checkpoint and step() % args.checkpoint_every == 0:
                 fabric.save(Path(args.checkpoint) / f"step{step()}", state)
+            if step() == args.perturb_at:
+                with torch.no_grad():  # (a state no peer holds, at the same step: what a split step leaves)
+                    for parameter in model.parameters():
+                        local_part(parameter).add_(1e-3)
         time.sleep(args.pause)
+    if args.every:
+        strategy.sync_replicas()  # (replica_sync: the groups end on the same weights)
     fabric.logger.finalize("success")  # (the CSV logger writes what it holds)
     strategy.wait_for_checkpoint()  # (a background save's outcome, before the end)
     if replicas is not None:

@@ -255,6 +255,85 @@ def in_crossing(args: argparse.Namespace, work: Path, how: str) -> list[dict[str
     return trials
 
 
+#: the partition sweep's cuts, as multiples of the heartbeat timeout: from just under it to well over it
+CUT_FACTORS = (0.9, 1.1, 1.3, 1.5, 2.5)
+
+
+def _together(jobs: Any, since: float, key: str) -> bool:
+    """Both groups committed a step after ``since`` with both groups in it (``steps``), or both recorded a step after it
+    holding the same outer state at the same iteration (``syncs``)."""
+    if key == "model":
+        return all(any(r["time"] > since and r["groups"] == 2 for r in jobs.records(g)) for g in (0, 1))
+    late = [{r["iteration"]: r["outer"] for r in jobs.records(g) if r["time"] > since} for g in (0, 1)]
+    return any(late[0][i] == late[1][i] for i in set(late[0]) & set(late[1]))
+
+
+def _splits(jobs: Any, key: str, by: str) -> list[int]:
+    """The steps (``by``) that both groups recorded with different ``key`` digests, on any rank: one step, two
+    states. A group's records of a step it recorded twice (after a heal took it back) count with the last."""
+    split: set[int] = set()
+    for rank in range(DEGREE):
+        ours, theirs = ({r[by]: r[key] for r in jobs.records(g, rank)} for g in (0, 1))
+        split |= {step for step in set(ours) & set(theirs) if ours[step] != theirs[step]}
+    return sorted(split)
+
+
+def partitions(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Link cuts of :data:`CUT_FACTORS` times the heartbeat timeout, each timed to land inside a crossing (found by
+    node 1's link counter: a step's gradients, or a sync's pseudo-gradients under ``replica_sync``), ``args.
+    partition_rounds`` rounds; the link comes back after each, and the groups meet again. Per cut: how far into the
+    crossing it landed, the survivor's longest wait between two recorded steps around it, and the cut group's heals;
+    per mode, the steps both groups recorded with different states (split steps: plain fault tolerance's model
+    digests, or ``replica_sync``'s outer state at an iteration: a divergent sync)."""
+    from lightning_smp.testing.cluster import Cluster, LinkShape
+
+    hb = args.heartbeat_timeout
+    rows: list[dict[str, Any]] = []
+    totals: dict[str, Any] = {}
+    for mode in ("steps", "syncs"):
+        every = args.partition_every if mode == "syncs" else 1
+        key, by = ("model", "step") if mode == "steps" else ("outer", "iteration")
+        extra = ["--width", str(args.crossing_width), "--pause", str(args.pause),
+                 *(["--every", str(every)] if mode == "syncs" else [])]
+        out = work / f"partition_{mode}"
+        with Cluster(2, LinkShape(rate=args.rate)) as cluster, _ft_run(cluster, out, args) as jobs:
+            for group in (0, 1):
+                jobs.start(group, "--steps", "100000", *extra)
+            since = 0.0
+            for round_ in range(args.partition_rounds):
+                for factor in CUT_FACTORS:
+                    jobs.wait_for(lambda since=since, key=key: _together(jobs, since, key), args.timeout,
+                                  "both groups together again")
+                    times = [r["time"] for r in jobs.records(0)][-every * 4:]
+                    step_s = statistics.median(b - a for a, b in zip(times, times[1:]))
+                    begun = _crossing_started(cluster, 1, 64 * 1024, args.timeout)
+                    cluster.cut("down")
+                    cut = time.time()
+                    time.sleep(factor * hb)
+                    cluster.mend()
+                    mended = time.time()
+                    jobs.wait_for(lambda mended=mended, key=key: _together(jobs, mended, key), args.timeout,
+                                  "the groups meeting again after the cut")
+                    together = time.time()
+                    survivor = [r["time"] for r in jobs.records(0) if cut - 2 * step_s * every <= r["time"] <= together]
+                    gap = max(b - a for a, b in zip(survivor, survivor[1:]))
+                    heals = {r["healed_at"] for r in jobs.records(1) if r["time"] > cut and r["healed_at"] is not None}
+                    # (the wait a cut may cost the survivor: the heartbeat, and the step, or the sync, it lands in)
+                    bound = hb + every * step_s
+                    row = {"mode": mode, "round": round_, "factor": factor, "cut_s": mended - cut,
+                           "landed_s": cut - begun, "survivor_gap_s": gap, "bound_s": bound, "within": gap <= bound,
+                           "step_s": step_s, "heals": len(heals), "rejoined_s": together - mended}
+                    rows.append(row)
+                    print(f"partition {mode} x{factor} (cut {row['cut_s']:.2f} s, {row['landed_s']:.2f} s into the"
+                          f" crossing): survivor's longest gap {gap:.2f} s (bound {bound:.2f}), {len(heals)} heal(s),"
+                          f" together again {row['rejoined_s']:.2f} s after the link came back", flush=True)
+                    since = together
+            split = _splits(jobs, key, by)
+            totals[mode] = {"split": split, "cuts": sum(r["mode"] == mode for r in rows)}
+            print(f"partition {mode}: {len(split)} split step(s) {split}", flush=True)
+    return {"rows": rows, "totals": totals, "every": args.partition_every, "factors": list(CUT_FACTORS)}
+
+
 def parity(args: argparse.Namespace) -> dict[str, Any]:
     """The groups against DDP with no failure, forked on this machine (2 groups x 2 ranks; DDP on 4)."""
     from lightning_smp.testing import run_distributed
@@ -373,6 +452,24 @@ def markdown(result: dict[str, Any]) -> str:
              + f"; the medians of all their steps: {over['step_s_ft'] * 1e3:.1f} ms against"
              f" {over['step_s_plain'] * 1e3:.1f} ms, {over['step_s_ft'] / over['step_s_plain']:.3f}.", "",
              "![step timeline](fault_tolerance.png)", ""]
+    part = result.get("partitions")
+    if part:
+        lines += ["## Partitions: the link cut inside a crossing, then back", "",
+                  f"The link between the nodes goes down as node 1's side of a crossing is under way (its link counter),"
+                  f" for {', '.join(f'{f:g}' for f in part['factors'])} x the heartbeat timeout ({hb:g} s), then comes"
+                  f" back; {max(r['round'] for r in part['rows']) + 1} rounds. `steps`: plain fault tolerance, a cut"
+                  f" inside a step's crossing; `syncs`: `replica_sync` every {part['every']} steps, a cut inside a"
+                  " sync's. The survivor's longest wait between two recorded steps, against the heartbeat plus the"
+                  " step (or the sync's window) it lands in.", "",
+                  "| mode | cut (x heartbeat) | cut | into the crossing | survivor's longest gap (bound) | heals |"
+                  " together again after |", "|---|---|---|---|---|---|---|",
+                  *(f"| {r['mode']} | {r['factor']:g} | {r['cut_s']:.2f} s | {r['landed_s']:.2f} s |"
+                    f" {r['survivor_gap_s']:.2f} s ({r['bound_s']:.2f}){'' if r['within'] else ' **over**'} |"
+                    f" {r['heals']} | {r['rejoined_s']:.2f} s |" for r in part["rows"]), "",
+                  f"Split steps (both groups recorded a step with different states, any rank): "
+                  f"**{len(part['totals']['steps']['split'])}** over {part['totals']['steps']['cuts']} cuts"
+                  f" (target 0); divergent syncs: **{len(part['totals']['syncs']['split'])}** over"
+                  f" {part['totals']['syncs']['cuts']} cuts (target 0).", ""]
     return "\n".join(lines)
 
 
@@ -395,7 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crossing_width", type=int, default=65536, help="the model's width for those")
     parser.add_argument("--mend_after", type=float, default=5.0, help="seconds the link stays down after a vanish")
     parser.add_argument("--parity_steps", type=int, default=30)
-    parser.add_argument("--only", choices=["failure", "crossing", "overhead", "parity"], default=None,
+    parser.add_argument("--partition_rounds", type=int, default=2, help="rounds of the partition sweep")
+    parser.add_argument("--partition_every", type=int, default=5, help="replica_sync's every in the partition sweep")
+    parser.add_argument("--only", choices=["failure", "crossing", "overhead", "parity", "partitions"], default=None,
                         help="one part (the others are kept from the last results)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -424,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
             result["overhead"] = overhead(args, work)
         if args.only in (None, "parity"):
             result["parity"] = parity(args)
+        if args.only in (None, "partitions"):
+            result["partitions"] = partitions(args, work)
     except BaseException:
         print(f"bench-fault failed; its logs are kept in {work}")
         raise
@@ -435,6 +536,10 @@ def main(argv: list[str] | None = None) -> int:
                                         for how, trials in result["in_crossing"].items()}
     result["start_cost_s"] = result["overhead"]["start_cost_s"]
     result["no_failure_vs_ddp_max_abs_difference"] = result["parity"]["max_abs_difference"]
+    part = result["partitions"]
+    result["partition_rows"] = part["rows"]
+    result["split_steps"] = len(part["totals"]["steps"]["split"])
+    result["divergent_syncs"] = len(part["totals"]["syncs"]["split"])
     args.out.mkdir(parents=True, exist_ok=True)
     plot(result, args.out / "fault_tolerance.png")
     (args.out / "fault_tolerance.json").write_text(json.dumps(result, indent=1) + "\n")

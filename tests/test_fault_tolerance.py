@@ -432,7 +432,8 @@ def test_a_group_that_vanishes_inside_the_crossing_costs_the_survivor_a_heartbea
             jobs.expect_end(1)
         marker = jobs.out / "vanished1"
         jobs.wait_for(marker.exists, 120, "group 1 vanishing inside the crossing")
-        vanished, last = json.loads(marker.read_text()).values()  # (written whole, by group 1's rank 0 alone)
+        written = json.loads(marker.read_text())  # (written whole, by group 1's rank 0 alone)
+        vanished, last = written["time"], written["step"]
         for rank in range(2):
             jobs.wait_for(lambda rank=rank: any(r["time"] > vanished for r in jobs.records(0, rank)), HEARTBEAT + 15,
                           f"the survivor's rank {rank} committing again")
@@ -953,5 +954,5 @@ def test_a_wrapped_accelerator_work_is_asked_whether_it_ended_through_the_one_it
             return True
 
     started = time.monotonic()
-    assert wait_for_crossing(Wrapper(), object(), silent=list, timeout=5.0).completed
+    assert wait_for_crossing(Wrapper(), object(), verdict=lambda: None, timeout=5.0).completed
     assert time.monotonic() - started < 1.0

@@ -40,34 +40,68 @@ log = logging.getLogger(__name__)
 _HEARTBEAT = re.compile(r'<li class="heartbeat\s*(old)?\s*">\s*(.+?): seen ', re.DOTALL)
 
 
+#: the quorum the lighthouse formed last (it bumps the id when the members change, or a member failed its last commit)
+_QUORUM_ID = re.compile(r"Current quorum_id:\s*(-?\d+)")
+#: the next quorum's requests so far: ``[healthy/all participants healthy]`` (torchft 0.2.0's status line)
+_PENDING = re.compile(r"\[(\d+)/(\d+) participants healthy\]")
+
+
 def heard_from(page: str) -> dict[str, bool]:
     """Every replica on a lighthouse status page, and whether the lighthouse still hears from it."""
     return {replica.strip(): not old for old, replica in _HEARTBEAT.findall(page)}
 
 
+@dataclass(frozen=True)
+class LighthouseView:
+    """What a lighthouse's status page says at one moment: every replica group it lists and whether it still hears
+    from it, the id of the quorum it formed last (``None``: not on the page), and how many groups have asked for the
+    next quorum."""
+
+    heard: dict[str, bool]
+    quorum_id: int | None
+    pending: int
+
+    @classmethod
+    def of(cls, page: str) -> LighthouseView:
+        quorum = _QUORUM_ID.search(page)
+        pending = _PENDING.search(page)
+        return cls(heard_from(page), int(quorum.group(1)) if quorum else None, int(pending.group(2)) if pending else 0)
+
+    def silent(self, replica_ids: Sequence[str]) -> list[str]:
+        """Those of ``replica_ids`` the lighthouse has stopped hearing from (marked old, or not listed)."""
+        return [replica for replica in replica_ids if not self.heard.get(replica, False)]
+
+
 class LighthouseWatch:
-    """Which replica groups the lighthouse has stopped hearing from: those it marks old on its status page
-    (``/status``), or does not list. A page that cannot be read concludes nothing (the collective's own timeout still
-    bounds the wait)."""
+    """The lighthouse's status page (``/status``), read: which replica groups it has stopped hearing from (those it
+    marks old, or does not list), the quorum it formed last, who asks for the next. A page that cannot be read
+    concludes nothing (``None``), and is remembered (:attr:`lost_since`): a rank that cannot reach the lighthouse may
+    have been cut off from it, and from its peers."""
 
     def __init__(self, lighthouse_url: str, timeout: float = 2.0) -> None:
         self.url = f"{lighthouse_url.rstrip('/')}/status"
         self.timeout = timeout
+        #: when a read failed last (``time.monotonic()``), ``None`` if none has
+        self.lost_since: float | None = None
 
-    def heard(self) -> dict[str, bool] | None:
-        """Every replica group the lighthouse lists and whether it still hears from it; ``None``: no answer."""
+    def view(self) -> LighthouseView | None:
+        """The page now; ``None``: no answer (recorded in :attr:`lost_since`)."""
         try:
             with urllib.request.urlopen(self.url, timeout=self.timeout) as page:
-                return heard_from(page.read().decode("utf-8", "replace"))
+                return LighthouseView.of(page.read().decode("utf-8", "replace"))
         except Exception as err:  # noqa: BLE001  # (OSError, or an answer cut short: no verdict either way)
+            self.lost_since = time.monotonic()
             log.debug("the lighthouse's status page could not be read: %s", err)
             return None
 
+    def heard(self) -> dict[str, bool] | None:
+        """Every replica group the lighthouse lists and whether it still hears from it; ``None``: no answer."""
+        view = self.view()
+        return None if view is None else view.heard
+
     def silent(self, replica_ids: Sequence[str]) -> list[str]:
-        heard = self.heard()
-        if heard is None:
-            return []
-        return [replica for replica in replica_ids if not heard.get(replica, False)]
+        view = self.view()
+        return [] if view is None else view.silent(replica_ids)
 
 
 class _Reaper:
@@ -170,23 +204,23 @@ def crossing_process_group(device: torch.device, timeout: timedelta, host: str) 
 @dataclass(frozen=True)
 class Crossing:
     """How a collective across groups ended: ``error`` (it failed: a peer closed its connection, the collective's
-    timeout) or ``silent`` (the replica groups the lighthouse stopped hearing from while it was in flight: abandoned),
-    neither when it completed."""
+    timeout) or ``abandoned`` (why it was left while in flight: the lighthouse stopped hearing from a participant, or
+    the peers moved on without this group), neither when it completed."""
 
     error: BaseException | None = None
-    silent: tuple[str, ...] = ()
+    abandoned: str | None = None
 
     @property
     def completed(self) -> bool:
-        return self.error is None and not self.silent
+        return self.error is None and self.abandoned is None
 
 
-def wait_for_crossing(work: Any, process_group: Any, *, silent: Callable[[], list[str]], timeout: float,
+def wait_for_crossing(work: Any, process_group: Any, *, verdict: Callable[[], str | None], timeout: float,
                       grace: float = 1.0, every: float = 0.5) -> Crossing:
     """Wait for ``work`` (a collective on ``process_group``, torchft's); from ``grace`` seconds on, every ``every``
-    seconds, ask ``silent()`` which participants the lighthouse stopped hearing from, and abandon the collective if
-    any, or once it has run ``timeout`` seconds (gloo's own timeout ends it first; NCCL's is torchft's). Returns how it
-    ended (never raises for the collective's own failure)."""
+    seconds, ask ``verdict()`` whether to leave it (a reason, or ``None``), and abandon the collective if so, or once
+    it has run ``timeout`` seconds (gloo's own timeout ends it first; NCCL's is torchft's). Returns how it ended
+    (never raises for the collective's own failure)."""
     start = time.monotonic()
     look_at = start + grace
     on_cpu = isinstance(process_group, _bound_gloo_class())
@@ -209,10 +243,10 @@ def wait_for_crossing(work: Any, process_group: Any, *, silent: Callable[[], lis
             if not on_cpu or work.is_completed():  # (the collective's own failure, not the end of a slice)
                 return Crossing(error=err)
         if time.monotonic() >= look_at:
-            gone = silent()
-            if gone:
+            reason = verdict()
+            if reason:
                 _abandon(work, process_group, on_cpu)
-                return Crossing(silent=tuple(gone))
+                return Crossing(abandoned=reason)
             look_at = time.monotonic() + every
 
 
@@ -223,4 +257,4 @@ def _abandon(work: Any, process_group: Any, on_cpu: bool) -> None:
         process_group.abort()  # (torchft's NCCL/XCCL abort ends the operation in flight)
 
 
-__all__ = ["REAPER", "Crossing", "LighthouseWatch", "crossing_process_group", "heard_from", "wait_for_crossing"]
+__all__ = ["REAPER", "Crossing", "LighthouseView", "LighthouseWatch", "crossing_process_group", "heard_from", "wait_for_crossing"]

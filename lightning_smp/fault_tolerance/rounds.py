@@ -65,6 +65,11 @@ class SyncRounds:
         elif usable and replicas.compared_in_round and replicas.start is Start.MADE_SAME:
             # (the first group's weights and inner state: the anchor of every group's outer loop from now on)
             outer.restart_from_parameters(outer.steps, outer.momentum() or None)
+        if usable and not replicas.compared_in_round:
+            # (every sync a meeting: the groups at the highest step hold the same synced weights and outer momentum,
+            # or the round is dropped and the groups that did not move on last heal from the one that did)
+            usable = replicas.meet([copy for fragment in outer.fragments for copy in fragment.synced]
+                                   + outer.momentum())
         wished = torch.zeros(len(outer.fragments), dtype=torch.float32, device=replicas.device)
         wished[indices] = 1.0
         agreed = usable and replicas.cross_sum(wished)

@@ -25,9 +25,19 @@ from torch.distributed import AllreduceOptions, BroadcastOptions
 
 from lightning_smp.config.fault_tolerance import FaultTolerance
 from lightning_smp.errors import FaultToleranceError
+from lightning_smp.fault_tolerance.agreement import (
+    InCrossing,
+    Meeting,
+    abandon_reason,
+    compare_at_meeting,
+    counters_of,
+    fence_reason,
+    lineage,
+    quick_fingerprint,
+)
 from lightning_smp.fault_tolerance.crossing import LighthouseWatch, crossing_process_group, wait_for_crossing
 from lightning_smp.fault_tolerance.flat import pack, unpack
-from lightning_smp.fault_tolerance.start import Start, agree_on_start
+from lightning_smp.fault_tolerance.start import Start, agree, agree_on_start
 from lightning_smp.fault_tolerance.state import TrackedState
 from lightning_smp.fault_tolerance.transport import address_towards, bound_http_transport, check_host, check_store
 from lightning_smp.fault_tolerance.vote import GroupVote, UnusedNotes
@@ -47,12 +57,17 @@ class StepReport:
     #: this step's heal, if this group healed in it: the source group, and how long the transfer took
     healed_from: int | None = None
     heal_seconds: float | None = None
+    #: the groups met holding different states in this step (it was dropped; the groups that moved on last are kept,
+    #: the others heal from them): this group's part, ``"keeps"`` or ``"heals"``
+    diverged: str | None = None
 
 
 #: where the state a group serves for healing records the kind of ``semi_sync`` round it was taken in
 ROUND_KEY = "round"
 #: how long a crossing runs before the lighthouse's status page is read, and then how often
 WATCH_GRACE, WATCH_EVERY = 1.0, 0.5
+#: the commit fence's reads of the lighthouse's page before it gives up on confirming a step (and drops it)
+FENCE_READS = 3
 #: a group gives up when it has committed no step for ``quorum_timeout`` seconds, over at least this many uncommitted
 #: steps in a row (both: one failure, however slow, is not a streak; a step that failed because a group vanished is
 #: followed by one without it)
@@ -80,6 +95,7 @@ class ReplicaGroups:
 
         self.settings = settings
         self.device = device
+        self.rank = rank
         self.sync_buffers = sync_buffers
         self.semi_sync = semi_sync
         timeout = timedelta(seconds=settings.timeout)
@@ -126,6 +142,14 @@ class ReplicaGroups:
         self._failing_since: float | None = None
         self._healed_from: int | None = None
         self._healed_in_round = False
+        #: the quorum whose crossing completed in the current step (the commit fence asks the lighthouse about it)
+        self._crossed_in: int | None = None
+        #: the quorum this group last committed in (its lineage, when groups meet with different states)
+        self._last_commit_quorum = -1
+        #: quorums whose groups compared their states at their first crossing
+        self._compared: set[int] = set()
+        #: the current step's meeting found the states different: this group's part (``Meeting``)
+        self._diverged: Meeting | None = None
         #: semi_sync: the kind of the current round (what a peer's served state records), the step before its quorum
         self._round_kind: str | None = None
         self._step_before_round = 0
@@ -182,6 +206,7 @@ class ReplicaGroups:
             self._reduced = False
             self._crossed = []
             self._healed_from = None
+            self._crossed_in, self._diverged = None, None
             self.manager.start_quorum()
 
     def reduce(self, parameters: Sequence[Tensor], notes: UnusedNotes | None = None) -> None:
@@ -207,6 +232,14 @@ class ReplicaGroups:
         self._check_first_quorum()
         if not self._agree_on_start():
             return  # (the step is dropped: the comparison failed, and the next quorum compares again)
+        if self._vote.quorum is not None and self._vote.quorum.quorum_id not in self._compared:
+            # (the first crossing of a new quorum: groups that meet compare what they hold; a partition, a kill and
+            # a (re)join each make a new quorum)
+            tracked = self._tracked
+            state = ([] if tracked is None
+                     else [tensor for name, tensor in tracked.local_tensors() if name not in tracked.buffers])
+            if not self.meet(state, counters_of(tracked.extra()) if tracked is not None else []):
+                return  # (dropped: the states differ, or the comparison failed)
         manager = self.manager
         buffers = self._tracked.buffer_tensors() if self._tracked is not None and self.sync_buffers else []
         packed = pack(parameters, notes, buffers, sends_buffers=manager.participating_rank() == 0,
@@ -232,6 +265,9 @@ class ReplicaGroups:
             return False
         if sent is not flat:
             flat.copy_(sent)
+        quorum = self._vote.quorum
+        if quorum is not None and quorum.replica_world_size > 1:
+            self._crossed_in = quorum.quorum_id  # (the commit fence asks the lighthouse about it)
         return True
 
     # ------------------------------------------------------------------ a sync of semi-synchronous groups
@@ -243,6 +279,7 @@ class ReplicaGroups:
         step 0, the groups' comparison (:attr:`compared_in_round`). ``False``: the round is dropped (reported to
         torchft; its vote refuses it)."""
         self._crossed, self._notes, self._healed_from, self._healed_in_round = [], None, None, False
+        self._crossed_in, self._diverged = None, None
         self._in_step = True
         self._round_kind, self._step_before_round = kind, self.manager.current_step()
         compared = len(self._agreed)
@@ -291,21 +328,71 @@ class ReplicaGroups:
             return None
 
     def _wait(self, operation: str, work: Any) -> bool:
-        crossing = wait_for_crossing(work, self.process_group, silent=self._silent, grace=WATCH_GRACE,
-                                     every=WATCH_EVERY, timeout=self.settings.timeout + WATCH_GRACE)
+        started, asked = time.monotonic(), [False]
+
+        def verdict() -> str | None:
+            # (why this rank leaves the crossing it has waited in since `started`: agreement.abandon_reason)
+            quorum = self._vote.quorum
+            if quorum is None:
+                return None
+            view = self._watch.view()
+            lost = self._watch.lost_since is not None and self._watch.lost_since >= started
+            reason = abandon_reason(view, InCrossing(quorum.quorum_id, tuple(quorum.replica_ids), lost, asked[0]))
+            asked[0] = view is not None and view.pending > 0
+            return reason
+
+        crossing = wait_for_crossing(work, self.process_group, verdict=verdict, grace=WATCH_GRACE, every=WATCH_EVERY,
+                                     timeout=self.settings.timeout + WATCH_GRACE)
         if crossing.completed:
             return True
-        if crossing.silent:
-            gone = ", ".join(crossing.silent)
-            self._fail(operation, FaultToleranceError(
-                f"abandoned: the lighthouse stopped hearing from {gone} while it was in flight"))
-        else:
-            self._fail(operation, crossing.error or RuntimeError("failed"))
+        self._fail(operation, FaultToleranceError(crossing.abandoned) if crossing.abandoned
+                   else crossing.error or RuntimeError("failed"))
         return False
 
-    def _silent(self) -> list[str]:
-        quorum = self._vote.quorum
-        return self._watch.silent(list(quorum.replica_ids)) if quorum is not None else []
+    def meet(self, tensors: Sequence[Tensor], counters: Sequence[str] = ()) -> bool:
+        """Groups that meet at the same step compare what they hold (:func:`.agreement.compare_at_meeting`): this
+        rank's ``tensors`` and ``counters``, against the same rank of the groups at the quorum's highest step (a group
+        behind heals, and does not compare). ``False``: the step is dropped (reported), because the states differ
+        (logged; the groups whose last commit is not in the newest quorum step back, to heal from the one whose is)
+        or the comparison failed. At step 0 the start's comparison runs instead (:meth:`_agree_on_start`)."""
+        quorum, manager = self._vote.quorum, self.manager
+        if quorum is None or quorum.replica_world_size < 2 or quorum.max_step == 0:
+            return True
+        operation = "comparing the groups' states"
+        # (at the quorum's highest step, and not healing: torchft has moved a healing group's step already, and
+        # applies the peer's state only at the vote)
+        up_to_date = manager.is_participating() and manager.current_step() == quorum.max_step
+
+        def cross(tensor: Tensor) -> bool:
+            if manager.errored() is not None:
+                return False
+            sent = tensor.to(self.device) if tensor.device != self.device else tensor
+            work = self._collective(operation, self.process_group.allreduce, [sent],
+                                    _options(AllreduceOptions, reduceOp=dist.ReduceOp.MAX))
+            if work is None or not self._wait(operation, work):
+                return False
+            if sent is not tensor:
+                tensor.copy_(sent)
+            return True
+
+        found = compare_at_meeting(
+            quick_fingerprint(tensors, [f"step={manager.current_step()}", *counters]) if up_to_date else None,
+            lineage(self._last_commit_quorum, self.settings.group), device=self.device, all_reduce_max=cross,
+            agree=lambda flags: agree(flags, self.device))
+        if found is Meeting.SAME:
+            self._compared.add(quorum.quorum_id)
+            return True
+        if found is Meeting.FAILED:
+            if manager.errored() is None:  # (another rank of the group failed: this one drops the step too)
+                self._fail(operation, FaultToleranceError("it failed on another rank of this group"))
+            return False
+        self._diverged = found
+        keeps = found is Meeting.KEEPS
+        self._fail(operation, FaultToleranceError(
+            f"the groups met at step {manager.current_step()} (quorum {quorum.quorum_id}) holding different states:"
+            f" this group {'keeps its own, the others take it' if keeps else 'takes the state of the group that moved on last'}"
+            " (the step is dropped, nothing of it averaged)"))
+        return False
 
     def _fail(self, operation: str, error: BaseException) -> None:
         quorum = self._vote.quorum
@@ -433,6 +520,7 @@ class ReplicaGroups:
         vote and applied here (raising, on every rank alike, where the engine's own reduction would have). A group
         that has committed nothing for ``quorum_timeout`` seconds, over :data:`GIVE_UP_AFTER` steps or more in a row,
         raises :class:`FaultToleranceError` on every rank, naming the operation that failed."""
+        self._fence()
         notes, self._notes = self._notes, None
         self._vote.notes = notes
         self._vote.give_up = (self._uncommitted + 1 >= GIVE_UP_AFTER and self._failing_since is not None
@@ -451,15 +539,25 @@ class ReplicaGroups:
                 for buffer, value in self._crossed:
                     buffer.copy_(value)
             self._uncommitted, self._failing_since, self._failure = 0, None, None
+            if self._vote.quorum is not None:
+                self._last_commit_quorum = self._vote.quorum.quorum_id
         else:
             self._uncommitted += 1
             self._failing_since = self._failing_since or time.monotonic()
+            if self._diverged is Meeting.HEALS:
+                # (one step back: at the next quorum this group is behind the group whose state is kept, and
+                # torchft heals it from that group, the only one at the highest step)
+                self.manager._step -= 1
+                log.warning("replica group %d: steps back to %d, to heal from the group that moved on last",
+                            self.settings.group, self.manager.current_step())
         self._crossed = []
         healed = self.healed_at is not None and self.healed_at == self.manager.current_step() - int(committed)
         self.report = StepReport(
             step=self.step, committed=committed, groups=self.manager.num_participants(),
             healed_from=self._healed_from if healed else None,
-            heal_seconds=self._transport.received_seconds if healed else None)
+            heal_seconds=self._transport.received_seconds if healed else None,
+            diverged=self._diverged.value if self._diverged is not None else None)
+        self._diverged, self._crossed_in = None, None
         if not committed:
             if self._vote.gave_up:
                 raise FaultToleranceError(self._give_up_message())
@@ -467,6 +565,23 @@ class ReplicaGroups:
                         self.settings.group, self.manager.current_step(),
                         self._failure or self._torchft_failure() or "a group left, or too few groups")
         return committed
+
+    def _fence(self) -> None:
+        """Before the vote of a step whose crossing completed: the group's rank 0 asks the lighthouse whether the
+        quorum it crossed in is still the last one formed, with every participant heard
+        (:func:`.agreement.fence_reason`); if not, or if the lighthouse cannot be read, the step is dropped (reported
+        to torchft: its vote then refuses it on every rank of the group)."""
+        quorum = self._vote.quorum
+        if self._crossed_in is None or quorum is None or self.rank != 0 or self.manager.errored() is not None:
+            return
+        for attempt in range(FENCE_READS):
+            view = self._watch.view()
+            if view is not None:
+                break
+            time.sleep(0.1 * (attempt + 1))
+        reason = fence_reason(view, self._crossed_in, list(quorum.replica_ids), asking_is_leaving=self.semi_sync)
+        if reason is not None:
+            self._fail("the commit", FaultToleranceError(reason))
 
     def _torchft_failure(self) -> str | None:
         error = self.manager.errored()
@@ -489,7 +604,8 @@ class ReplicaGroups:
         """The last vote's outcome as metrics for a logger: ``fault_tolerance/groups`` (the groups whose gradients
         were averaged), ``fault_tolerance/committed`` (1 or 0), ``fault_tolerance/step``; in a step where this group
         healed also ``fault_tolerance/healed_from`` (the source group) and ``fault_tolerance/heal_seconds`` (the
-        transfer). Empty before the first vote."""
+        transfer); in a step where the groups met holding different states, ``fault_tolerance/diverged`` (1). Empty
+        before the first vote."""
         report = self.report
         if report is None:
             return {}
@@ -499,6 +615,8 @@ class ReplicaGroups:
             values["fault_tolerance/healed_from"] = float(report.healed_from)
         if report.heal_seconds is not None:
             values["fault_tolerance/heal_seconds"] = report.heal_seconds
+        if report.diverged is not None:
+            values["fault_tolerance/diverged"] = 1.0
         return values
 
     @property

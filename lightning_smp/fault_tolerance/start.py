@@ -63,7 +63,7 @@ def fingerprints(named: Sequence[tuple[str, Tensor]]) -> tuple[int, int]:
     return values, structure
 
 
-def _agree(flags: list[int], device: torch.device) -> list[int]:
+def agree(flags: list[int], device: torch.device) -> list[int]:
     """Each flag's maximum over the group's ranks (one all-reduce; every rank of the group calls it, whatever
     happened before): its ranks decide alike."""
     values = torch.tensor(flags, dtype=torch.uint8, device=device)
@@ -86,7 +86,7 @@ def agree_on_start(named: Sequence[tuple[str, Tensor]], *, compared: Callable[[s
     _, structure = fingerprints(named)
     probe = torch.tensor([values, structure, -values, -structure], dtype=torch.int64, device=device)
     compared_ok = usable and all_reduce_max(probe)  # max(x) == -max(-x): every group holds x
-    values_differ, structure_differs, failed = _agree(
+    values_differ, structure_differs, failed = agree(
         [compared_ok and int(probe[0]) != -int(probe[2]), compared_ok and int(probe[1]) != -int(probe[3]),
          not compared_ok], device)
     if failed:
@@ -107,8 +107,8 @@ def agree_on_start(named: Sequence[tuple[str, Tensor]], *, compared: Callable[[s
             copied = copied and broadcast_from_first(sent)
             if copied and sent is not tensor:
                 tensor.copy_(sent)
-    (failed,) = _agree([not copied], device)
+    (failed,) = agree([not copied], device)
     return None if failed else Start.MADE_SAME
 
 
-__all__ = ["Start", "agree_on_start", "fingerprints"]
+__all__ = ["Start", "agree", "agree_on_start", "fingerprints"]

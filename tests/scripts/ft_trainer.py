@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.fault_run import digest, group_arguments, optimizer_tensors
+from benchmarks.fault_run import digest, group_arguments, optimizer_tensors, vanish_inside_the_crossing
 from lightning_smp import HybridShardFSDPStrategy
 from lightning_smp.replicas import local_part
 
@@ -50,8 +50,14 @@ class Model(L.LightningModule):
 
 
 class Record(L.Callback):
-    def __init__(self, out: Path, group: int, pause: float) -> None:
-        self.out, self.group, self.pause = out, group, pause
+    def __init__(self, out: Path, group: int, pause: float, vanish: tuple | None = None) -> None:
+        self.out, self.group, self.pause, self.vanish = out, group, pause, vanish
+
+    def on_train_start(self, trainer, module):
+        if self.vanish is not None:  # (--vanish_at: this group vanishes inside a crossing, as fault_run.py's)
+            at, how, thaw_after = self.vanish
+            marker = self.out / f"vanished{self.group}" if trainer.global_rank == 0 else None
+            vanish_inside_the_crossing(trainer.strategy.replica_groups, at, how, marker, thaw_after)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         strategy = trainer.strategy
@@ -101,7 +107,8 @@ def main() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=args.degree, strategy=strategy, max_steps=args.steps,
                         accumulate_grad_batches=args.accumulate, enable_checkpointing=False, logger=logger,
                         enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Record(out, args.group, args.pause)])
+                        callbacks=[Record(out, args.group, args.pause, None if args.vanish_at is None
+                                          else (args.vanish_at, args.vanish, args.thaw_after))])
     model = Model(norm=args.norm)
     model.fail_at = args.fail_at
     # shuffled: each epoch its own order (DistributedSampler's seed 0 plus the epoch), each group its own part of it
