@@ -51,6 +51,7 @@ from lightning_smp.checkpoint.fabric_state import (
     split_state,
     state_of,
 )
+from lightning_smp.checkpoint.format import REPLICA_SYNC_KEY
 from lightning_smp.checkpoint.saving import check_storage_options
 from lightning_smp.collectives import Collectives
 from lightning_smp.engines import ShardingPlan, engine_of, own_offload_config
@@ -493,17 +494,22 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         check_storage_options(storage_options)  # first, as Lightning's FSDPStrategy
         _, module, optimizer_keys, _ = split_state(state)
         sharded = self._sharded(module)  # refuses a module that was not set up here, on every rank alike
-        kind, background = self.options.state_dict_type, self._background
+        kind, background, run = self.options.state_dict_type, self._background, self.core.checkpoint_run
         self.sync_replicas()  # replica_sync: a checkpoint holds synced weights
         checkpoint = fabric_checkpoint(state, sharded, kind, self._local_state_check, filter)
         if not self._writes_checkpoints():
-            return  # fault_tolerance: every group holds the same state, one live group writes it
-        checkpoint.update(self._replica_checkpoint_state())
-        checkpoint = self._replica_sync_checkpoint(checkpoint, sharded, [state[key] for key in optimizer_keys], kind,
-                                                   self._local_state_check)
+            # fault_tolerance: every group holds the same state, one live group writes it; under replica_sync each
+            # other group keeps its own inner optimizer state beside it
+            own = self._own_inner_checkpoint(checkpoint, path)
+            if own is None:
+                return
+            checkpoint, path, run = own
+        else:
+            checkpoint.update(self._replica_checkpoint_state())
+            checkpoint = self._replica_sync_checkpoint(checkpoint, sharded, [state[key] for key in optimizer_keys],
+                                                       kind, self._local_state_check)
         checkpoint_lib.save(checkpoint, path, kind=kind, collectives=Collectives.current(self.root_device),
-                            run=self.core.checkpoint_run, layout=self.core.layout, storage_options=storage_options,
-                            background=background,
+                            run=run, layout=self.core.layout, storage_options=storage_options, background=background,
                             writes_data=background is None or self.outer_sync is not None or sharded.writes_data())
 
     @override
@@ -535,7 +541,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             remainder = restore_fabric_state(self._sharded(module), path, state, strict=strict,
                                              run=self.core.checkpoint_run, extra=extra)
         self._resume_replica_groups(remainder)  # (the replica groups' step, never returned to the loop)
+        record = remainder.get(REPLICA_SYNC_KEY)
         self._resume_replica_sync(remainder, outer)  # (the outer loop's state, never returned to the loop)
+        self._load_own_inner_state(path, self._sharded(module), [state[key] for key in optimizer_keys], record)
         return remainder
 
 

@@ -43,7 +43,7 @@ from lightning_smp.callbacks.fault_tolerance import ReplicaGroupMetrics
 from lightning_smp.checkpoint import ShardedModel
 from lightning_smp.checkpoint.after_commit import defer_until_commit
 from lightning_smp.checkpoint.atomic import remove_atomically
-from lightning_smp.checkpoint.format import REPLICA_GROUPS_KEY
+from lightning_smp.checkpoint.format import REPLICA_GROUPS_KEY, REPLICA_SYNC_KEY
 from lightning_smp.checkpoint.local import model_state_to_save, optimizer_state_to_save
 from lightning_smp.collectives import Collectives
 from lightning_smp.engines import ShardingPlan, own_offload_config, selected_by
@@ -538,16 +538,22 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        kind, background, writes_data = self._state_dict_type, self._background, True
+        kind, background, writes_data, run = self._state_dict_type, self._background, True, self.checkpoint_run
         if not self._writes_checkpoints():
-            return  # fault_tolerance: every group holds the same state, one live group writes it
-        checkpoint = {**checkpoint, **self._replica_checkpoint_state()}
-        if self._launch_results is not None and self._launch_results.in_main_process:
+            # fault_tolerance: every group holds the same state, one live group writes it; under replica_sync each
+            # other group keeps its own inner optimizer state beside it
+            own = self._own_inner_checkpoint(checkpoint, filepath)
+            if own is None:
+                return
+            checkpoint, filepath, run = own
+        elif self._launch_results is not None and self._launch_results.in_main_process:
             # the ranks that held the shards have ended: one full file, with the optimizer state they sent back
-            checkpoint, kind, background = self._launch_results.complete_checkpoint(checkpoint), FULL, None
+            checkpoint, kind, background = self._launch_results.complete_checkpoint(
+                {**checkpoint, **self._replica_checkpoint_state()}), FULL, None
         else:
             # replica_sync: synced when the model's state was taken (lightning_module_state_dict)
-            checkpoint = self._replica_sync_checkpoint(checkpoint, self._sharded_model(),
+            checkpoint = self._replica_sync_checkpoint({**checkpoint, **self._replica_checkpoint_state()},
+                                                       self._sharded_model(),
                                                        [_unwrap(o) for o in self.optimizers], kind,
                                                        self._local_state_check)
             if background is not None:
@@ -555,7 +561,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
                 writes_data = self.outer_sync is not None or self._sharded_model().writes_data()
         # atomic, never over another run's checkpoint, tensors written once (see lightning_smp.checkpoint)
         checkpoint_lib.save(checkpoint, filepath, kind=kind, collectives=Collectives.current(self.root_device),
-                            run=self.checkpoint_run, layout=self.core.layout, storage_options=storage_options,
+                            run=run, layout=self.core.layout, storage_options=storage_options,
                             background=background, writes_data=writes_data)
 
     @override
@@ -566,6 +572,8 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         def remove() -> None:
             if self.is_global_zero and self._writes_checkpoints():  # one rank removes, as in Lightning
                 remove_atomically(Path(filepath))
+            if self.is_global_zero:
+                self._remove_own_inner(filepath)  # (replica_sync: what this group kept beside it)
 
         if self._background is not None:
             self._background.after_commit(remove)
@@ -612,8 +620,10 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             checkpoint = checkpoint_lib.load(self._sharded_model(), checkpoint_path, optimizers=optimizers,
                                              strict=module.strict_loading, model_name=type(module).__name__,
                                              extra=self._replica_sync_load_entries(optimizers, outer))
+        record = checkpoint.get(REPLICA_SYNC_KEY)
         self._resume_replica_sync(checkpoint, outer)
         if fitting:
+            self._load_own_inner_state(checkpoint_path, self._sharded_model(), optimizers, record)
             # resuming continues the run that wrote the checkpoint: its own files may be overwritten again
             self.checkpoint_run.continue_from(checkpoint)
             # replica groups: torchft's step from the checkpoint (one without fault_tolerance: its global step)

@@ -6,6 +6,7 @@ checkpoints that resume mid-window exactly as the run that was not interrupted, 
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -583,9 +584,12 @@ def test_groups_on_torchft_equal_the_groups_of_one_job_at_every_step(tmp_path, f
 
 
 def _torchft_checkpoints(group: int, rank: int, degree: int, lighthouse: str, kind: str, folder: Path,
-                         resume: Path | None) -> list[torch.Tensor]:
-    """A fit of 2 fault-tolerant groups to step 10 syncing every 3 steps (inner SGD), a checkpoint every 4 steps
-    (written by one group); this rank's parameter parts at the end."""
+                         resume: Path | None) -> tuple[list[torch.Tensor], list[str]]:
+    """A fit of 2 fault-tolerant groups to step 10 syncing every 3 steps (inner AdamW: its moments differ between the
+    groups inside a window), a checkpoint every 4 steps (written by one group, each other group's own inner state
+    beside it); this rank's parameter parts at the end, and the warnings it gave about the inner state."""
+    import warnings
+
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     fault_tolerance = {"lighthouse": lighthouse, "group": group, "groups": 2, "min_groups": 2, "timeout": 30.0,
@@ -596,28 +600,79 @@ def _torchft_checkpoints(group: int, rank: int, degree: int, lighthouse: str, ki
     saving = ModelCheckpoint(dirpath=folder / "checkpoints", save_top_k=-1, every_n_train_steps=4)
     trainer = cpu_trainer(strategy, folder / f"group{group}", degree, max_steps=10, callbacks=[saving],
                           enable_checkpointing=True)
-    trainer.fit(TinyModel(optimizer="sgd"), make_loader(), ckpt_path=resume)
-    return [local_part(p).detach().clone() for p in trainer.strategy.model.parameters()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyModel(), make_loader(), ckpt_path=resume)
+    said = [str(w.message) for w in caught if "inner optimizer state" in str(w.message)]
+    return [local_part(p).detach().clone() for p in trainer.strategy.model.parameters()], said
+
+
+def _torchft_fabric_checkpoints(group: int, rank: int, degree: int, lighthouse: str, kind: str, folder: Path,
+                                resume: Path | None) -> tuple[list[torch.Tensor], list[str]]:
+    """:func:`_torchft_checkpoints` as a Fabric loop: ``fabric.save`` after step 4 in every group, resumed from it."""
+    import warnings
+
+    from lightning_smp.fabric import HybridShardFSDPStrategy as FabricStrategy
+    from tests.fabric_loops import make_net, rank_batches
+
+    fault_tolerance = {"lighthouse": lighthouse, "group": group, "groups": 2, "min_groups": 2, "timeout": 30.0,
+                       "quorum_timeout": 60.0}
+    strategy = FabricStrategy(hybrid_shard_degree=degree, fsdp_version=2, state_dict_type=kind,
+                              replica_sync={"every": 3}, fault_tolerance=fault_tolerance)
+    fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=degree)
+    fabric.launch()
+    model = fabric.setup_module(make_net())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if resume is not None:
+            fabric.load(resume, state)
+        for x, y in rank_batches(fabric)[state["step"]:10]:
+            fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            state["step"] += 1
+            if state["step"] == 4:
+                fabric.save(folder / "checkpoints" / "epoch=0-step=4.ckpt", state)
+        strategy.sync_replicas()
+    said = [str(w.message) for w in caught if "inner optimizer state" in str(w.message)]
+    return [local_part(p).detach().clone() for p in model.parameters()], said
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["sharded", "full"])
-def test_groups_on_torchft_resume_inside_a_window_exactly(tmp_path, kind):
+@pytest.mark.parametrize(("front_end", "kind"), [("trainer", "sharded"), ("trainer", "full"), ("fabric", "sharded")])
+def test_groups_on_torchft_resume_inside_a_window_exactly(tmp_path, front_end, kind):
     """Fault-tolerant groups resumed from the checkpoint of step 4 (a sync point inside a window, written by one
-    group) end bit-equal to the run that was not interrupted, on every rank of both groups: the outer momentum and
-    the step count inside the window came back. (The inner optimizer is SGD: one group writes a fault-tolerant
-    checkpoint, so a stateful inner optimizer's state comes back as that group's in every group; docs/replica-sync.md.)"""
+    group, the other group's own AdamW state kept beside it) end bit-equal to the run that was not interrupted, on
+    every rank of both groups: the outer momentum, the step count inside the window and each group's own inner
+    optimizer state came back. Without what the other group kept, it resumes with the writer's moments (and says
+    so), and its run is no longer the same: the test can fail."""
+    from lightning_smp.frontend.replica_sync import own_inner_path
     from lightning_smp.testing.replica_groups import run_replica_groups
 
-    whole = run_replica_groups(_torchft_checkpoints, 2, 2, kind, tmp_path / "whole", None)
-    saved = tmp_path / "whole" / "checkpoints" / "epoch=0-step=4.ckpt"
-    assert saved.exists()
-    resumed = run_replica_groups(_torchft_checkpoints, 2, 2, kind, tmp_path / "resumed", saved)
+    run = _torchft_checkpoints if front_end == "trainer" else _torchft_fabric_checkpoints
+    whole = run_replica_groups(run, 2, 2, kind, tmp_path / "whole", None)
+    folder = tmp_path / "whole" / "checkpoints"
+    saved = folder / "epoch=0-step=4.ckpt"
+    kept = [own_inner_path(saved, group) for group in range(2)]
+    assert saved.exists() and sum(path.exists() for path in kept) == 1, sorted(p.name for p in folder.iterdir())
+    # (every group removed what it kept beside the checkpoints ModelCheckpoint removed: none here, save_top_k=-1)
+    resumed = run_replica_groups(run, 2, 2, kind, tmp_path / "resumed", saved)
     for group in range(2):
         for rank in range(2):
-            assert all(torch.equal(a, b) for a, b in zip(whole[group][rank], resumed[group][rank])), (group, rank)
+            (mine, said), (theirs, _) = whole[group][rank], resumed[group][rank]
+            assert all(torch.equal(a, b) for a, b in zip(mine, theirs)), (group, rank)
+            assert not said and not resumed[group][rank][1]
         # (and fit ended on a sync: both groups hold the same parts)
-        assert all(torch.equal(a, b) for a, b in zip(whole[0][rank], whole[1][rank])), rank
+        assert all(torch.equal(a, b) for a, b in zip(whole[0][rank][0], whole[1][rank][0])), rank
+    for path in kept:
+        if path.exists():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    alone = run_replica_groups(run, 2, 2, kind, tmp_path / "alone", saved)
+    assert any(not torch.equal(a, b) for a, b in zip(whole[0][0][0], alone[0][0][0])), "the moments changed nothing"
+    said = [message for ranks in alone for _, messages in ranks for message in messages]
+    assert len(said) == 1 and "with group 0's inner optimizer state: it kept none beside the checkpoint" in said[0]
 
 
 def _meta_init_loop(fabric: L.Fabric) -> list[Any]:

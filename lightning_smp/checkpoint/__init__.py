@@ -46,7 +46,7 @@ from lightning_smp.checkpoint.format import (
     fabric_layout,
     trainer_layout,
 )
-from lightning_smp.checkpoint.loading import check_model_fits, load
+from lightning_smp.checkpoint.loading import check_model_fits, load, load_entries, read_record
 from lightning_smp.checkpoint.safety import hyperparameters_problem, plain_checkpoint
 from lightning_smp.checkpoint.saving import CheckpointRun, collision, run_id_of, save
 from lightning_smp.checkpoint.state_dict import (
@@ -77,12 +77,14 @@ __all__ = [
     "full_optimizer_state",
     "hyperparameters_problem",
     "load",
+    "load_entries",
     "load_from_checkpoint",
     "module_state_dict",
     "optimizer_state",
     "optimizer_state_by_index",
     "plain_checkpoint",
     "read_full",
+    "read_record",
     "run_id_of",
     "save",
     "trainer_layout",

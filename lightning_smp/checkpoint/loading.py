@@ -46,6 +46,57 @@ def load(model: ShardedModel, path: str | os.PathLike, *, optimizers: Sequence[O
     return _load_full(model, path, list(optimizers), strict, model_name, state_keys or (None, ()), dict(extra or {}))
 
 
+def load_entries(model: ShardedModel, path: str | os.PathLike, entries: Mapping[str, Optimizer]) -> dict[str, Any]:
+    """Load the optimizer states a checkpoint at ``path`` holds under ``entries``' keys (a checkpoint of those entries
+    alone, without a model: ``replica_sync``'s own inner state of a fault-tolerant group) into their optimizers,
+    resharded to ``model``'s layout; an entry the checkpoint lacks leaves its optimizer as it is. Returns the rest of
+    the checkpoint (its plain values). Collective over ``model``'s ranks.
+
+    Raises:
+        CheckpointError: ``path`` is not a checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    path = Path(model.collectives.broadcast(os.fspath(path)))
+    if checkpoint_kind(path) != SHARDED:
+        checkpoint = dict(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+        for key, optimizer in entries.items():
+            if key in checkpoint:
+                _load_full_optimizer(model, optimizer, checkpoint.pop(key))
+        return checkpoint
+    module, reader = model.module, SafeFileSystemReader(path)
+    keys = reader.read_metadata().state_dict_metadata
+    found = {key: optimizer for key, optimizer in entries.items() if any(k.startswith(f"{key}.") for k in keys)}
+    state: dict[str, Any] = {}
+    for key, optimizer in found.items():
+        if any(k.startswith(f"{key}.state.") for k in keys):
+            with model.engine.optimizer_state_context(module, optimizer):
+                state[key] = get_optimizer_state_dict(module, optimizer)
+        else:
+            state[key] = {"param_groups": optimizer.state_dict()["param_groups"]}
+    if state:
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+    for key, optimizer in found.items():
+        if "state" in state[key]:
+            with _keeping_hyperparameter_types(optimizer), model.engine.optimizer_state_context(module, optimizer):
+                set_optimizer_state_dict(module, optimizer, state[key])
+        else:
+            _load_param_groups(optimizer, state[key]["param_groups"])
+    meta = path / META_FILENAME
+    return dict(torch.load(meta, map_location="cpu", weights_only=True)) if meta.is_file() else {}
+
+
+def read_record(path: str | os.PathLike, key: str) -> Any:
+    """The plain value a checkpoint at ``path`` (either kind) holds under ``key`` (``None``: none), read without its
+    tensors (a sharded checkpoint's ``meta.pt``; a full one's file, mapped)."""
+    path = Path(path)
+    source = path / META_FILENAME if checkpoint_kind(path) == SHARDED else path
+    if not source.is_file():
+        return None
+    checkpoint = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+    return checkpoint.get(key) if isinstance(checkpoint, dict) else None
+
+
 def _model_shapes(model: ShardedModel) -> dict[str, tuple[int, ...]]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -205,4 +256,4 @@ def _load_sharded(model: ShardedModel, path: Path, optimizers: list[Optimizer], 
     return dict(torch.load(meta, map_location="cpu", weights_only=True)) if meta.is_file() else {}
 
 
-__all__ = ["check_model_fits", "load"]
+__all__ = ["check_model_fits", "load", "load_entries", "read_record"]

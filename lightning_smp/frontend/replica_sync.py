@@ -5,8 +5,11 @@ in checkpoints. The step hooks that call these are each front end's own; what ru
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,7 +17,9 @@ import torch.distributed as dist
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_smp.checkpoint.format import OPTIMIZERS_KEY, REPLICA_SYNC_KEY
+from lightning_smp.checkpoint import CheckpointRun, load_entries, read_record
+from lightning_smp.checkpoint.atomic import remove_atomically
+from lightning_smp.checkpoint.format import MODEL_KEY, OPTIMIZERS_KEY, REPLICA_SYNC_KEY
 from lightning_smp.checkpoint.local import LocalStateCheck, optimizer_state_to_save
 from lightning_smp.checkpoint.state_dict import ShardedModel, full_optimizer_states_of_groups
 from lightning_smp.core import HybridShardCore
@@ -36,6 +41,13 @@ def inner_entry(group: int, index: int) -> str:
     return f"{REPLICA_SYNC_KEY}_group{group}_{index}"
 
 
+def own_inner_path(path: str | os.PathLike, group: int) -> Path:
+    """Where fault-tolerant replica group ``group`` keeps its own inner optimizer state beside the checkpoint at
+    ``path`` that another group wrote (a name no checkpoint callback takes for a checkpoint of its own)."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.replica_group{group}")
+
+
 class ReplicaSyncSteps:
     """Mixin of :class:`~lightning_smp.frontend.HybridShardFrontEnd`: the semi-synchronous replica groups' glue."""
 
@@ -44,6 +56,9 @@ class ReplicaSyncSteps:
     _outer: OuterSync | None = None
     _outer_module: Module | None = None
     _replicas: ReplicaGroups | None = None
+    #: the run that owns what this group keeps beside a checkpoint another group wrote (its own: the groups' main
+    #: checkpoints share one run once resumed, and a run removes its own leftovers in the folder)
+    _own_inner_run: CheckpointRun | None = None
 
     @property
     def outer_sync(self) -> OuterSync | None:
@@ -166,7 +181,10 @@ class ReplicaSyncSteps:
             return checkpoint
         outer = self._outer
         shadow = outer_optimizer(outer)
-        extra: dict[str, Any] = {REPLICA_SYNC_KEY: {"steps": outer.steps},
+        record: dict[str, Any] = {"steps": outer.steps}
+        if self.core.fault_tolerance is not None:  # (the group that wrote it: the others keep their own beside it)
+            record["group"] = self.core.fault_tolerance.group
+        extra: dict[str, Any] = {REPLICA_SYNC_KEY: record,
                                  OUTER_ENTRY: optimizer_state_to_save(model, shadow, len(optimizers), kind, check)}
         group = self._group_index()
         if kind == SHARDED:
@@ -179,6 +197,59 @@ class ReplicaSyncSteps:
                 extra.update({inner_entry(g, index): state for g, state in enumerate(states) if g > 0})
         return {**checkpoint, **extra}
 
+    def _own_inner_checkpoint(self, checkpoint: dict[str, Any],
+                              path: str | os.PathLike) -> tuple[dict[str, Any], Path, CheckpointRun] | None:
+        """``fault_tolerance``: what a group that does not write the job's checkpoint at ``path`` keeps beside it, and
+        where (:func:`own_inner_path`): its own inner optimizer states (``checkpoint``'s, sharded or full, as the
+        front end took them), which differ from the writing group's between syncs, with the outer loop's step count
+        they go with, and the run that owns it; ``None`` without ``replica_sync`` (nothing to keep)."""
+        settings = self.core.fault_tolerance
+        if self._outer is None or settings is None:
+            return None
+        own = {MODEL_KEY: {}, REPLICA_SYNC_KEY: {"steps": self._outer.steps, "group": settings.group},
+               **{inner_entry(settings.group, index): state
+                  for index, state in enumerate(checkpoint.get(OPTIMIZERS_KEY, []))}}
+        if self._own_inner_run is None:
+            self._own_inner_run = CheckpointRun()
+        return own, own_inner_path(path, settings.group), self._own_inner_run
+
+    def _remove_own_inner(self, path: str | os.PathLike) -> None:
+        """With the checkpoint at ``path``: what this group kept beside it (:meth:`_own_inner_checkpoint`), if any.
+        One rank calls it."""
+        settings = self.core.fault_tolerance
+        own = own_inner_path(path, settings.group) if settings is not None else None
+        if own is not None and own.exists():
+            remove_atomically(own)
+
+    def _load_own_inner_state(self, path: str | os.PathLike, model: ShardedModel, optimizers: list[Optimizer],
+                              record: dict[str, Any] | None) -> None:
+        """``fault_tolerance``, after a checkpoint that another group wrote (``record``: its ``replica_sync``
+        record) was loaded: this group's own inner optimizer states from beside it, where this group kept them at the
+        same step (a group without them resumes with the writing group's, and says so)."""
+        settings = self.core.fault_tolerance
+        if self._outer is None or settings is None or not isinstance(record, dict) or not optimizers:
+            return
+        writer = record.get("group")
+        if writer is None or writer == settings.group:
+            return
+        own = own_inner_path(path, settings.group)
+        # (rank 0 reads, every rank decides alike: the load is collective)
+        kept = model.collectives.broadcast(read_record(own, REPLICA_SYNC_KEY) if own.exists() else None)
+        steps = kept.get("steps") if isinstance(kept, dict) else None
+        if steps is not None and steps == record.get("steps"):
+            rest = load_entries(model, own, {inner_entry(settings.group, index): optimizer
+                                             for index, optimizer in enumerate(optimizers)})
+            self._own_inner_run = self._own_inner_run or CheckpointRun()
+            self._own_inner_run.continue_from(rest)  # (its next save there is its own again)
+        elif model.collectives.rank == 0:
+            why = (f"{own} was kept at step {steps}, the checkpoint at {record.get('steps')}" if kept is not None
+                   else f"it kept none beside the checkpoint ({own})")
+            warnings.warn(
+                f"replica group {settings.group} resumes {path} with group {writer}'s inner optimizer state: {why}."
+                " Its own state differs from the writer's between syncs, so the resume is not exact for this group"
+                " (it is with a stateless inner optimizer). Fix: resume from a checkpoint every group saved at, on a"
+                " file system every group reaches.", stacklevel=2)
+
     def _outer_optimizer(self) -> torch.optim.SGD | None:
         """The outer loop's state as an optimizer over the model's parameters (:func:`outer_optimizer`)."""
         return outer_optimizer(self._outer) if self._outer is not None else None
@@ -188,7 +259,9 @@ class ReplicaSyncSteps:
         group's own optimizer states where the checkpoint has them."""
         if self._outer is None or shadow is None:
             return {}
-        group = self._group_index()
+        # (fault_tolerance: each group its own job; a checkpoint of one job holds every group's by its place)
+        settings = self.core.fault_tolerance
+        group = settings.group if settings is not None else self._group_index()
         # (without outer momentum the outer state is its step count alone, in the record: a checkpoint's momentum,
         # saved with outer_momentum > 0, is not loaded)
         entries: dict[str, Optimizer] = {OUTER_ENTRY: shadow} if self._outer.momentum() else {}
