@@ -348,6 +348,12 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             )
         super().setup(trainer)
         self.precision_plugin.fsdp_module = self.model
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and (self._replicas is not None or self.core.replica_sync is not None):
+            callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # (set by Lightning's connector)
+            if not any(isinstance(callback, ReplicaGroupMetrics) for callback in callbacks):
+                # (each fault-tolerant step's groups, commit and heal, each sync's report, to every logger)
+                callbacks.append(ReplicaGroupMetrics())
         if self._replicas is not None and trainer.state.fn == TrainerFn.FITTING:
             self._set_up_replica_groups(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.model is not None:
@@ -371,9 +377,6 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         schedulers, the loop's counters and data position)."""
         if trainer.lightning_module is not None:
             check_data_can_follow(trainer.lightning_module)
-        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # (set by Lightning's connector)
-        if not any(isinstance(callback, ReplicaGroupMetrics) for callback in callbacks):
-            callbacks.append(ReplicaGroupMetrics())  # (each step's groups, commit and heal, to every logger)
         if self._crosses_each_step:
             self.precision_plugin.reduce_across_groups = self._reduce_across_groups
         configs = self.lr_scheduler_configs

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lightning_smp.engines.textbook import OPS
+from lightning_smp.names import REPLICATE_AXIS
 
 #: Each table: (title, header, rows); every cell a string.
 TableSpec = tuple[str, Sequence[str], Sequence[Sequence[str]]]
@@ -130,8 +131,19 @@ def comm_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
     for r in records:
         measured, book = r.get("comm") or {}, r.get("comm_textbook") or {}
         mismatched = set(comm_mismatches(r))
+        sync = r.get("replica_sync")
+        if sync and sync["groups"] > 1:
+            # (replica_sync: the replicate axis's one all-reduce per sync, amortised over its window; the counted
+            # step shows it only if it synced)
+            m = measured.get(REPLICATE_AXIS, {}).get("all_reduce", {"count": 0, "bytes": 0})
+            rows.append([str(r["rank"]), REPLICATE_AXIS, f"all_reduce (a sync, every {sync['every']} steps)",
+                         str(m["count"]) if measured else "-", fmt_bytes(m["bytes"]) if measured else "-",
+                         f"1 per {sync['every']} steps", fmt_bytes(sync["bytes"]),
+                         f"{fmt_bytes(sync['ring_bytes'])} ({fmt_bytes(sync['ring_bytes'] // sync['every'])}/step)"])
         for axis in dict.fromkeys([*measured, *book]):
             for op in OPS:
+                if sync and axis == REPLICATE_AXIS and op == "all_reduce":
+                    continue  # (the sync's row above)
                 m = measured.get(axis, {}).get(op, {"count": 0, "bytes": 0})
                 t = book.get(axis, {}).get(op) or ({"count": 0, "bytes": 0, "ring_bytes": 0} if book else None)
                 if not m["count"] and not (t and t["count"]):
@@ -157,10 +169,15 @@ def comm_title(records: Sequence[dict]) -> str:
 def report_tables(records: Sequence[dict]) -> list[TableSpec]:
     """The memory table and the communication table of one report."""
     r0 = records[0]
+    strategy = f"{r0['strategy']} ({r0['engine']})" if r0.get("engine") else r0["strategy"]
+    sync = r0.get("replica_sync")
     if r0["shard_degree"] is None:  # an engine without the accounting role
-        where = f"{r0['strategy']}, sharding {NOT_AVAILABLE}"
+        where = f"{strategy}, sharding {NOT_AVAILABLE}"
+    elif sync:  # (the engine shards inside each replica group; the groups are the replicate axis, synced apart)
+        where = (f"{strategy}, {sync['groups']} replica group(s) x {r0['shard_degree']} shard(s),"
+                 f" {r0['sharding_strategy'] or 'no sharding'} inside each; {sync['describe']}")
     else:
-        where = (f"{r0['strategy']}, {r0['sharding_strategy'] or 'no sharding'}, {r0['replicas']} replica(s) x"
+        where = (f"{strategy}, {r0['sharding_strategy'] or 'no sharding'}, {r0['replicas']} replica(s) x"
                  f" {r0['shard_degree']} shard(s)")
     return [
         (f"Memory per rank at {r0['stage']} (step {r0['step']}): {where}", *memory_rows(records)),

@@ -24,7 +24,8 @@ from lightning_smp.accounting.counter import CommCounter
 from lightning_smp.accounting.memory import comm_groups, measure_memory, peak_memory, textbook
 from lightning_smp.accounting.render import comm_mismatches, print_report
 from lightning_smp.collectives import Collectives
-from lightning_smp.names import NO_SYNC, GradientAccumulation
+from lightning_smp.names import NO_SYNC, SHARD_AXIS, GradientAccumulation
+from lightning_smp.replica_sync import ring_bytes
 
 
 def _module(model: Any) -> Any:
@@ -64,6 +65,8 @@ def memory_report(
     checkpoint_staging_bytes: int | None = None,
     replica_sync_bytes: int | None = None,
     replica_sync_backup: str | None = None,
+    engine: str | None = None,
+    replica_sync: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Measure what this rank holds, gather every rank's record (a collective: call it on every rank) and, on rank
     0, print the memory and communication tables; return the records, sorted by rank, on every rank.
@@ -82,6 +85,9 @@ def memory_report(
         replica_sync_bytes: memory this rank keeps for ``replica_sync``'s outer loop (the strategy's
             ``replica_sync_bytes``), or ``None`` without it; ``replica_sync_backup``: where (``"device"`` or
             ``"cpu"``, ``replica_sync``'s ``backup``).
+        engine: the engine that runs the model (``"fsdp1"``, ``"fsdp2"``, ``"ddp"``), for the title.
+        replica_sync: with ``replica_sync``, the groups and a sync: ``{"describe", "groups", "every", "bytes",
+            "ring_bytes"}`` (:func:`replica_sync_figures`); ``None`` without it.
     """
     module: Module = _module(model)
     plain: list[Optimizer] = [_module(o) for o in optimizers]
@@ -98,8 +104,18 @@ def memory_report(
     record["checkpoint_staging_bytes"] = checkpoint_staging_bytes
     record["replica_sync_bytes"] = replica_sync_bytes
     record["replica_sync_backup"] = replica_sync_backup
+    record["engine"] = engine
+    record["replica_sync"] = replica_sync
     record["comm"] = comm
     record["comm_textbook"] = textbook(module, backward_passes, accumulation, root_gathered=root_gathered)
+    if replica_sync is not None and replica_sync.get("synced_in_step") and record["comm_textbook"]:
+        # (a sync in the counted step: its report's two norms, one all-reduce of 2 float64 inside the group; the
+        # sync's own all-reduce across the groups has its row, amortised)
+        shard = record["comm_textbook"].setdefault(SHARD_AXIS, {}).setdefault(
+            "all_reduce", {"count": 0, "bytes": 0, "ring_bytes": 0})
+        shard["count"] += 1
+        shard["bytes"] += 16
+        shard["ring_bytes"] += ring_bytes(16, record.get("shard_degree") or 1)
     record["backward_passes"] = backward_passes
     record["gradient_accumulation"] = accumulation
     record["comm_mismatch"] = [list(pair) for pair in comm_mismatches(record)]
@@ -109,4 +125,13 @@ def memory_report(
     return records
 
 
-__all__ = ["count_communication", "memory_report"]
+def replica_sync_figures(describe: str, groups: int, every: int, sync_bytes: int,
+                         synced_in_step: bool = False) -> dict[str, Any]:
+    """What the report shows of ``replica_sync``: its line, the replica groups (the replicate axis), one sync's
+    all-reduce of this rank's ``sync_bytes`` across them (its ring sends ``2 (groups - 1) / groups`` of them), which
+    runs once every ``every`` optimizer steps, and whether the counted step synced."""
+    return {"describe": describe, "groups": groups, "every": every, "bytes": sync_bytes,
+            "ring_bytes": ring_bytes(sync_bytes, groups), "synced_in_step": synced_in_step}
+
+
+__all__ = ["count_communication", "memory_report", "replica_sync_figures"]

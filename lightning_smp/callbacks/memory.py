@@ -78,7 +78,7 @@ from typing_extensions import override
 from lightning_smp.accounting.counter import CommCounter
 from lightning_smp.accounting.memory import MEMORY_FIELDS, PEAK_FIELDS, comm_groups, gradient_bytes
 from lightning_smp.accounting.render import print_report
-from lightning_smp.accounting.report import memory_report
+from lightning_smp.accounting.report import memory_report, replica_sync_figures
 from lightning_smp.errors import HybridShardConfigError, LightningSMPError
 from lightning_smp.names import NO_SYNC
 
@@ -164,6 +164,7 @@ class MemorySavingsCallback(Callback):
         self._last_step = 0
         self._evaluated = False
         self._root_gathered = False
+        self._synced_in_step = False
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -174,7 +175,7 @@ class MemorySavingsCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.report, self.reports, self._comm, self._grads_bytes = [], {}, None, None
         self._backward_passes, self._last_step, self._step_grads = 0, trainer.global_step, 0
-        self._evaluated = self._root_gathered = False
+        self._evaluated = self._root_gathered = self._synced_in_step = False
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -189,7 +190,9 @@ class MemorySavingsCallback(Callback):
             model = trainer.strategy.model or pl_module
             self._counter = CommCounter(groups=comm_groups(model, strategy_mesh(trainer.strategy)))
             self._counter.__enter__()
-            self._root_gathered = self._evaluated
+            # (replica_sync: the strategy releases what a validation forward left gathered before it shows the
+            # synced weights, and again after: the next forward gathers the root again, as any)
+            self._root_gathered = self._evaluated and getattr(trainer.strategy, "outer_sync", None) is None
         self._backward_passes += 1
 
     @override
@@ -211,13 +214,13 @@ class MemorySavingsCallback(Callback):
         self._last_step = trainer.global_step
         self._evaluated = False
         if self._counter is not None:
-            self._stop_counting()
+            self._stop_counting(trainer)
         if "first_step" not in self.reports:
             self._make_report(trainer, pl_module, "first_step")
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._stop_counting()
+        self._stop_counting(trainer)
         self._make_report(trainer, pl_module, "fit_end")
 
     @override
@@ -226,12 +229,23 @@ class MemorySavingsCallback(Callback):
             self._counter.__exit__(None, None, None)
             self._counter = None
 
-    def _stop_counting(self) -> None:
+    def _stop_counting(self, trainer: pl.Trainer) -> None:
         if self._counter is None:
             return
         self._counter.__exit__(None, None, None)
         self._comm = self._counter.counts()
         self._counter = None
+        outer = getattr(trainer.strategy, "outer_sync", None)
+        # (replica_sync: whether the counted step synced, with its report's one small all-reduce inside the group)
+        self._synced_in_step = outer is not None and outer.report is not None and outer.report.step == outer.steps
+
+    def _replica_sync(self, strategy: Any) -> dict[str, Any] | None:
+        """``replica_sync``'s figures for the report (its groups are the layout's replicas), or ``None``."""
+        outer = getattr(strategy, "outer_sync", None)
+        if outer is None:
+            return None
+        return replica_sync_figures(outer.describe(), strategy.layout.replicate, outer.every, outer.sync_bytes,
+                                    synced_in_step=self._synced_in_step)
 
     def _make_report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
@@ -247,6 +261,8 @@ class MemorySavingsCallback(Callback):
             replica_sync_bytes=getattr(strategy, "replica_sync_bytes", None)
             if getattr(strategy, "outer_sync", None) is not None else None,
             replica_sync_backup=getattr(strategy, "replica_sync_backup", None),
+            engine=getattr(getattr(strategy, "engine", None), "name", None),
+            replica_sync=self._replica_sync(strategy),
         )
         # a collective (broadcast of the directory) on every rank
         log_dir = trainer.log_dir if trainer.loggers else trainer.default_root_dir

@@ -20,12 +20,14 @@ measured in ``docs/replica-sync.md`` (the step-0 mosaic, a bucketized all-reduce
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from lightning_smp.fault_tolerance.flat import pack, unpack
 from lightning_smp.fault_tolerance.session import ReplicaGroups
 from lightning_smp.fault_tolerance.start import Start
-from lightning_smp.replica_sync.outer import OuterSync
+from lightning_smp.replica_sync.outer import OuterSync, ring_bytes
 
 #: the kinds of round: after an inner optimizer step (the point of a step where every group's loop counters and
 #: schedulers stand alike, the only one a group heals in), and any other (the start, a checkpoint, the end of fit)
@@ -73,28 +75,36 @@ class SyncRounds:
         wished = torch.zeros(len(outer.fragments), dtype=torch.float32, device=replicas.device)
         wished[indices] = 1.0
         agreed = usable and replicas.cross_sum(wished)
+        started, payload = time.perf_counter(), 0
         if agreed:
             indices = sorted(set(indices) | {i for i, count in enumerate(wished.tolist()) if count > 0})
-            self._average(outer, indices)
+            payload = self._average(outer, indices)
+        seconds = time.perf_counter() - started
+        groups = replicas.manager.num_participants() if agreed else 0
         committed = replicas.commit()  # (refused in this group if it failed anywhere in the round)
         if not committed and healed and not agreed:
             # (the peer drops the fragments it wanted: this group, which holds the peer's window now and does not know
             # which, drops every fragment that trained)
             indices = [i for i, fragment in enumerate(outer.fragments) if fragment.synced_at < outer.steps]
+        measured = torch.zeros(2, dtype=torch.float64)
         for index in indices:
             fragment = outer.fragments[index]
             if committed:
+                measured += outer.measure(fragment)
                 outer.step_outer(fragment)
             else:
                 fragment.outer.zero_grad(set_to_none=True)
                 outer.roll_back(fragment)
+        if committed and indices:
+            outer.record(indices, measured, groups=groups, sent_bytes=ring_bytes(payload, groups), seconds=seconds)
         return committed
 
-    def _average(self, outer: OuterSync, indices: list[int]) -> None:
+    def _average(self, outer: OuterSync, indices: list[int]) -> int:
         """The pseudo-gradients of ``indices`` averaged, parameter by parameter, across the groups that sent theirs
         (a fragment that has not trained since its last sync sends nothing), into the synced copies' ``.grad``; the
         buffers of the first up-to-date group ride along, applied when the round commits. A crossing that fails is
-        reported to torchft, whose vote then refuses the round."""
+        reported to torchft, whose vote then refuses the round. Returns the bytes of this rank's pseudo-gradients
+        that crossed."""
         replicas = self.replicas
         synced = [copy for index in indices for copy in outer.fragments[index].synced]
         if replicas.sends_own_part:
@@ -103,10 +113,12 @@ class SyncRounds:
                 if fragment.synced_at < outer.steps:
                     for copy, pseudo in zip(fragment.synced, outer.pseudo_gradients(fragment)):
                         copy.grad = pseudo.to(copy.device)
+        payload = 0
         for item in pack(synced, None, outer.buffers, sends_buffers=replicas.first_up_to_date,
                          device=replicas.device):
             if not replicas.cross_sum(item.flat):
-                return
+                return payload
+            payload += sum(item.sizes) * item.flat.element_size()
             # (each parameter's flag summed over the groups: how many sent it; unpack leaves the sums, and
             # None where nobody sent)
             at = sum(item.sizes)
@@ -115,6 +127,7 @@ class SyncRounds:
             for summed, count in zip(item.parameters, senders):
                 if summed.grad is not None and count > 1:
                     summed.grad.div_(count)
+        return payload
 
 
 __all__ = ["SyncRounds"]

@@ -17,6 +17,7 @@ from lightning_smp.core import HybridShardCore
 from lightning_smp.fault_tolerance.session import ReplicaGroups
 from lightning_smp.fault_tolerance.state import TrackedState
 from lightning_smp.optimizers import step_when_committed
+from lightning_smp.replica_sync import SyncReport
 
 if TYPE_CHECKING:
     from lightning_smp.engines.unused import Unreduced
@@ -34,6 +35,7 @@ class ReplicaGroupSteps:
     _before_replica_forward: Callable[[], None]
     _outer_state: Callable[[], dict[str, Any]]
     _load_outer_state: Callable[[dict[str, Any]], None]
+    _last_sync: SyncReport | None
 
     @property
     def replica_groups(self) -> ReplicaGroups | None:
@@ -43,11 +45,17 @@ class ReplicaGroupSteps:
 
     @property
     def replica_metrics(self) -> dict[str, float]:
-        """What the replica groups did at the last optimizer step (``fault_tolerance``), for a logger: the groups
+        """What the replica groups did at the last optimizer step, for a logger. ``fault_tolerance``: the groups
         whose gradients were averaged, whether it committed, torchft's step, and a heal's source group and transfer
-        time (:meth:`~lightning_smp.fault_tolerance.ReplicaGroups.metrics`); empty without the option. The Trainer
-        logs them itself; a Fabric loop calls ``fabric.log_dict(fabric.strategy.replica_metrics)``."""
-        return self._replicas.metrics() if self._replicas is not None else {}
+        time (:meth:`~lightning_smp.fault_tolerance.ReplicaGroups.metrics`); ``replica_sync``, when that step (or
+        what followed it: a checkpoint, the end of fit) synced the groups: the sync's report
+        (:meth:`~lightning_smp.replica_sync.SyncReport.metrics`: the syncs so far, the fragment, the bytes this
+        rank sent, the crossing's time, the averaged pseudo-gradient's norm and the groups' drift). Empty without
+        either. The Trainer logs them itself (:class:`~lightning_smp.callbacks.ReplicaGroupMetrics`); a Fabric loop
+        calls ``fabric.log_dict(fabric.strategy.replica_metrics)`` after each step."""
+        values = self._replicas.metrics() if self._replicas is not None else {}
+        report = self._last_sync
+        return {**values, **report.metrics()} if report is not None else values
 
     @property
     def _crosses_each_step(self) -> bool:

@@ -27,8 +27,8 @@ from lightning_smp.errors import UnsupportedOptionError
 from lightning_smp.fault_tolerance.rounds import SyncRounds
 from lightning_smp.fault_tolerance.session import ReplicaGroups
 from lightning_smp.mesh import axis_group
-from lightning_smp.names import REPLICATE_AXIS, SHARDED, StateDictType
-from lightning_smp.replica_sync import OuterSync
+from lightning_smp.names import REPLICATE_AXIS, SHARD_AXIS, SHARDED, StateDictType
+from lightning_smp.replica_sync import OuterSync, SyncReport
 from lightning_smp.replica_sync.state import outer_optimizer, restore_outer
 
 #: the checkpoint entry of the outer optimizer's state
@@ -96,6 +96,14 @@ class ReplicaSyncSteps:
             self._release_gathered()  # (what the block's forwards gathered holds the synced weights)
             self._outer.hide_synced()  # (nothing if a sync inside the block, a checkpoint's, put them back already)
 
+    @property
+    def _last_sync(self) -> SyncReport | None:
+        """The report of the sync that the last optimizer step made, or one made since (a checkpoint's, the end
+        of fit's): ``None`` if no sync happened since that step, or without ``replica_sync``."""
+        outer = self._outer
+        report = outer.report if outer is not None else None
+        return report if report is not None and outer is not None and report.step == outer.steps else None
+
     def _release_gathered(self) -> None:
         """Before the outer loop writes the shards outside a training step: nothing gathered may hide them from the
         next forward (FSDP2's root after a validation forward)."""
@@ -129,11 +137,13 @@ class ReplicaSyncSteps:
         # (fault_tolerance: each group is its own job, and a sync is a round of torchft's Manager across them; else
         # the groups are the rows of this job's mesh)
         group = axis_group(mesh, REPLICATE_AXIS) if replicas is None and mesh is not None else None
+        # (the ranks of this rank's own replica group: a sync's report holds the whole model's norms over them)
+        own = axis_group(mesh, SHARD_AXIS) if replicas is None and mesh is not None else None
         self._outer = OuterSync(module.parameters(), group, every=settings.every, outer_lr=settings.outer_lr,
                                 outer_momentum=settings.outer_momentum, nesterov=settings.nesterov,
                                 fragments=settings.fragments, buffers=buffers,
                                 backup_device=torch.device("cpu") if settings.backup == "cpu" else None,
-                                rounds=SyncRounds(replicas) if replicas is not None else None)
+                                rounds=SyncRounds(replicas) if replicas is not None else None, group_ranks=own)
         self._outer_module = module
 
     def _before_replica_forward(self) -> None:

@@ -14,6 +14,8 @@ the others on stale pseudo-gradients: a pitfall measured in torchft 0.2.0).
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -63,6 +65,46 @@ class Rounds(Protocol):
     def sync(self, outer: OuterSync, indices: list[int], *, after_step: bool) -> None: ...
 
 
+@dataclass(frozen=True)
+class SyncReport:
+    """What one sync did, as this rank saw it (:attr:`OuterSync.report`; the front ends log it: :meth:`metrics`)."""
+
+    #: syncs committed so far (this one included)
+    syncs: int
+    #: the inner step it came after
+    step: int
+    #: the fragments it carried
+    fragments: tuple[int, ...]
+    #: the groups whose pseudo-gradients it averaged
+    groups: int
+    #: bytes this rank sent across the groups for the pseudo-gradients: a ring all-reduce of its part of them
+    #: sends 2 (groups - 1) / groups times their bytes
+    sent_bytes: int
+    #: wall time of its crossing(s)
+    seconds: float
+    #: the norm of the averaged pseudo-gradient (the whole model's, over the group's ranks): how far the outer step
+    #: moves the synced weights before its learning rate and momentum
+    pseudo_gradient_norm: float
+    #: how far this group had drifted from the average: the norm of its own pseudo-gradient minus the average, over
+    #: the average's norm (0: every group trained alike; about 1 and above: the groups' windows disagree)
+    drift: float
+
+    def metrics(self) -> dict[str, float]:
+        """As metrics for a logger: ``replica_sync/syncs``, ``replica_sync/fragment`` (the first it carried),
+        ``replica_sync/sent_bytes``, ``replica_sync/seconds``, ``replica_sync/pseudo_gradient_norm``,
+        ``replica_sync/drift``."""
+        return {"replica_sync/syncs": float(self.syncs),
+                "replica_sync/fragment": float(self.fragments[0]) if self.fragments else -1.0,
+                "replica_sync/sent_bytes": float(self.sent_bytes), "replica_sync/seconds": self.seconds,
+                "replica_sync/pseudo_gradient_norm": self.pseudo_gradient_norm, "replica_sync/drift": self.drift}
+
+
+def ring_bytes(payload: int, groups: int) -> int:
+    """What a ring all-reduce of ``payload`` bytes over ``groups`` members sends from each: 2 (groups - 1) / groups
+    times the payload (gloo's and NCCL's ring; the cluster tests hold gloo to it)."""
+    return 2 * (groups - 1) * payload // groups if groups > 1 else 0
+
+
 @dataclass
 class Fragment:
     """One fragment: its parameters, their copies as last synced (what the outer optimizer steps), the outer
@@ -104,7 +146,8 @@ class OuterSync:
     def __init__(self, parameters: Iterable[Tensor], group: dist.ProcessGroup | None, *, every: int,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1,
                  backup_device: torch.device | None = None, bucket_bytes: int = BUCKET_BYTES,
-                 buffers: Iterable[Tensor] = (), rounds: Rounds | None = None) -> None:
+                 buffers: Iterable[Tensor] = (), rounds: Rounds | None = None,
+                 group_ranks: dist.ProcessGroup | None = None) -> None:
         trained = [p for p in parameters if p.requires_grad]
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise HybridShardConfigError(f"replica_sync every={every!r} is not a number of steps >= 1. Fix: e.g. 20.")
@@ -124,6 +167,12 @@ class OuterSync:
         self._kept: list[list[Tensor]] | None = None  # this group's own parts while the synced ones are shown
         self.bucket_bytes = bucket_bytes
         self.steps = 0  # inner steps since the start (a checkpoint carries it)
+        #: the ranks of this rank's own replica group (the norms of a sync's report are the whole model's over them;
+        #: ``None``: the default group's)
+        self.group_ranks = group_ranks
+        #: syncs committed so far, and the last one's report (``None`` before the first)
+        self.syncs = 0
+        self.report: SyncReport | None = None
         self.fragments: list[Fragment] = []
         start = 0
         # (whole parameters' sizes, a DTensor's too: every rank cuts the same fragments, one collective each)
@@ -183,6 +232,20 @@ class OuterSync:
                    for t in (*fragment.synced, *fragment.momentum()))
 
     @property
+    def sync_bytes(self) -> int:
+        """Bytes of the pseudo-gradients this rank's part of one full window sends into the all-reduce across the
+        groups: every fragment once, its parts in the parameters' dtype."""
+        return sum(part.numel() * part.element_size() for fragment in self.fragments for part in fragment.parts)
+
+    def describe(self) -> str:
+        """One line: how often the groups sync, in how many fragments, with which outer optimizer."""
+        outer = self.fragments[0].outer.param_groups[0] if self.fragments else {}
+        momentum = outer.get("momentum", 0.0)
+        nesterov = " Nesterov" if outer.get("nesterov") else ""
+        return (f"replica_sync every {self.every} steps, {len(self.fragments)} fragment(s), outer SGD lr"
+                f" {outer.get('lr', 0.0):g}{f', momentum {momentum:g}{nesterov}' if momentum else ', no momentum'}")
+
+    @property
     def pending(self) -> bool:
         """Whether some fragment trained since its last sync (the groups may differ)."""
         return any(fragment.synced_at < self.steps for fragment in self.fragments)
@@ -194,13 +257,21 @@ class OuterSync:
             if indices:
                 self.rounds.sync(self, indices, after_step=after_step)
             return
+        measured, seconds, payload = torch.zeros(2, dtype=torch.float64), 0.0, 0
         for index in indices:
             fragment = self.fragments[index]
             pseudo = self.pseudo_gradients(fragment)
+            started = time.perf_counter()
             self.average(pseudo)
+            seconds += time.perf_counter() - started
+            payload += sum(t.numel() * t.element_size() for t in pseudo)
             for synced, gradient in zip(fragment.synced, pseudo):
                 synced.grad = gradient.to(synced.device)
+            measured += self.measure(fragment)
             self.step_outer(fragment)
+        if indices:
+            groups = dist.get_world_size(self.group)
+            self.record(indices, measured, groups=groups, sent_bytes=ring_bytes(payload, groups), seconds=seconds)
         if indices and self.buffers:
             broadcast_tensors(self.buffers, dist.get_global_rank(self.group, 0) if self.group is not None else 0,
                               self.group, self.buffers[0].device)
@@ -209,6 +280,34 @@ class OuterSync:
     def pseudo_gradients(self, fragment: Fragment) -> list[Tensor]:
         """This rank's part of ``fragment``'s pseudo-gradient: the parameters as last synced minus as they are now."""
         return [synced.to(part.device) - part for synced, part in zip(fragment.synced, fragment.parts)]
+
+    @torch.no_grad()
+    def measure(self, fragment: Fragment) -> Tensor:
+        """Before ``fragment``'s outer step, with the averaged pseudo-gradient in its synced copies' ``.grad``: this
+        rank's squared norms of (its own pseudo-gradient minus the average) and of the average, float64 on the CPU
+        (its own is taken again from the parameters, which the step has not moved yet: nothing is kept for it)."""
+        drift = torch.zeros((), dtype=torch.float64)
+        average = torch.zeros((), dtype=torch.float64)
+        for synced, part in zip(fragment.synced, fragment.parts):
+            if synced.grad is None:
+                continue
+            mean = synced.grad.to(part.device, torch.float64)
+            own = synced.to(part.device, torch.float64) - part.to(torch.float64)
+            drift += (own - mean).square().sum().cpu()
+            average += mean.square().sum().cpu()
+        return torch.stack([drift, average])
+
+    def record(self, indices: Sequence[int], measured: Tensor, *, groups: int, sent_bytes: int,
+               seconds: float) -> None:
+        """A committed sync of ``indices`` (``measured``: :meth:`measure`'s sums over its fragments): the report,
+        its norms summed over this replica group's ranks (one all-reduce of two numbers inside the group, at the
+        sync; nothing between syncs)."""
+        if dist.is_initialized() and dist.get_world_size(self.group_ranks) > 1:
+            dist.all_reduce(measured, group=self.group_ranks)
+        drift, average = (math.sqrt(max(float(v), 0.0)) for v in measured)
+        self.syncs += 1
+        self.report = SyncReport(self.syncs, self.steps, tuple(indices), groups, sent_bytes, seconds, average,
+                                 drift / average if average > 0 else 0.0)
 
     @torch.no_grad()
     def step_outer(self, fragment: Fragment) -> None:
@@ -294,4 +393,4 @@ def _backup(part: Tensor, device: torch.device | None) -> Tensor:
     return copy
 
 
-__all__ = ["BUCKET_BYTES", "Fragment", "OuterSync", "Rounds", "fragment_sizes"]
+__all__ = ["BUCKET_BYTES", "Fragment", "OuterSync", "Rounds", "SyncReport", "fragment_sizes", "ring_bytes"]
