@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, MemorySavingsCallback
+from lightning_smp.links import DEFAULT_PRESET
 from lightning_smp.planner import model_state, optimizer_state_layout, plan
 from tests.helpers import FSDP_VERSIONS, GLOO_TIMEOUT, TinyModel, cpu_trainer, make_loader
 from tests.modules import FeatureModel, LoRABlock, token_loader
@@ -372,6 +373,27 @@ def test_cli_plans_replica_sync_from_the_config(capsys, tmp_path):
     assert [r["outer_bytes"] for r in data["rows"]] == [r.outer_bytes for r in expected.rows] and all(
         r["outer_bytes"] > 0 for r in data["rows"])
     assert " outer" in out
+
+
+def test_cli_plans_with_the_smp_keys_of_its_command_line():
+    """`lightning-smp plan` plans with what --smp.KEY gives (the keys it reads: memory_budget, fsdp_version, links,
+    replica_sync), over the config file's section, and the flags of its own (--memory_budget) over both."""
+    from lightning_smp.links import LINK_PRESETS
+    from lightning_smp.planner.cli import plan_from_args
+
+    shape = ["--params", "1B", "--layers", "8", "--hidden", "2048", "--heads", "16", "--devices", "4"]
+    result, _ = plan_from_args([*shape, "--smp.memory_budget=1.2TB", "--smp.fsdp_version=2", "--smp.links=aws-p4d",
+                                "--smp.replica_sync={every: 20}"])
+    assert result.budget_bytes == 1_200_000_000_000 and result.fsdp_version == 2
+    assert result.links == LINK_PRESETS["aws-p4d"] != LINK_PRESETS[DEFAULT_PRESET]
+    assert [r.degree for r in result.rows] == [1, 2] and all(r.outer_bytes > 0 for r in result.rows)
+    result, _ = plan_from_args([*shape, "--smp={memory_budget: 1.2TB}", "--memory_budget=2TB"])
+    assert result.budget_bytes == 2_000_000_000_000 and [r.degree for r in result.rows] == [1, 2, 4]
+    # the config's section, and one key of its replica_sync mapping from the command line
+    config = REPO / "examples" / "configs" / "replica_sync.yaml"
+    result, _ = plan_from_args(["--config", str(config), "--smp.replica_sync.backup=cpu", "--smp.memory_budget=1GB"])
+    assert result.budget_bytes == 1_000_000_000 and [r.degree for r in result.rows] == [1, 2]
+    assert all(r.outer_bytes == 0 for r in result.rows)  # backup="cpu": the copies live in host memory
 
 
 def test_cli_says_when_nothing_fits():
