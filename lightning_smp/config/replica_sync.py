@@ -14,6 +14,7 @@ from typing import Any
 
 from lightning_smp.config.mapping import typed_items
 from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.names import BACKUP_CPU, BACKUP_DEVICE, REPLICA_SYNC_BACKUPS
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class ReplicaSync:
     outer_momentum: float = 0.9
     nesterov: bool = True
     fragments: int = 1
-    backup: str = "device"
+    backup: str = BACKUP_DEVICE
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], where: str = "replica_sync") -> ReplicaSync:
@@ -72,7 +73,7 @@ _KINDS: dict[str, tuple[type, ...]] = {
     "fragments": (int,), "backup": (str,),
 }
 #: where ``backup`` may keep the outer loop's copies
-BACKUPS = ("device", "cpu")
+BACKUPS = REPLICA_SYNC_BACKUPS
 if set(_KINDS) != {f.name for f in fields(ReplicaSync)}:  # one list of keys
     raise RuntimeError("lightning_smp.config.replica_sync: the keys and their kinds differ")
 
@@ -88,8 +89,8 @@ def check_replica_sync(value: Any, where: str = "replica_sync") -> dict[str, Any
         if key == "backup":
             if number not in BACKUPS:
                 raise HybridShardConfigError(
-                    f"{where}: backup={number!r} is not a place the outer copies can live. Fix: 'device' (beside the"
-                    " parameters) or 'cpu' (host memory).")
+                    f"{where}: backup={number!r} is not a place the outer copies can live. Fix: {BACKUP_DEVICE!r}"
+                    f" (beside the parameters) or {BACKUP_CPU!r} (host memory).")
             checked[key] = number
             continue
         if key in ("every", "fragments") and number < 1:

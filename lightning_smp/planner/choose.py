@@ -29,7 +29,7 @@ from lightning_smp.engines import engine_for, engine_for_layout
 from lightning_smp.engines.textbook import ring_bytes
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.links import Links, links_for
-from lightning_smp.names import HYBRID_SHARD, NO_SHARD
+from lightning_smp.names import BACKUP_DEVICE, HYBRID_SHARD, NO_SHARD
 from lightning_smp.planner.links import as_run, axis_link, collective_seconds
 from lightning_smp.planner.result import GIVEN, MEASURED, NOT_INCLUDED, DegreePlan, Plan, _no_fit_message
 from lightning_smp.planner.state import fsdp_units, model_state, optimizer_name
@@ -137,7 +137,7 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
         part = max(s.params_bytes for s in states)
         # (backup="cpu": in host memory, out of the device's peak)
         outer = (part * (2 if sync.outer_momentum else 1)
-                 if sync is not None and training and sync.backup == "device" else 0)
+                 if sync is not None and training and sync.backup == BACKUP_DEVICE else 0)
         runs = engine_for_layout(fsdp_version, layout, cpu_offload=cpu_offload or None)  # DDP's when unsharded
         transient = transient_bytes(units, root_is_last, layout, runs.prediction,
                                     micro_batches if training else 1, mode, precision)

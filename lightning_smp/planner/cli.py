@@ -257,9 +257,9 @@ def _calibrated(devices: int, model: Module | None = None, example_input: Any = 
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise HybridShardConfigError(
-            "--calibrate true (or links: calibrate) measures the links of a running job: run every rank of it, e.g. `torchrun --nnodes M"
-            " --nproc_per_node N -m lightning_smp plan --calibrate true --devices N ...` (or calibrate in your"
-            " training script and save_links the result)."
+            "--calibrate true (or links: calibrate) measures the links of a running job: run every rank of it, e.g."
+            " `torchrun --nnodes M --nproc_per_node N -m lightning_smp plan --calibrate true --devices N ...` (or"
+            " calibrate in your training script and save_links the result)."
         )
     if not dist.is_initialized():
         accelerator = torch.accelerator.current_accelerator()
