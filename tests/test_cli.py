@@ -137,6 +137,23 @@ def test_a_section_the_parser_cannot_type_is_refused_with_the_library_s_error(co
     assert ENV_CLI not in os.environ
 
 
+@pytest.mark.parametrize("command", ["fit", "plan"])
+def test_both_commands_document_every_smp_key_as_a_flag(command, capsys):
+    """`--smp.help` documents --smp.KEY for every declared key (replica_sync among them, also for `plan --params`),
+    with the key's own documentation; `--help` lists the keys."""
+    from lightning_smp.config.keys import KEY_DOCS
+
+    for flag in ("--smp.help", "--help"):
+        with pytest.raises(SystemExit):
+            main([command, flag])
+        text = " ".join(capsys.readouterr().out.split())
+        for key, doc in KEY_DOCS.items():
+            if flag == "--help":
+                assert f" {key}," in text or f" {key}." in text or f" {key};" in text, (key, command)
+            else:
+                assert f"--smp.{key} " in text and " ".join(doc.split()[:5]) in text, (key, command)
+
+
 #: A value of each SMP key this library implements, other than its default (test_every_smp_key_resolves_alike_in_fit
 #: _and_plan fails for a key declared without one).
 EXAMPLES = {"hybrid_shard_degree": "auto", "fsdp_version": 2, "memory_budget": "1.2MB", "links": "aws-p4d",

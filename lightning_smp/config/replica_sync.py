@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from lightning_smp.config.mapping import typed_items
+from lightning_smp.degree import Layout
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.names import BACKUP_CPU, BACKUP_DEVICE, REPLICA_SYNC_BACKUPS
 
@@ -103,4 +104,17 @@ def check_replica_sync(value: Any, where: str = "replica_sync") -> dict[str, Any
     return checked
 
 
-__all__ = ["BACKUPS", "ReplicaSync", "check_replica_sync"]
+def one_group_refusal(layout: Layout) -> str | None:
+    """Why ``replica_sync`` cannot run on ``layout`` (a single replica group: nothing to sync across), or ``None``
+    where it can: the strategies' refusal when they are created, and the planner's reason to leave a degree out."""
+    if layout.replicate >= 2:
+        return None
+    return (
+        f"replica_sync with {layout.replicate} replica group ({layout.world_size} ranks,"
+        f" hybrid_shard_degree={layout.shard}): there is nothing to sync across. Fix: a hybrid_shard_degree"
+        f" that leaves at least two replica groups (a divisor of {layout.world_size} below it), or drop"
+        " replica_sync."
+    )
+
+
+__all__ = ["BACKUPS", "ReplicaSync", "check_replica_sync", "one_group_refusal"]

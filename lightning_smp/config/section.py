@@ -27,7 +27,7 @@ def section_help() -> str:
     """The ``--smp`` argument's help: how to give it, and every key it takes (from the declarations)."""
     return ("SMP config keys (docs/configuration.md), over the config file's smp: section: a mapping"
             " (--smp \"{hybrid_shard_degree: 2, replica_sync: {every: 20}}\") or one key at a time (--smp.KEY VALUE;"
-            " --smp.replica_sync.every 20 sets one key of a mapping). Keys: "
+            " --smp.replica_sync.every 20 sets one key of a mapping); --smp.help documents each. Keys: "
             + ", ".join(f.name for f in IMPLEMENTED)
             + f"; SMP's keys this library does not implement (harmless values only): {', '.join(UNIMPLEMENTED_KEYS)}.")
 
