@@ -8,7 +8,6 @@ strategies take it as an argument (:mod:`lightning_smp.config.options`)."""
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import warnings
 from collections.abc import Callable, Collection, Mapping
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Literal, get_type_hints
 
 from lightning_smp.config.fault_tolerance import check_fault_tolerance
+from lightning_smp.config.mapping import did_you_mean
 from lightning_smp.config.replica_sync import check_replica_sync
 from lightning_smp.degree import check_degree_setting
 from lightning_smp.errors import HybridShardConfigError, UnsupportedOptionError
@@ -370,10 +370,9 @@ def check_config(values: Any, where: str) -> dict[str, Any]:
         elif key in UNIMPLEMENTED_KEYS:
             _check_unimplemented(key, value, where)
         else:
-            close = difflib.get_close_matches(str(key), KNOWN_KEYS, n=1, cutoff=0.6)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
             raise HybridShardConfigError(
-                f"{where}: unknown SMP config key {key!r}.{hint} Known keys: {', '.join(KNOWN_KEYS)}."
+                f"{where}: unknown SMP config key {key!r}.{did_you_mean(key, KNOWN_KEYS)} Known keys:"
+                f" {', '.join(KNOWN_KEYS)}."
             )
     return checked
 

@@ -109,11 +109,12 @@ def one_group_refusal(layout: Layout) -> str | None:
     where it can: the strategies' refusal when they are created, and the planner's reason to leave a degree out."""
     if layout.replicate >= 2:
         return None
+    leaving_two = [str(d) for d in range(1, layout.world_size // 2 + 1) if layout.world_size % d == 0]
     return (
-        f"replica_sync with {layout.replicate} replica group ({layout.world_size} ranks,"
-        f" hybrid_shard_degree={layout.shard}): there is nothing to sync across. Fix: a hybrid_shard_degree"
-        f" that leaves at least two replica groups (a divisor of {layout.world_size} below it), or drop"
-        " replica_sync."
+        f"replica_sync with one replica group: {layout.given()} on {layout.world_size} rank(s) makes one group of"
+        " them all, so there is nothing to sync across. Fix: "
+        + (f"hybrid_shard_degree={' or '.join(leaving_two)} (two replica groups or more), or drop replica_sync."
+           if leaving_two else "more ranks (two replica groups or more), or drop replica_sync.")
     )
 
 
