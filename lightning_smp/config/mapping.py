@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Collection, Mapping
-from dataclasses import fields, is_dataclass
+from dataclasses import MISSING, fields, is_dataclass
 from typing import Any
 
 from lightning_smp.errors import HybridShardConfigError
@@ -17,6 +17,20 @@ def did_you_mean(name: Any, known: Collection[str]) -> str:
     option), or nothing when none is close."""
     close = difflib.get_close_matches(str(name), list(known), n=1, cutoff=0.6)
     return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def keys_in_words(record: type) -> str:
+    """The keys of a mapping option's ``record`` as its documentation names them, from the record's fields (so that
+    a key added to it is never left out): the required ones, then "and optionally" the others, each in ``...``."""
+
+    def listed(names: list[str]) -> str:
+        quoted = [f"``{name}``" for name in names]
+        return " and ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
+
+    required = [f.name for f in fields(record) if f.default is MISSING and f.default_factory is MISSING]
+    optional = [f.name for f in fields(record) if f.name not in required]
+    joint = ", and optionally " if len(required) > 1 else " and optionally "
+    return listed(required) + (joint + listed(optional) if optional else "")
 
 
 def typed_items(value: Any, record: type, kinds: Mapping[str, tuple[type, ...]], where: str,
@@ -46,4 +60,4 @@ def typed_items(value: Any, record: type, kinds: Mapping[str, tuple[type, ...]],
     return items
 
 
-__all__ = ["did_you_mean", "typed_items"]
+__all__ = ["did_you_mean", "keys_in_words", "typed_items"]
