@@ -268,12 +268,14 @@ def _together(jobs: Any, since: float, key: str) -> bool:
     return any(late[0][i] == late[1][i] for i in set(late[0]) & set(late[1]))
 
 
-def _splits(jobs: Any, key: str, by: str) -> list[int]:
-    """The steps (``by``) that both groups recorded with different ``key`` digests, on any rank: one step, two
-    states. A group's records of a step it recorded twice (after a heal took it back) count with the last."""
+def _splits(jobs: Any, key: str, by: str, since: float) -> list[int]:
+    """The steps (``by``) that both groups recorded after ``since`` (once they had first met: with ``min_groups=1``
+    a group that starts first trains alone, and the other joins it) with different ``key`` digests, on any rank: one
+    step, two states. A group's records of a step it recorded twice (after a heal took it back) count with the
+    last."""
     split: set[int] = set()
     for rank in range(DEGREE):
-        ours, theirs = ({r[by]: r[key] for r in jobs.records(g, rank)} for g in (0, 1))
+        ours, theirs = ({r[by]: r[key] for r in jobs.records(g, rank) if r["time"] > since} for g in (0, 1))
         split |= {step for step in set(ours) & set(theirs) if ours[step] != theirs[step]}
     return sorted(split)
 
@@ -300,11 +302,14 @@ def partitions(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             for group in (0, 1):
                 jobs.start(group, "--steps", "100000", *extra)
             since = 0.0
+            jobs.wait_for(lambda key=key: _together(jobs, 0.0, key), args.timeout, "the groups meeting")
+            met = time.time()
             for round_ in range(args.partition_rounds):
                 for factor in CUT_FACTORS:
-                    jobs.wait_for(lambda since=since, key=key: _together(jobs, since, key), args.timeout,
-                                  "both groups together again")
-                    times = [r["time"] for r in jobs.records(0)][-every * 4:]
+                    settled = 3 * every + 2  # (steps recorded since: the step time, and the groups apart no more)
+                    jobs.wait_for(lambda since=since, key=key, settled=settled: _together(jobs, since, key) and sum(
+                        r["time"] > since for r in jobs.records(0)) >= settled, args.timeout, "both groups together")
+                    times = [r["time"] for r in jobs.records(0) if r["time"] > since][-settled:]
                     step_s = statistics.median(b - a for a, b in zip(times, times[1:]))
                     begun = _crossing_started(cluster, 1, 64 * 1024, args.timeout)
                     cluster.cut("down")
@@ -328,7 +333,7 @@ def partitions(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                           f" crossing): survivor's longest gap {gap:.2f} s (bound {bound:.2f}), {len(heals)} heal(s),"
                           f" together again {row['rejoined_s']:.2f} s after the link came back", flush=True)
                     since = together
-            split = _splits(jobs, key, by)
+            split = _splits(jobs, key, by, met)
             totals[mode] = {"split": split, "cuts": sum(r["mode"] == mode for r in rows)}
             print(f"partition {mode}: {len(split)} split step(s) {split}", flush=True)
     return {"rows": rows, "totals": totals, "every": args.partition_every, "factors": list(CUT_FACTORS)}

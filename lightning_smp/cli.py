@@ -35,7 +35,8 @@ from typing import Any, cast
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 import lightning_smp  # noqa: F401  (registers the strategy names before parsing)
-from lightning_smp.config import ENV_CLI, SMPSection, configured_degree, set_cli_config
+from lightning_smp.config import ENV_CLI, configured_degree, set_cli_config
+from lightning_smp.config.section import add_smp_section, section_values
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.strategy import HybridShardFSDPStrategy
 
@@ -53,12 +54,7 @@ class HybridShardCLI(LightningCLI):
     """
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_argument(
-            "--smp",
-            type=SMPSection | None,
-            default=None,
-            help="SageMaker SMP v2 config keys, e.g. {hybrid_shard_degree: 2} (see lightning_smp.config.SMPConfig).",
-        )
+        add_smp_section(parser)  # (the same argument as lightning-smp plan's)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         flags, stripped = _split_print_config(args)
@@ -79,7 +75,7 @@ class HybridShardCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
         # the smp: section configures lightning_smp's strategies only: under another one its keys would be ignored
-        smp = _set_keys(self._section().get("smp"))
+        smp = section_values(self._section().get("smp"))
         strategy = self.trainer.strategy
         if smp and not isinstance(strategy, HybridShardFSDPStrategy):
             raise HybridShardConfigError(
@@ -97,7 +93,7 @@ class HybridShardCLI(LightningCLI):
 
     def _apply_smp_section(self) -> None:
         section = self._section()
-        smp = _set_keys(section.get("smp"))
+        smp = section_values(section.get("smp"))
         set_cli_config(smp)
         explicit = _explicit_degree(section)
         smp = smp or {}
@@ -113,18 +109,10 @@ class HybridShardCLI(LightningCLI):
         section = self._section().clone()
         degree = configured_degree(explicit=_explicit_degree(section))
         # the keys that are set, and the degree that will run, so that the printed config reproduces the run
-        section["smp"] = {**(_set_keys(section.get("smp")) or {}), "hybrid_shard_degree": degree}
+        section["smp"] = {**(section_values(section.get("smp")) or {}), "hybrid_shard_degree": degree}
         kwargs = {_PRINT_FLAGS[f]: True for f in flags if f}
         sys.stdout.write(self._parser(self.config.get("subcommand")).dump(section, skip_unset=False, **kwargs))
         sys.exit(0)
-
-
-def _set_keys(smp: Any) -> dict[str, Any] | None:
-    """The keys of a parsed ``smp:`` section (a jsonargparse ``Namespace``) that are set; ``None`` without one."""
-    if smp is None:
-        return None
-    values = smp.as_dict() if hasattr(smp, "as_dict") else dict(smp)
-    return {k: v for k, v in values.items() if v is not None}
 
 
 def _split_print_config(args: ArgsType) -> tuple[list[str] | None, ArgsType]:

@@ -37,7 +37,7 @@ from lightning_smp.config import SMPConfig, resolve_config
 from lightning_smp.config.fault_tolerance import FaultTolerance, check_fault_tolerant_layout, check_torchft
 from lightning_smp.config.keys import FRONT_END_NAMES, refuse_unacted, unacted
 from lightning_smp.config.options import ASYNC_FULL, StrategyOptions, engine_facing
-from lightning_smp.config.replica_sync import ReplicaSync
+from lightning_smp.config.replica_sync import ReplicaSync, one_group_refusal
 from lightning_smp.degree import Layout, resolve_strategy_layout
 from lightning_smp.engines import (
     Engine,
@@ -48,6 +48,7 @@ from lightning_smp.engines import (
     offloads_parameters,
     options_for,
     own_offload_config,
+    replica_sync_refusal,
     scalars,
     selected_by,
 )
@@ -196,12 +197,9 @@ class HybridShardCore:
                 f"{fixed} with replica_sync: the replica groups are the rows of the mesh the strategy builds. Fix:"
                 " drop it and pass hybrid_shard_degree."
             )
-        if not self.engine.capabilities.replica_sync:
-            raise HybridShardConfigError(
-                f"replica_sync does not run on the {self.engine.name} engine: the outer loop averages each rank's"
-                " part of each parameter with the same part in the other groups, and its flat parameters are not"
-                f" cut per parameter. Fix: pass {selected_by(lambda capabilities: capabilities.replica_sync)}."
-            )
+        refusal = replica_sync_refusal(self.engine)  # (the planner leaves out what it refuses)
+        if refusal is not None:
+            raise HybridShardConfigError(refusal)
         layout = self.layout
         if fault_tolerance is not None:  # (each group its own job, the groups meeting through the lighthouse)
             if fault_tolerance.groups < 2:
@@ -209,13 +207,10 @@ class HybridShardCore:
                     f"replica_sync with fault_tolerance groups={fault_tolerance.groups}: there is nothing to sync"
                     " across. Fix: groups >= 2 (a job per group), or drop replica_sync."
                 )
-        elif layout is not None and layout.replicate < 2:
-            raise HybridShardConfigError(
-                f"replica_sync with {layout.replicate} replica group ({layout.world_size} ranks,"
-                f" hybrid_shard_degree={layout.shard}): there is nothing to sync across. Fix: a hybrid_shard_degree"
-                f" that leaves at least two replica groups (a divisor of {layout.world_size} below it), or drop"
-                " replica_sync."
-            )
+        elif layout is not None:
+            refusal = one_group_refusal(layout)
+            if refusal is not None:
+                raise HybridShardConfigError(refusal)
 
     @property
     def replica_sync(self) -> ReplicaSync | None:

@@ -134,6 +134,19 @@ class Layout:
         """Global ranks that hold the same shard as ``rank``, one per replica."""
         return list(range(rank % self.shard, self.world_size, self.shard))
 
+    def given(self) -> str:
+        """The degree as the user gave it and, where SMP's rules made the shard group another size, that size and
+        the rule (for messages: a user who gave 0 never wrote the size it resolved to)."""
+        if self.degree == self.shard:
+            return f"hybrid_shard_degree={self.degree}"
+        if self.requested_strategy in HYBRID_STRATEGIES:
+            rule = f"0 with {self.requested_strategy} shards inside each node, and a node here has {self.shard} rank(s)"
+        elif self.requested_strategy == NO_SHARD:
+            rule = f"0 with {NO_SHARD} shards nothing"
+        else:
+            rule = f"0 with {self.requested_strategy} shards over all {self.world_size} rank(s)"
+        return f"hybrid_shard_degree={self.degree}, which resolves to {self.shard} (native FSDP rules: {rule})"
+
     def describe(self) -> str:
         """One line for logs: the degree, the mesh and what FSDP runs."""
         return (

@@ -57,6 +57,12 @@ NO_SYNC: Final[GradientAccumulation] = "no_sync"
 EVERY_MICRO_BATCH: Final[GradientAccumulation] = "every_micro_batch"
 DEFER_ALL_REDUCE: Final[GradientAccumulation] = "defer_all_reduce"
 
+#: Where ``replica_sync``'s outer loop keeps its copies (its ``backup``): beside the parameters, or in host memory.
+ReplicaSyncBackup = Literal["device", "cpu"]
+REPLICA_SYNC_BACKUPS: Final[tuple[ReplicaSyncBackup, ...]] = get_args(ReplicaSyncBackup)
+BACKUP_DEVICE: Final[ReplicaSyncBackup] = "device"
+BACKUP_CPU: Final[ReplicaSyncBackup] = "cpu"
+
 #: The front ends, each where an option can act: Lightning's Trainer strategy, Fabric's, and ``lightning_smp.init()``
 #: (plain PyTorch ``FSDP(...)``/``fully_shard`` calls). An option declares those it acts in; the others refuse it.
 FrontEndName = Literal["trainer", "fabric", "init"]
@@ -93,6 +99,10 @@ STRATEGY_NAMES: Final[tuple[tuple[str, str, dict[str, Any]], ...]] = (
 __all__ = [
     "ACTS_IN",
     "AUTO",
+    "BACKUP_CPU",
+    "BACKUP_DEVICE",
+    "REPLICA_SYNC_BACKUPS",
+    "ReplicaSyncBackup",
     "DEFER_ALL_REDUCE",
     "EVERY_MICRO_BATCH",
     "FRONT_ENDS",

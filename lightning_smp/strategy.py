@@ -130,9 +130,9 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
             ``smp:`` section, ``lightning_smp.init``, ``LIGHTNING_SMP_CONFIG``, ``SM_HP_MP_PARAMETERS``),
             else ``False``.
         fault_tolerance: this library's key: replica groups that survive a node (torchft): a mapping with
-            ``lighthouse`` (``host:port``), ``group`` (this group's id) and ``groups`` (how many), and
-            optionally ``min_groups``, ``timeout``, ``quorum_timeout`` and ``host``
-            (:class:`lightning_smp.config.fault_tolerance.FaultTolerance`); each group of
+            ``lighthouse``, ``group`` and ``groups``, and optionally ``min_groups``, ``timeout``,
+            ``quorum_timeout`` and ``host`` (:class:`lightning_smp.config.fault_tolerance.FaultTolerance`:
+            ``lighthouse`` is ``host:port``, ``group`` this group's id, ``groups`` how many); each group of
             ``hybrid_shard_degree`` ranks is its own job. torchft's ``TORCHFT_LIGHTHOUSE``,
             ``REPLICA_GROUP_ID`` and ``NUM_REPLICA_GROUPS`` set it too. Needs the ``ft`` extra (``pip
             install lightning-smp[ft]``). See ``docs/fault-tolerance.md``. ``None`` (default): from the
@@ -141,7 +141,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         replica_sync: this library's key: semi-synchronous replica groups (DiLoCo): each replica group
             trains on its own and the groups sync every ``every`` optimizer steps through an outer
             optimizer; nothing crosses the groups in between. A mapping with ``every`` and optionally
-            ``outer_lr``, ``outer_momentum``, ``nesterov`` and ``fragments``
+            ``outer_lr``, ``outer_momentum``, ``nesterov``, ``fragments`` and ``backup``
             (:class:`lightning_smp.config.replica_sync.ReplicaSync`). Runs on FSDP2 where the layout shards
             and on the DDP engine for groups of one rank, with at least two replica groups. See
             ``docs/replica-sync.md``. ``None`` (default): from the configuration sources (the CLI's ``smp:``

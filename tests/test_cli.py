@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,8 @@ import yaml
 import lightning_smp
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy
 from lightning_smp.cli import HybridShardCLI, main
-from lightning_smp.config import ENV_CLI, ENV_CONFIG, SMPConfig
+from lightning_smp.config import ENV_CLI, ENV_CONFIG, SMPConfig, resolve_config
+from lightning_smp.config.keys import IMPLEMENTED_KEYS, UNIMPLEMENTED_KEYS
 from lightning_smp.names import FULL_SHARD, HYBRID_SHARD, SHARD_GRAD_OP
 from tests.helpers import PROCESS_TIMEOUT
 
@@ -110,27 +112,97 @@ def test_precedence_inside_the_cli(tmp_path):
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        pytest.param("--smp.hybrid_shard_dgree=2", ["Option 'hybrid_shard_dgree' is not accepted"], id="typo"),
-        pytest.param("--smp.hybrid_shard_degree=two",
-                     ['Parser key "hybrid_shard_degree"', "Expected a <class 'int'>", "Given value: two"], id="string"),
-        pytest.param("--smp.hybrid_shard_degree=2.5",
-                     ['Parser key "hybrid_shard_degree"', "Expected a <class 'int'>", "Given value: 2.5"], id="float"),
-        pytest.param("--smp.hybrid_shard_degree=true",
-                     ['Parser key "hybrid_shard_degree"', "Expected a <class 'int'>. Got value: True"], id="bool"),
+        pytest.param("--smp.hybrid_shard_dgree=2", "unknown SMP config key 'hybrid_shard_dgree'. Did you mean"
+                     " 'hybrid_shard_degree'?", id="typo"),
+        pytest.param("--smp={hybrid_shard_degree: 4, evry: 2}", "unknown SMP config key 'evry'.", id="typo_in_mapping"),
+        pytest.param("--smp.hybrid_shard_degree=two", "hybrid_shard_degree='two' (str) is not a degree.", id="string"),
+        pytest.param("--smp.hybrid_shard_degree=2.5", "hybrid_shard_degree=2.5 (float) is not an integer.",
+                     id="float"),
+        pytest.param("--smp.hybrid_shard_degree=true", "hybrid_shard_degree=True (bool) is not an integer.",
+                     id="bool"),
         pytest.param("--smp.sm_activation_offloading=3",
-                     ['Parser key "sm_activation_offloading"', "Expected a <class 'bool'>", "Given value: 3"],
-                     id="not_bool"),
+                     "sm_activation_offloading=3 (int) is not valid; SMP expects true or false.", id="not_bool"),
     ],
 )
-def test_cli_smp_section_is_typed_by_jsonargparse(override, expected, capsys, tmp_path):
-    """The section is SMPConfig's keys and types: jsonargparse refuses unknown keys and wrong types, naming both."""
-    args = ["fit", "--config", str(CONFIGS / "hybrid_cpu.yaml"), override, f"--trainer.default_root_dir={tmp_path}"]
+@pytest.mark.parametrize("command", ["fit", "plan"])
+def test_a_section_the_parser_cannot_type_is_refused_with_the_library_s_error(command, override, expected, tmp_path):
+    """Both commands take the section from the same declarations, and what jsonargparse cannot type (an unknown key,
+    a value of another type) is refused by the library's check, naming the source, the key and the value, with a
+    "did you mean" (not jsonargparse's usage text)."""
+    args = [command, "--config", str(CONFIGS / "hybrid_cpu.yaml"), override]
     with pytest.raises(SystemExit) as exit_info:
-        main(args)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert 'Parser key "smp"' in err and all(fragment in err for fragment in expected)
+        main([*args, f"--trainer.default_root_dir={tmp_path}"] if command == "fit" else args)
+    assert str(exit_info.value.code).startswith(f"lightning-smp{' plan' * (command == 'plan')}: error: LightningCLI"
+                                                f" `smp:` section: {expected}")
     assert ENV_CLI not in os.environ
+
+
+@pytest.mark.parametrize("command", ["fit", "plan"])
+def test_both_commands_document_every_smp_key_as_a_flag(command, capsys):
+    """`--smp.help` documents --smp.KEY for every declared key (replica_sync among them, also for `plan --params`),
+    with the key's own documentation; `--help` lists the keys."""
+    from lightning_smp.config.keys import KEY_DOCS
+
+    for flag in ("--smp.help", "--help"):
+        with pytest.raises(SystemExit):
+            main([command, flag])
+        text = " ".join(capsys.readouterr().out.split())
+        for key, doc in KEY_DOCS.items():
+            if flag == "--help":
+                assert f" {key}," in text or f" {key}." in text or f" {key};" in text, (key, command)
+            else:
+                assert f"--smp.{key} " in text and " ".join(doc.split()[:5]) in text, (key, command)
+
+
+#: A value of each SMP key this library implements, other than its default (test_every_smp_key_resolves_alike_in_fit
+#: _and_plan fails for a key declared without one).
+EXAMPLES = {"hybrid_shard_degree": "auto", "fsdp_version": 2, "memory_budget": "1.2MB", "links": "aws-p4d",
+            "async_save": True, "fault_tolerance": {"lighthouse": "localhost:29510", "group": 1, "groups": 2},
+            "replica_sync": {"every": 20, "backup": "cpu"}}
+
+
+def _example(key: str):
+    """:data:`EXAMPLES`' value, or for a key this library does not implement the value its rule calls harmless."""
+    if key in IMPLEMENTED_KEYS:
+        return EXAMPLES[key]
+    rule = UNIMPLEMENTED_KEYS[key]
+    value = False if rule.kind is bool else rule.minimum
+    assert not rule.changes_training(value)
+    return value
+
+
+def _fit_resolves(args: list[str], capsys) -> SMPConfig:
+    """What `lightning-smp fit` resolves from ``args``, without training: parsed (--print_config stops there), its
+    section exported as for the ranks, and merged as every rank's strategy merges it (the registered name of the
+    configs used here passes no SMP key of its own)."""
+    with pytest.raises(SystemExit) as exit_info:
+        HybridShardCLI(args=["fit", *args, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    capsys.readouterr()
+    return resolve_config()
+
+
+@pytest.mark.filterwarnings("ignore:.*is ignored")
+@pytest.mark.parametrize("form", ["key", "mapping"])
+@pytest.mark.parametrize("key", [f.name for f in dataclasses.fields(SMPConfig)])
+def test_every_smp_key_resolves_alike_in_fit_and_plan(key, form, capsys):
+    """`lightning-smp fit` and `lightning-smp plan` take every declared SMP key, as --smp.KEY VALUE and as --smp
+    "{KEY: VALUE}", over the config file's smp: section (hybrid_shard_degree: 2, kept), and resolve the same
+    configuration, holding the key's checked value."""
+    from lightning_smp.planner.cli import _parser, smp_config
+
+    value = _example(key)
+    value = value if isinstance(value, str) else json.dumps(value)  # (as typed: auto, 1.2MB, {"every": 20, ...})
+    args = ["--config", str(CONFIGS / "hybrid_cpu.yaml"), f"--smp.{key}={value}" if form == "key" else
+            f"--smp={{{key}: {value}}}"]
+    fit = _fit_resolves(args, capsys)
+    os.environ.pop(ENV_CLI)  # (the plan reads its own section, never a fit's)
+    planned = smp_config(_parser().parse_args(args))
+    assert planned == fit
+    if key in IMPLEMENTED_KEYS:
+        assert getattr(planned, key) == IMPLEMENTED_KEYS[key](_example(key)) != getattr(SMPConfig(), key)
+    if key != "hybrid_shard_degree":
+        assert planned.hybrid_shard_degree == 2  # the file's section, under the flag
 
 
 @pytest.mark.parametrize(

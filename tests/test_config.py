@@ -230,6 +230,28 @@ def test_unknown_key_without_close_match_lists_known_keys():
     assert "Did you mean" not in str(err.value)
 
 
+@pytest.mark.parametrize("option", ["replica_sync", "fault_tolerance"])
+def test_a_mistyped_key_inside_a_mapping_option_gets_a_suggestion(option):
+    """Every key of a mapping option, mistyped (a letter dropped), is refused with its own name suggested, as a
+    mistyped SMP key is; a key close to none gets the list alone."""
+    from dataclasses import fields
+
+    from lightning_smp.config.fault_tolerance import FaultTolerance
+    from lightning_smp.config.replica_sync import ReplicaSync
+
+    record = {"replica_sync": ReplicaSync, "fault_tolerance": FaultTolerance}[option]
+    known = ", ".join(f.name for f in fields(record))
+    for key in (f.name for f in fields(record)):
+        typo = key[:len(key) // 2] + key[len(key) // 2 + 1:]
+        with pytest.raises(HybridShardConfigError) as err:
+            set_cli_config({option: {typo: 1}})
+        assert str(err.value) == (f"LightningCLI `smp:` section: {option}: unknown key {typo!r}. Did you mean {key!r}?"
+                                  f" Known keys: {known}.")
+    with pytest.raises(HybridShardConfigError) as err:
+        set_cli_config({option: {"pipeline": 1}})
+    assert str(err.value).endswith(f"{option}: unknown key 'pipeline'. Known keys: {known}.")
+
+
 def test_malformed_json_and_yaml_name_the_source(tmp_path):
     os.environ[ENV_CONFIG] = '{"hybrid_shard_degree": 2,}'
     with pytest.raises(HybridShardConfigError, match=r"^environment variable LIGHTNING_SMP_CONFIG: malformed JSON: "):
@@ -343,3 +365,19 @@ def test_editing_the_config_file_is_seen(tmp_path):
     path.write_text('{"hybrid_shard_degree": 4}')
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
     assert configured_degree() == 4
+
+
+def test_the_fault_tolerant_layout_refusal_names_the_degree_given_and_what_it_resolved_to():
+    """hybrid_shard_degree=0 on 2 nodes of 2 ranks is native hybrid sharding: groups of 2, two replicas in one job,
+    which fault_tolerance refuses naming the 0 given, the 2 it resolved to and why."""
+    from lightning_smp.config.fault_tolerance import FaultTolerance, check_fault_tolerant_layout
+    from lightning_smp.degree import resolve_layout
+
+    settings = FaultTolerance.from_mapping({"lighthouse": "localhost:29510", "group": 0, "groups": 2})
+    with pytest.raises(HybridShardConfigError) as refused:
+        check_fault_tolerant_layout(settings, resolve_layout(4, 0, devices_per_node=2), fixed_by=None, auto=False)
+    assert str(refused.value) == (
+        "fault_tolerance: each replica group runs as its own job of hybrid_shard_degree ranks, but this job has 4 ranks"
+        " and hybrid_shard_degree=0, which resolves to 2 (native FSDP rules: 0 with HYBRID_SHARD shards inside each"
+        " node, and a node here has 2 rank(s)): 2 replicas of its own. Fix: launch each group with 2 ranks (one"
+        " torchrun per group), or pass hybrid_shard_degree=4.")

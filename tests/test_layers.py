@@ -182,3 +182,31 @@ def test_the_engine_scan_finds_what_it_looks_for(tmp_path):
     sample.write_text('from lightning_smp.engines import DDP_ENGINE\n\ndef f(engine):\n    """fsdp_version=2 here is prose."""'
                       '\n    raise ValueError("Fix: pass fsdp_version=2")\n\nengine_for(2)\n')
     assert len(list(_engine_namings(sample))) == 3
+
+
+def _backup_literals(path: Path) -> Iterator[tuple[int, str]]:
+    """Comparisons of something named ``backup`` with a literal ``replica_sync`` backup value (``"cpu"``, ...)."""
+    from lightning_smp.names import REPLICA_SYNC_BACKUPS
+
+    source = path.read_text()
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, ast.Compare) and any(
+                isinstance(side, ast.Constant) and side.value in REPLICA_SYNC_BACKUPS
+                for side in (node.left, *node.comparators)):
+            text = ast.get_source_segment(source, node) or ""
+            if "backup" in text:
+                yield node.lineno, text
+
+
+def test_the_replica_sync_backups_are_compared_by_their_names():
+    """``replica_sync``'s ``backup`` values are named once (``names.BACKUP_DEVICE``, ``names.BACKUP_CPU``): no module
+    compares a backup with a literal of its own."""
+    found = {str(path.relative_to(PACKAGE)): list(_backup_literals(path)) for path in sorted(PACKAGE.rglob("*.py"))}
+    assert {module: literals for module, literals in found.items() if literals} == {}
+
+
+def test_the_backup_scan_finds_what_it_looks_for(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text('def f(sync, record):\n    return sync.backup == "device" or record.get("replica_sync_backup")'
+                      ' != "cpu" or sync.device.type == "cpu"\n')
+    assert [line for line, _ in _backup_literals(sample)] == [2, 2]

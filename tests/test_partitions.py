@@ -51,11 +51,12 @@ def _view(quorum: int | None = 3, pending: int = 0, heard: dict[str, bool] | Non
     pytest.param(_view(quorum=4), InCrossing(3, (A, B)), "formed quorum 4 after this crossing's quorum 3",
                  id="peers_moved_on"),
     pytest.param(_view(pending=1), InCrossing(3, (A, B)), None, id="asked_once"),
-    pytest.param(_view(pending=1), InCrossing(3, (A, B), asked_before=True), "a peer left this crossing",
-                 id="asked_twice"),
+    pytest.param(_view(pending=1), InCrossing(3, (A, B), asked_for=0.2), None, id="asked_briefly"),
+    pytest.param(_view(pending=1), InCrossing(3, (A, B), asked_for=0.5), "a peer left this crossing",
+                 id="asked_for_half_a_second"),
     pytest.param(_view(pending=1), InCrossing(3, (A, B), lost=True), "it had lost the lighthouse",
                  id="asked_after_a_cut"),
-    pytest.param(_view(), InCrossing(3, (A, B), lost=True, asked_before=True), None, id="lost_but_nobody_asks"),
+    pytest.param(_view(), InCrossing(3, (A, B), lost=True, asked_for=1.0), None, id="lost_but_nobody_asks"),
 ])
 def test_a_crossing_is_left_when_its_peers_left_it(view, crossing, expected):
     reason = abandon_reason(view, crossing)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lightning_smp import HybridShardConfigError, HybridShardFSDPStrategy, MemorySavingsCallback
+from lightning_smp.links import DEFAULT_PRESET
 from lightning_smp.planner import model_state, optimizer_state_layout, plan
 from tests.helpers import FSDP_VERSIONS, GLOO_TIMEOUT, TinyModel, cpu_trainer, make_loader
 from tests.modules import FeatureModel, LoRABlock, token_loader
@@ -374,6 +375,27 @@ def test_cli_plans_replica_sync_from_the_config(capsys, tmp_path):
     assert " outer" in out
 
 
+def test_cli_plans_with_the_smp_keys_of_its_command_line():
+    """`lightning-smp plan` plans with what --smp.KEY gives (the keys it reads: memory_budget, fsdp_version, links,
+    replica_sync), over the config file's section, and the flags of its own (--memory_budget) over both."""
+    from lightning_smp.links import LINK_PRESETS
+    from lightning_smp.planner.cli import plan_from_args
+
+    shape = ["--params", "1B", "--layers", "8", "--hidden", "2048", "--heads", "16", "--devices", "4"]
+    result, _ = plan_from_args([*shape, "--smp.memory_budget=1.2TB", "--smp.fsdp_version=2", "--smp.links=aws-p4d",
+                                "--smp.replica_sync={every: 20}"])
+    assert result.budget_bytes == 1_200_000_000_000 and result.fsdp_version == 2
+    assert result.links == LINK_PRESETS["aws-p4d"] != LINK_PRESETS[DEFAULT_PRESET]
+    assert [r.degree for r in result.rows] == [1, 2] and all(r.outer_bytes > 0 for r in result.rows)
+    result, _ = plan_from_args([*shape, "--smp={memory_budget: 1.2TB}", "--memory_budget=2TB"])
+    assert result.budget_bytes == 2_000_000_000_000 and [r.degree for r in result.rows] == [1, 2, 4]
+    # the config's section, and one key of its replica_sync mapping from the command line
+    config = REPO / "examples" / "configs" / "replica_sync.yaml"
+    result, _ = plan_from_args(["--config", str(config), "--smp.replica_sync.backup=cpu", "--smp.memory_budget=1GB"])
+    assert result.budget_bytes == 1_000_000_000 and [r.degree for r in result.rows] == [1, 2]
+    assert all(r.outer_bytes == 0 for r in result.rows)  # backup="cpu": the copies live in host memory
+
+
 def test_cli_says_when_nothing_fits():
     from lightning_smp.cli import main
 
@@ -520,3 +542,75 @@ def max_params_bytes(model: torch.nn.Module, degree: int) -> int:
 
     return max(s.params_bytes for s in model_state(model, world_size=16, hybrid_shard_degree=degree, fsdp_version=2,
                                                      auto_wrap_policy={torch.nn.Linear}, optimizer="adamw"))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_planner_leaves_out_what_the_strategy_refuses_under_replica_sync(version):
+    """Under ``replica_sync`` a degree is planned exactly when the Trainer's strategy takes it, on the same engine
+    and world; every degree left out carries the strategy's own refusal, word for word (FSDP1's flat parameters,
+    naming fsdp_version=2; one replica group). Degree 1 runs DDP's engine under either version."""
+    from lightning_smp.config.replica_sync import one_group_refusal
+    from lightning_smp.degree import resolve_layout
+
+    sync = {"every": 4}
+    with torch.device("meta"):
+        result = plan(TinyModel(), world_size=WORLD, budget_bytes="1GB", fsdp_version=version, replica_sync=sync)
+    planned, left_out = [r.degree for r in result.rows], dict(result.left_out)
+    assert sorted([*planned, *left_out]) == [1, 2, 4]
+    assert planned == ([1] if version == 1 else [1, 2])
+    if version == 2:
+        assert left_out[4] == one_group_refusal(resolve_layout(WORLD, 4))
+    for degree in (1, 2, 4):
+        strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version, replica_sync=sync)
+        if degree in planned:
+            cpu_trainer(strategy, None, WORLD)
+            continue
+        with pytest.raises(HybridShardConfigError) as refused:
+            cpu_trainer(strategy, None, WORLD)
+        assert str(refused.value) == left_out[degree]
+    if version == 1:  # (the engine's refusal first, as the strategy's)
+        assert "fsdp1 engine" in left_out[2] == left_out[4] and left_out[2].endswith("Fix: pass fsdp_version=2.")
+    # the reason is said under the table; nothing left to plan is an error naming each refusal
+    assert f"degree 4 left out: {left_out[4]}" in result.text()
+    with torch.device("meta"), pytest.raises(HybridShardConfigError, match=r"no hybrid_shard_degree of 4 runs"
+                                                                           r" replica_sync on 4 rank\(s\): Degree 4:"):
+        plan(TinyModel(), world_size=WORLD, budget_bytes="1GB", fsdp_version=version, replica_sync=sync, degrees=[4])
+
+
+def test_the_no_fit_advice_names_replica_sync_s_host_backup_where_it_fits():
+    """When the outer copies on the device are what does not fit, the advice names backup='cpu' with the degree and
+    the peak the planner computes for it (planning with backup='cpu' then chooses that degree at that peak); when
+    even that would not fit, it is not named."""
+    from lightning_smp.accounting.render import fmt_bytes
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    kwargs = dict(world_size=8, fsdp_version=2, auto_wrap_policy={torch.nn.Linear})
+    roomy = plan(model, budget_bytes="1TB", replica_sync={"every": 8}, **kwargs)
+    on_host = plan(model, budget_bytes="1TB", replica_sync={"every": 8, "backup": "cpu"}, **kwargs)
+    least_on_host = min(r.peak_bytes for r in on_host.rows)
+    assert least_on_host < min(r.peak_bytes for r in roomy.rows)
+    budget = math.ceil(least_on_host * 1.1)  # (10% headroom): only the host backup's least peak fits
+    with pytest.raises(HybridShardConfigError, match="no hybrid_shard_degree fits") as refused:
+        plan(model, budget_bytes=budget, replica_sync={"every": 8}, **kwargs)
+    chosen = plan(model, budget_bytes=budget, replica_sync={"every": 8, "backup": "cpu"}, **kwargs)
+    assert (f"replica_sync's backup='cpu' (the outer loop's copies in host memory: degree {chosen.degree} then needs"
+            f" {fmt_bytes(chosen.row(chosen.degree).peak_bytes)} per rank, which fits)") in str(refused.value)
+    with pytest.raises(HybridShardConfigError) as refused:
+        plan(model, budget_bytes=budget - 2 * math.ceil(0.1 * least_on_host), replica_sync={"every": 8}, **kwargs)
+    assert "backup" not in str(refused.value) and "CPU offload" in str(refused.value)
+
+
+def test_the_table_says_replica_sync_is_on_and_what_its_replica_bytes_are():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    kwargs = dict(world_size=WORLD, budget_bytes="1GB", fsdp_version=2, auto_wrap_policy={torch.nn.Linear})
+    semi = plan(model, replica_sync={"every": 20, "fragments": 2}, **kwargs)
+    title, (header, _) = semi.title(), semi.table_rows()
+    assert title.endswith("replica_sync every 20 steps, 2 fragment(s), outer copies on the device")
+    assert header[8] == "replica bytes / step (a sync's / 20)"
+    assert plan(model, replica_sync={"every": 20, "backup": "cpu"}, **kwargs).title().endswith(
+        "replica_sync every 20 steps, 1 fragment(s), outer copies in host memory")
+    synchronous = plan(model, **kwargs)
+    assert "replica_sync" not in synchronous.title() and synchronous.table_rows()[0][8] == "replica bytes"
+    assert synchronous.left_out == () and "left out" not in synchronous.text()

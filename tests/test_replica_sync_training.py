@@ -219,7 +219,8 @@ def test_every_step_with_plain_sgd_is_ddp(tmp_path, version, degree, manual, tra
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"fsdp_version": 1, "hybrid_shard_degree": 2}, r"fsdp1 engine.*Fix: pass fsdp_version=2"),
-    ({"fsdp_version": 2, "hybrid_shard_degree": 4}, r"1 replica group .*nothing to sync across"),
+    ({"fsdp_version": 2, "hybrid_shard_degree": 4}, r"one replica group: hybrid_shard_degree=4 on 4 rank\(s\) makes one"
+     r" group of them all, so there is nothing to sync across. Fix: hybrid_shard_degree=1 or 2 "),
     ({"fsdp_version": 2, "hybrid_shard_degree": 2, "device_mesh": None, "sync": {"every": 3, "fragments": 2}},
      r"every=3 is not a multiple of fragments=2.*every=2"),
     ({"fsdp_version": 2, "hybrid_shard_degree": 2, "sync": {"every": 0}}, r"every=0 is not a count >= 1"),
@@ -239,6 +240,23 @@ def test_what_replica_sync_cannot_run_is_refused_when_the_trainer_is_made(kwargs
     with pytest.raises(HybridShardConfigError, match=message):
         strategy = HybridShardFSDPStrategy(start_method="fork", replica_sync=sync, **kwargs)
         cpu_trainer(strategy, None, WORLD)
+
+
+@pytest.mark.parametrize(("sharding_strategy", "rule"), [
+    ("HYBRID_SHARD", "0 with HYBRID_SHARD shards inside each node, and a node here has 4 rank(s)"),
+    ("FULL_SHARD", "0 with FULL_SHARD shards over all 4 rank(s)"),
+])
+def test_one_replica_group_from_degree_0_names_the_degree_given_what_it_resolved_to_and_why(sharding_strategy, rule):
+    """hybrid_shard_degree=0 (native FSDP's rules) on one node of 4 ranks makes one group of 4: the refusal names the
+    0 the user gave, the 4 it resolved to and the rule, not a degree 4 the user never wrote."""
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=0, fsdp_version=2, sharding_strategy=sharding_strategy,
+                                       replica_sync={"every": 4})
+    with pytest.raises(HybridShardConfigError) as refused:
+        cpu_trainer(strategy, None, WORLD)
+    assert str(refused.value) == (
+        f"replica_sync with one replica group: hybrid_shard_degree=0, which resolves to 4 (native FSDP rules: {rule})"
+        " on 4 rank(s) makes one group of them all, so there is nothing to sync across. Fix: hybrid_shard_degree=1 or"
+        " 2 (two replica groups or more), or drop replica_sync.")
 
 
 def test_two_optimizers_are_refused(tmp_path):

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lightning_smp.engines.textbook import OPS
-from lightning_smp.names import REPLICATE_AXIS
+from lightning_smp.names import BACKUP_CPU, REPLICATE_AXIS
 
 #: Each table: (title, header, rows); every cell a string.
 TableSpec = tuple[str, Sequence[str], Sequence[Sequence[str]]]
@@ -101,7 +101,8 @@ def memory_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
             f"{fmt_bytes(r['saved_bytes'])} ({_ratio(r['saved_ratio'], '.1%')})", fmt_bytes(r["floor_bytes"]),
             _ratio(r["measured_over_floor"], ".3f"), fmt_bytes(peak),
             *([fmt_bytes(r.get("checkpoint_staging_bytes") or 0)] if staging else []),
-            *([fmt_bytes(r.get("replica_sync_bytes") or 0) + (" (cpu)" if r.get("replica_sync_backup") == "cpu" else "")]
+            *([fmt_bytes(r.get("replica_sync_bytes") or 0)
+               + (f" ({BACKUP_CPU})" if r.get("replica_sync_backup") == BACKUP_CPU else "")]
               if outer else []),
         ])
     return header, rows

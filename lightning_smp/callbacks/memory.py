@@ -8,7 +8,8 @@ Record fields (one plain ``dict`` per rank; all sizes in bytes):
 =============================  =====================================================================================
 ``rank``, ``world_size``       global rank and number of ranks
 ``stage``, ``step``            ``"first_step"`` (after the first optimizer step) or ``"fit_end"``; ``global_step``
-``strategy``                   the Lightning strategy class; ``sharding_strategy``: FSDP's, or ``None``
+``strategy``,                  the Lightning strategy class; FSDP's sharding strategy (``NO_SHARD`` for a DDP
+``sharding_strategy``          model), or ``None`` on one device without either
 ``shard_degree``, ``replicas``  ranks one copy of the model is split over, and copies of it
 ``params_bytes``               local parameters: FSDP's local flat-parameter shards (padding included) and any
                                parameter FSDP does not manage

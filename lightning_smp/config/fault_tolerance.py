@@ -143,8 +143,8 @@ def check_fault_tolerant_layout(settings: FaultTolerance, layout: Layout | None,
     if layout is not None and layout.replicate != 1:
         raise HybridShardConfigError(
             f"fault_tolerance: each replica group runs as its own job of hybrid_shard_degree ranks, but this job has"
-            f" {layout.world_size} ranks and hybrid_shard_degree={layout.shard}, {layout.replicate} replicas of its"
-            f" own. Fix: launch each group with {layout.shard} ranks (one torchrun per group), or pass"
+            f" {layout.world_size} ranks and {layout.given()}: {layout.replicate} replicas of its own. Fix: launch"
+            f" each group with {layout.shard} ranks (one torchrun per group), or pass"
             f" hybrid_shard_degree={layout.world_size}."
         )
 

@@ -8,15 +8,15 @@ strategies take it as an argument (:mod:`lightning_smp.config.options`)."""
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Literal, get_type_hints
 
-from lightning_smp.config.fault_tolerance import check_fault_tolerance
-from lightning_smp.config.replica_sync import check_replica_sync
+from lightning_smp.config.fault_tolerance import FaultTolerance, check_fault_tolerance
+from lightning_smp.config.mapping import did_you_mean, keys_in_words
+from lightning_smp.config.replica_sync import ReplicaSync, check_replica_sync
 from lightning_smp.degree import check_degree_setting
 from lightning_smp.errors import HybridShardConfigError, UnsupportedOptionError
 from lightning_smp.links import links_for
@@ -152,18 +152,17 @@ class SMPConfig:
             " training step (see ``docs/checkpoints.md``). Needs ``state_dict_type=\"sharded\"``.")
     fault_tolerance: dict[str, Any] | None = smp_key(
         None, check=check_fault_tolerance, acts_in=("front_ends",), front_ends=("trainer", "fabric"),
-        doc="this library's key: replica groups that survive a node (torchft): a mapping with ``lighthouse``"
-            " (``host:port``), ``group`` (this group's id) and ``groups`` (how many), and optionally ``min_groups``,"
-            " ``timeout``, ``quorum_timeout`` and ``host`` (:class:`lightning_smp.config.fault_tolerance."
-            "FaultTolerance`); each group of ``hybrid_shard_degree`` ranks is its own job. torchft's"
+        doc="this library's key: replica groups that survive a node (torchft): a mapping with"
+            f" {keys_in_words(FaultTolerance)} (:class:`lightning_smp.config.fault_tolerance.FaultTolerance`:"
+            " ``lighthouse`` is ``host:port``, ``group`` this group's id, ``groups`` how many); each group of ``hybrid_shard_degree`` ranks is its own job. torchft's"
             " ``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID`` and ``NUM_REPLICA_GROUPS`` set it too. Needs the"
             " ``ft`` extra (``pip install lightning-smp[ft]``). See ``docs/fault-tolerance.md``.")
     replica_sync: dict[str, Any] | None = smp_key(
         None, check=check_replica_sync, acts_in=("layout", "front_ends", "checkpoint"), front_ends=("trainer", "fabric"),
         doc="this library's key: semi-synchronous replica groups (DiLoCo): each replica group trains on its own and"
             " the groups sync every ``every`` optimizer steps through an outer optimizer; nothing crosses the groups"
-            " in between. A mapping with ``every`` and optionally ``outer_lr``, ``outer_momentum``, ``nesterov`` and"
-            " ``fragments`` (:class:`lightning_smp.config.replica_sync.ReplicaSync`). Runs on FSDP2 where the layout"
+            f" in between. A mapping with {keys_in_words(ReplicaSync)}"
+            " (:class:`lightning_smp.config.replica_sync.ReplicaSync`). Runs on FSDP2 where the layout"
             " shards and on the DDP engine for groups of one rank, with at least two replica groups. See"
             " ``docs/replica-sync.md``.")
     tensor_parallel_degree: int | None = None
@@ -370,10 +369,9 @@ def check_config(values: Any, where: str) -> dict[str, Any]:
         elif key in UNIMPLEMENTED_KEYS:
             _check_unimplemented(key, value, where)
         else:
-            close = difflib.get_close_matches(str(key), KNOWN_KEYS, n=1, cutoff=0.6)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
             raise HybridShardConfigError(
-                f"{where}: unknown SMP config key {key!r}.{hint} Known keys: {', '.join(KNOWN_KEYS)}."
+                f"{where}: unknown SMP config key {key!r}.{did_you_mean(key, KNOWN_KEYS)} Known keys:"
+                f" {', '.join(KNOWN_KEYS)}."
             )
     return checked
 

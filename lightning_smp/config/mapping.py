@@ -4,11 +4,33 @@ here, and the option's record checks the merged whole (``from_mapping``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import fields, is_dataclass
+import difflib
+from collections.abc import Collection, Mapping
+from dataclasses import MISSING, fields, is_dataclass
 from typing import Any
 
 from lightning_smp.errors import HybridShardConfigError
+
+
+def did_you_mean(name: Any, known: Collection[str]) -> str:
+    """`` Did you mean 'x'?`` for the known name closest to a mistyped ``name`` (an SMP key, a key of a mapping
+    option), or nothing when none is close."""
+    close = difflib.get_close_matches(str(name), list(known), n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def keys_in_words(record: type) -> str:
+    """The keys of a mapping option's ``record`` as its documentation names them, from the record's fields (so that
+    a key added to it is never left out): the required ones, then "and optionally" the others, each in ``...``."""
+
+    def listed(names: list[str]) -> str:
+        quoted = [f"``{name}``" for name in names]
+        return " and ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
+
+    required = [f.name for f in fields(record) if f.default is MISSING and f.default_factory is MISSING]
+    optional = [f.name for f in fields(record) if f.name not in required]
+    joint = ", and optionally " if len(required) > 1 else " and optionally "
+    return listed(required) + (joint + listed(optional) if optional else "")
 
 
 def typed_items(value: Any, record: type, kinds: Mapping[str, tuple[type, ...]], where: str,
@@ -25,7 +47,8 @@ def typed_items(value: Any, record: type, kinds: Mapping[str, tuple[type, ...]],
     items: dict[str, Any] = {}
     for key, item in dict(value).items():
         if key not in kinds:
-            raise HybridShardConfigError(f"{where}: unknown key {key!r}. Known keys: {', '.join(kinds)}.")
+            raise HybridShardConfigError(
+                f"{where}: unknown key {key!r}.{did_you_mean(key, kinds)} Known keys: {', '.join(kinds)}.")
         if item is None:
             continue
         allowed = kinds[key]
@@ -37,4 +60,4 @@ def typed_items(value: Any, record: type, kinds: Mapping[str, tuple[type, ...]],
     return items
 
 
-__all__ = ["typed_items"]
+__all__ = ["did_you_mean", "keys_in_words", "typed_items"]

@@ -13,7 +13,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from lightning_smp.config.mapping import typed_items
+from lightning_smp.degree import Layout
 from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.names import BACKUP_CPU, BACKUP_DEVICE, REPLICA_SYNC_BACKUPS
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class ReplicaSync:
     outer_momentum: float = 0.9
     nesterov: bool = True
     fragments: int = 1
-    backup: str = "device"
+    backup: str = BACKUP_DEVICE
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], where: str = "replica_sync") -> ReplicaSync:
@@ -72,7 +74,7 @@ _KINDS: dict[str, tuple[type, ...]] = {
     "fragments": (int,), "backup": (str,),
 }
 #: where ``backup`` may keep the outer loop's copies
-BACKUPS = ("device", "cpu")
+BACKUPS = REPLICA_SYNC_BACKUPS
 if set(_KINDS) != {f.name for f in fields(ReplicaSync)}:  # one list of keys
     raise RuntimeError("lightning_smp.config.replica_sync: the keys and their kinds differ")
 
@@ -88,8 +90,8 @@ def check_replica_sync(value: Any, where: str = "replica_sync") -> dict[str, Any
         if key == "backup":
             if number not in BACKUPS:
                 raise HybridShardConfigError(
-                    f"{where}: backup={number!r} is not a place the outer copies can live. Fix: 'device' (beside the"
-                    " parameters) or 'cpu' (host memory).")
+                    f"{where}: backup={number!r} is not a place the outer copies can live. Fix: {BACKUP_DEVICE!r}"
+                    f" (beside the parameters) or {BACKUP_CPU!r} (host memory).")
             checked[key] = number
             continue
         if key in ("every", "fragments") and number < 1:
@@ -102,4 +104,18 @@ def check_replica_sync(value: Any, where: str = "replica_sync") -> dict[str, Any
     return checked
 
 
-__all__ = ["BACKUPS", "ReplicaSync", "check_replica_sync"]
+def one_group_refusal(layout: Layout) -> str | None:
+    """Why ``replica_sync`` cannot run on ``layout`` (a single replica group: nothing to sync across), or ``None``
+    where it can: the strategies' refusal when they are created, and the planner's reason to leave a degree out."""
+    if layout.replicate >= 2:
+        return None
+    leaving_two = [str(d) for d in range(1, layout.world_size // 2 + 1) if layout.world_size % d == 0]
+    return (
+        f"replica_sync with one replica group: {layout.given()} on {layout.world_size} rank(s) makes one group of"
+        " them all, so there is nothing to sync across. Fix: "
+        + (f"hybrid_shard_degree={' or '.join(leaving_two)} (two replica groups or more), or drop replica_sync."
+           if leaving_two else "more ranks (two replica groups or more), or drop replica_sync.")
+    )
+
+
+__all__ = ["BACKUPS", "ReplicaSync", "check_replica_sync", "one_group_refusal"]

@@ -98,8 +98,11 @@ def _env_layer_cached(name: str, raw: str, version: int | None) -> tuple[str, tu
     return where, tuple(check_config(_parse_text(raw, where, yaml_ok=False), where).items())
 
 
-def config_layers(explicit: dict[str, Any] | None = None) -> list[tuple[str, dict[str, Any]]]:
-    """Every source that sets something, lowest precedence first, as ``(source label, checked values)``.
+def config_layers(explicit: dict[str, Any] | None = None,
+                  cli: Mapping[str, Any] | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """Every source that sets something, lowest precedence first, as ``(source label, checked values)``; ``cli``: a
+    command line's ``smp:`` section in place of the one a LightningCLI run exports (``lightning-smp plan`` reads its
+    own, and no other run's).
 
     Every source is checked, including those a higher one overrides: a broken setting is never ignored.
     """
@@ -109,6 +112,9 @@ def config_layers(explicit: dict[str, Any] | None = None) -> list[tuple[str, dic
         if name == TORCHFT_SOURCE:
             if torchft is not None:
                 layers.append((TORCHFT_SOURCE, check_config({"fault_tolerance": torchft}, TORCHFT_SOURCE)))
+            continue
+        if name == ENV_CLI and cli is not None:
+            layers.append((CLI_SOURCE, check_config(dict(cli), CLI_SOURCE)))
             continue
         raw = os.environ.get(name, "")
         if not raw.strip():
@@ -121,11 +127,13 @@ def config_layers(explicit: dict[str, Any] | None = None) -> list[tuple[str, dic
     return layers
 
 
-def resolve_config(explicit: dict[str, Any] | None = None) -> SMPConfig:
-    """Merge every source (see the module docstring for the order) into one :class:`SMPConfig` with OmegaConf."""
+def resolve_config(explicit: dict[str, Any] | None = None, cli: Mapping[str, Any] | None = None) -> SMPConfig:
+    """Merge every source (see the module docstring for the order) into one :class:`SMPConfig` with OmegaConf;
+    ``cli``: as :func:`config_layers` takes it."""
     from omegaconf import OmegaConf
 
-    merged = OmegaConf.merge(OmegaConf.structured(SMPConfig), *(values for _, values in config_layers(explicit)))
+    merged = OmegaConf.merge(OmegaConf.structured(SMPConfig),
+                             *(values for _, values in config_layers(explicit, cli)))
     # to_object of a structured config is an instance of its dataclass
     return cast(SMPConfig, OmegaConf.to_object(merged))
 

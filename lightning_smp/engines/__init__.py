@@ -109,6 +109,17 @@ def selected_by(capable: Callable[[Capabilities], bool]) -> str:
     return " or ".join(f"fsdp_version={version}" for version in versions) or "no fsdp_version"
 
 
+def replica_sync_refusal(engine: Engine) -> str | None:
+    """Why ``engine`` cannot run ``replica_sync`` (its ``Capabilities.replica_sync``), naming the ``fsdp_version``
+    that can, or ``None`` where it can: the strategies' refusal when they are created, and the planner's reason to
+    leave out a degree this engine would run."""
+    if engine.capabilities.replica_sync:
+        return None
+    return (f"replica_sync does not run on the {engine.name} engine: the outer loop averages each rank's part of each"
+            " parameter with the same part in the other groups, and its flat parameters are not cut per parameter."
+            f" Fix: pass {selected_by(lambda capabilities: capabilities.replica_sync)}.")
+
+
 def engine_for_layout(version: int, layout: Layout | None, *, options: Mapping[str, Any] | None = None,
                       mixed_precision: Any = None, cpu_offload: Any = None) -> Engine:
     """The engine that runs ``layout``: the DDP engine when nothing is sharded (a shard group of one rank, or
@@ -141,6 +152,7 @@ __all__ = [
     "options_for",
     "own_offload_config",
     "register",
+    "replica_sync_refusal",
     "selected_by",
     "unregister",
     "wrap_targets",

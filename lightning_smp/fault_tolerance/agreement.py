@@ -11,7 +11,7 @@ what decides who is alive, so the decisions below are taken against it (its stat
   a participant (the peers leave it too), when the lighthouse has formed a quorum after the one this crossing runs in
   (the peers moved on without this group), or when a group asks for the next quorum while this rank still waits: a
   group asks only once it has left the crossing, and one that completed it has sent everything this rank waits for,
-  so a request that is still there half a second later (or at once, if this rank lost the lighthouse while waiting:
+  so a request still there :data:`ASKED_FOR` seconds later (or at once, if this rank lost the lighthouse while waiting:
   it was cut off) is a peer that abandoned it. Without this, a group that returns to a crossing its peers left would
   wait for its collective's timeout while the lighthouse, hearing it again, made the survivors' next quorum wait for
   it. A left crossing is a dropped step: dropping is always safe, a group behind heals from a peer ahead.
@@ -49,17 +49,20 @@ from lightning_smp.fault_tolerance.crossing import LighthouseView
 _NEUTRAL = -(1 << 63)
 #: group ids below this fit the lineage key
 MAX_GROUPS = 1 << 16
+#: how long a group's request for the next quorum is seen by a rank still waiting in a crossing before it leaves it
+#: (a peer that completed the crossing sent everything already: what it sent arrives well within this)
+ASKED_FOR = 0.5
 
 
 @dataclass(frozen=True)
 class InCrossing:
     """A crossing as the decision to leave it needs it: the quorum it runs in, its participants, whether this rank
-    lost the lighthouse while in it, and whether the previous read already saw a group ask for the next quorum."""
+    lost the lighthouse while in it, and for how long the reads so far have seen a group ask for the next quorum."""
 
     quorum_id: int
     participants: tuple[str, ...]
     lost: bool = False
-    asked_before: bool = False
+    asked_for: float = 0.0
 
 
 def abandon_reason(view: LighthouseView | None, crossing: InCrossing) -> str | None:
@@ -73,7 +76,7 @@ def abandon_reason(view: LighthouseView | None, crossing: InCrossing) -> str | N
     if view.quorum_id is not None and view.quorum_id != crossing.quorum_id:
         return (f"abandoned: the lighthouse formed quorum {view.quorum_id} after this crossing's quorum"
                 f" {crossing.quorum_id} (its peers moved on without this group)")
-    if view.pending and (crossing.lost or crossing.asked_before):
+    if view.pending and (crossing.lost or crossing.asked_for >= ASKED_FOR):
         return ("abandoned: a group asked the lighthouse for a new quorum while this rank still waited"
                 f"{' (it had lost the lighthouse)' if crossing.lost else ''}: a peer left this crossing")
     return None
@@ -171,5 +174,5 @@ def compare_at_meeting(fingerprint: int | None, key: int, *, device: torch.devic
     return Meeting.HEALS if not_source else Meeting.KEEPS
 
 
-__all__ = ["InCrossing", "MAX_GROUPS", "Meeting", "abandon_reason", "compare_at_meeting", "counters_of", "fence_reason",
+__all__ = ["ASKED_FOR", "InCrossing", "MAX_GROUPS", "Meeting", "abandon_reason", "compare_at_meeting", "counters_of", "fence_reason",
            "lineage", "quick_fingerprint"]

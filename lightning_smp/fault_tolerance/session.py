@@ -65,7 +65,7 @@ class StepReport:
 #: where the state a group serves for healing records the kind of ``semi_sync`` round it was taken in
 ROUND_KEY = "round"
 #: how long a crossing runs before the lighthouse's status page is read, and then how often
-WATCH_GRACE, WATCH_EVERY = 1.0, 0.5
+WATCH_GRACE, WATCH_EVERY = 1.0, 0.25
 #: the commit fence's reads of the lighthouse's page before it gives up on confirming a step (and drops it)
 FENCE_READS = 3
 #: a group gives up when it has committed no step for ``quorum_timeout`` seconds, over at least this many uncommitted
@@ -328,18 +328,19 @@ class ReplicaGroups:
             return None
 
     def _wait(self, operation: str, work: Any) -> bool:
-        started, asked = time.monotonic(), [False]
+        started, asked = time.monotonic(), [0.0]  # (since when the reads have seen a group ask for the next quorum)
 
         def verdict() -> str | None:
             # (why this rank leaves the crossing it has waited in since `started`: agreement.abandon_reason)
             quorum = self._vote.quorum
             if quorum is None:
                 return None
-            view = self._watch.view()
+            view, now = self._watch.view(), time.monotonic()
             lost = self._watch.lost_since is not None and self._watch.lost_since >= started
-            reason = abandon_reason(view, InCrossing(quorum.quorum_id, tuple(quorum.replica_ids), lost, asked[0]))
-            asked[0] = view is not None and view.pending > 0
-            return reason
+            asking = view is not None and view.pending > 0
+            asked[0] = (asked[0] or now) if asking else 0.0
+            return abandon_reason(view, InCrossing(quorum.quorum_id, tuple(quorum.replica_ids), lost,
+                                                   now - asked[0] if asking else 0.0))
 
         crossing = wait_for_crossing(work, self.process_group, verdict=verdict, grace=WATCH_GRACE, every=WATCH_EVERY,
                                      timeout=self.settings.timeout + WATCH_GRACE)

@@ -27,7 +27,7 @@ from lightning_smp.errors import UnsupportedOptionError
 from lightning_smp.fault_tolerance.rounds import SyncRounds
 from lightning_smp.fault_tolerance.session import ReplicaGroups
 from lightning_smp.mesh import axis_group
-from lightning_smp.names import REPLICATE_AXIS, SHARD_AXIS, SHARDED, StateDictType
+from lightning_smp.names import BACKUP_CPU, REPLICATE_AXIS, SHARD_AXIS, SHARDED, StateDictType
 from lightning_smp.replica_sync import OuterSync, SyncReport
 from lightning_smp.replica_sync.state import outer_optimizer, restore_outer
 
@@ -142,7 +142,7 @@ class ReplicaSyncSteps:
         self._outer = OuterSync(module.parameters(), group, every=settings.every, outer_lr=settings.outer_lr,
                                 outer_momentum=settings.outer_momentum, nesterov=settings.nesterov,
                                 fragments=settings.fragments, buffers=buffers,
-                                backup_device=torch.device("cpu") if settings.backup == "cpu" else None,
+                                backup_device=torch.device("cpu") if settings.backup == BACKUP_CPU else None,
                                 rounds=SyncRounds(replicas) if replicas is not None else None, group_ranks=own)
         self._outer_module = module
 

@@ -18,18 +18,19 @@ What :func:`plan` returns, its table and the message when no degree fits are in 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from torch.nn import Module
 
 from lightning_smp.accumulation import accumulation_mode
-from lightning_smp.config.replica_sync import ReplicaSync, check_replica_sync
+from lightning_smp.config.replica_sync import ReplicaSync, check_replica_sync, one_group_refusal
 from lightning_smp.degree import resolve_layout, valid_degrees
-from lightning_smp.engines import engine_for, engine_for_layout
+from lightning_smp.engines import engine_for, engine_for_layout, replica_sync_refusal
 from lightning_smp.engines.textbook import ring_bytes
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.links import Links, links_for
-from lightning_smp.names import HYBRID_SHARD, NO_SHARD
+from lightning_smp.names import BACKUP_CPU, BACKUP_DEVICE, HYBRID_SHARD, NO_SHARD
 from lightning_smp.planner.links import as_run, axis_link, collective_seconds
 from lightning_smp.planner.result import GIVEN, MEASURED, NOT_INCLUDED, DegreePlan, Plan, _no_fit_message
 from lightning_smp.planner.state import fsdp_units, model_state, optimizer_name
@@ -89,13 +90,14 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
             ``CPUOffload(offload_params=True)``, FSDP2 ``CPUOffloadPolicy``): the device holds the gathered units and
             the activations only.
         replica_sync: ``replica_sync``'s value (a mapping or :class:`~lightning_smp.config.replica_sync.ReplicaSync`):
-            the candidates are the degrees that leave two replica groups or more; nothing crosses the groups in an
-            inner step, the sync's all-reduce of each rank's part of the parameters counts ``1 / every`` of its time
-            and bytes per step (after the step: not hidden), and each rank holds the outer loop's copies of its part
-            (the synced parameters, and the outer momentum).
+            the candidates are the degrees the strategies run it on (two replica groups or more, on an engine whose
+            capabilities allow it: FSDP1 is left out, degree 1's DDP engine kept; ``Plan.left_out`` says why);
+            nothing crosses the groups in an inner step, the sync's all-reduce of each rank's part of the parameters
+            counts ``1 / every`` of its time and bytes per step (after the step: not hidden), and each rank holds the
+            outer loop's copies of its part (the synced parameters, and the outer momentum).
 
     Raises:
-        HybridShardConfigError: no degree fits; the message says what would help.
+        HybridShardConfigError: no degree fits (the message says what would help), or none runs ``replica_sync``.
     """
     from lightning_smp.planner.activations import trace_micro_batch
 
@@ -103,6 +105,14 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
     per_node = devices_per_node or world_size
     sync = None if replica_sync is None else ReplicaSync.from_mapping(check_replica_sync(replica_sync) or {})
     engine = engine_for(fsdp_version)
+    # (what the strategies refuse is left out first, before anything is traced)
+    candidates = list(degrees or [d for d in valid_degrees(world_size) if d >= 1])
+    left_out = _left_out(candidates, sync, world_size, sharding_strategy, fsdp_version, cpu_offload)
+    planned = [degree for degree in candidates if degree not in left_out]
+    if not planned:
+        raise HybridShardConfigError(
+            f"no hybrid_shard_degree of {', '.join(map(str, candidates))} runs replica_sync on {world_size} rank(s): "
+            + " ".join(f"Degree {degree}: {why}" for degree, why in left_out.items()))
     mode = accumulation or engine.capabilities.accumulations[0]
     name = optimizer_name(model if optimizer is None else optimizer)
     link = links_for(links)
@@ -123,11 +133,13 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
             flops = (trace.forward_flops, trace.backward_flops)
     else:
         activations, source = 0, NOT_INCLUDED
-    def rows_for(activations: int, flops: tuple[float, float] | None) -> list[DegreePlan]:
-        return [row_for(degree, activations, flops) for degree in degrees or [
-            d for d in valid_degrees(world_size) if d >= 1 and (sync is None or world_size // d >= 2)]]
 
-    def row_for(degree: int, activations: int, flops: tuple[float, float] | None) -> DegreePlan:
+    def rows_for(activations: int, flops: tuple[float, float] | None, sync: ReplicaSync | None = sync
+                 ) -> list[DegreePlan]:
+        return [row_for(degree, activations, flops, sync) for degree in planned]
+
+    def row_for(degree: int, activations: int, flops: tuple[float, float] | None,
+                sync: ReplicaSync | None) -> DegreePlan:
         layout = resolve_layout(world_size, degree, sharding_strategy)
         states = model_state(model, world_size=world_size, hybrid_shard_degree=degree, fsdp_version=fsdp_version,
                              auto_wrap_policy=auto_wrap_policy, optimizer=name, sharding_strategy=sharding_strategy,
@@ -137,7 +149,7 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
         part = max(s.params_bytes for s in states)
         # (backup="cpu": in host memory, out of the device's peak)
         outer = (part * (2 if sync.outer_momentum else 1)
-                 if sync is not None and training and sync.backup == "device" else 0)
+                 if sync is not None and training and sync.backup == BACKUP_DEVICE else 0)
         runs = engine_for_layout(fsdp_version, layout, cpu_offload=cpu_offload or None)  # DDP's when unsharded
         transient = transient_bytes(units, root_is_last, layout, runs.prediction,
                                     micro_batches if training else 1, mode, precision)
@@ -190,8 +202,11 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
                 rows, checkpointed = lever_rows, names
                 fitting = [r for r in rows if r.fits]
     if not fitting:
+        # replica_sync's outer copies in host memory (backup="cpu"): the same rows planned again, for the advice
+        on_host = ([r for r in rows_for(activations, flops, replace(sync, backup=BACKUP_CPU)) if r.fits]
+                   if sync is not None and sync.backup == BACKUP_DEVICE and training and not cpu_offload else [])
         raise HybridShardConfigError(_no_fit_message(rows, budget, headroom, world_size, source, fsdp_version, mode,
-                                                     micro_batches, cpu_offload))
+                                                     micro_batches, cpu_offload, on_host))
     chosen, runner_up = _fastest(fitting)
     from lightning_smp.accounting.render import fmt_bytes
 
@@ -215,7 +230,23 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
     return Plan(degree=chosen.degree, reason=reason, rows=tuple(rows), budget_bytes=budget, headroom=headroom,
                 activation_checkpointing=checkpointed,
                 world_size=world_size, devices_per_node=per_node, fsdp_version=fsdp_version, optimizer=name,
-                activations=source, links=link)
+                activations=source, links=link, replica_sync=sync, left_out=tuple(left_out.items()))
+
+
+def _left_out(candidates: Sequence[int], sync: ReplicaSync | None, world_size: int, sharding_strategy: str,
+              fsdp_version: int, cpu_offload: bool) -> dict[int, str]:
+    """The candidate degrees the strategies would refuse, and why (their own refusals): under ``replica_sync``, one
+    replica group, or an engine whose capabilities do not run it."""
+    if sync is None:
+        return {}
+    left_out: dict[int, str] = {}
+    for degree in candidates:
+        layout = resolve_layout(world_size, degree, sharding_strategy)
+        runs = engine_for_layout(fsdp_version, layout, cpu_offload=cpu_offload or None)  # DDP's when unsharded
+        why = replica_sync_refusal(runs) or one_group_refusal(layout)  # (in the order the core refuses them)
+        if why is not None:
+            left_out[degree] = why
+    return left_out
 
 
 def _checkpointed_figures(model: Module, example_input: Any, step: Callable | None, device: Any, precision: str,

@@ -2,15 +2,19 @@
 
 The model comes from a LightningCLI config (``--config fit.yaml``, with ``--model.class_path``/``--model.init_args.*``
 overrides; it is built on the meta device, so a 70B model costs nothing) or, for quick what-ifs, from a parameter
-count and a transformer shape (``--params 7B --layers 32 --hidden 4096 --heads 32``). The world, the budget and the
+count and a transformer shape (``--params 7B --layers 32 --hidden 4096 --heads 32``). The SMP keys come as
+``lightning-smp fit`` takes them: the config's ``smp:`` section with ``--smp "{...}"`` and ``--smp.KEY VALUE`` over it
+(the same argument, :mod:`lightning_smp.config.section`), under the strategy's own arguments, over the environment's
+sources; ``--smp.replica_sync "{every: 20}"`` plans semi-synchronous replica groups. The world, the budget and the
 links come from flags (``--nodes``, ``--devices``, ``--memory-budget``, ``--preset``; every flag also with
-underscores, as LightningCLI spells them), else from the config's
-``trainer:`` and ``smp:`` sections. Prints the table, and writes JSON (``--json``) and a plot (``--plot``)::
+underscores, as LightningCLI spells them), else from the config's ``trainer:`` section and the SMP keys. Prints the
+table, and writes JSON (``--json``) and a plot (``--plot``)::
 
     lightning-smp plan --params 7B --layers 32 --hidden 4096 --heads 32 --seq_len 4096 --micro_batch 1 \\
         --nodes 1 --devices 8 --memory-budget 80GB --preset aws-p4d --precision bf16-mixed \\
         --activation-checkpointing true
     lightning-smp plan --config examples/configs/hybrid_auto.yaml --json plan.json
+    lightning-smp plan --config examples/configs/replica_sync.yaml --smp.replica_sync "{every: 20, backup: cpu}"
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from typing import Any
 import torch
 from torch.nn import Module
 
+from lightning_smp.config import CALIBRATE, SMPConfig, resolve_config
+from lightning_smp.config.keys import IMPLEMENTED_KEYS
+from lightning_smp.config.section import add_smp_section, section_values
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.links import DEFAULT_PRESET, LINK_PRESETS, Links, save_links
 from lightning_smp.names import HYBRID_SHARD, STRATEGY_NAMES
@@ -44,8 +51,9 @@ def _parser() -> Any:
                             default_meta=False)
     parser.add_argument("--config", action=ActionConfigFile, help="A LightningCLI config (model, trainer, smp).")
     parser.add_subclass_arguments(Module, "model", required=False)
-    for section in ("trainer", "data", "smp", "optimizer", "lr_scheduler"):  # read from a LightningCLI config
+    for section in ("trainer", "data", "optimizer", "lr_scheduler"):  # read from a LightningCLI config
         parser.add_argument(f"--{section}", type=Any, default=None)
+    add_smp_section(parser)  # (the same argument as lightning-smp fit's)
     parser.add_argument("--seed_everything", type=Any, default=None)
     parser.add_argument("--ckpt_path", type=Any, default=None)
     parser.add_argument("--params", type=str | None, default=None, help="Parameter count (e.g. 7B), without a model.")
@@ -59,9 +67,10 @@ def _parser() -> Any:
     parser.add_argument("--devices", type=int | None, default=None, help="Per node. Default: trainer.devices, else 8.")
     parser.add_argument("--memory_budget", "--memory-budget", type=str | None, default=None,
                         help=f"Per device, e.g. 80GB (units: {', '.join(u for u in UNITS if u)}); default: the"
-                             " config's, else this machine's free device memory.")
-    parser.add_argument("--preset", type=str, default=DEFAULT_PRESET,
-                        help=f"Links: {', '.join(LINK_PRESETS)}, or a JSON file (--save_links).")
+                             " SMP keys' memory_budget, else this machine's free device memory.")
+    parser.add_argument("--preset", type=str | None, default=None,
+                        help=f"Links: {', '.join(LINK_PRESETS)}, or a JSON file (--save_links); default: the SMP"
+                             f" keys' links, else {DEFAULT_PRESET}.")
     parser.add_argument("--calibrate", type=bool, default=False,
                         help="Measure the links and the compute of this job (run under torchrun, every rank).")
     parser.add_argument("--calibrate_model", "--calibrate-model", type=bool, default=False,
@@ -70,7 +79,8 @@ def _parser() -> Any:
                              " must fit on one device) instead of a matrix multiplication.")
     parser.add_argument("--save_links", "--save-links", type=Path | None, default=None,
                         help="Write the links used (a calibration) as JSON, for --preset FILE.")
-    parser.add_argument("--fsdp_version", "--fsdp-version", type=int | None, default=None)
+    parser.add_argument("--fsdp_version", "--fsdp-version", type=int | None, default=None,
+                        help="Default: the SMP keys' fsdp_version.")
     parser.add_argument("--precision", type=str | None, default=None, help="Default: trainer.precision, else 32-true.")
     parser.add_argument("--optimizer_name", "--optimizer-name", type=str | None, default=None,
                         help="adamw, adam, sgd, sgd_momentum (default: the model's configure_optimizers, else adamw).")
@@ -110,13 +120,22 @@ def _strategy_args(trainer: dict[str, Any]) -> dict[str, Any]:
             if v is not None}
 
 
+def smp_config(cfg: Any) -> SMPConfig:
+    """The SMP configuration of parsed arguments, as ``lightning-smp fit`` resolves it from the same config and
+    flags: the strategy's own arguments (``init_args``, or what a registered name passes) over the ``smp:`` section
+    over ``lightning_smp.init`` and the environment's sources (:func:`~lightning_smp.config.resolve_config`)."""
+    trainer = cfg.trainer if isinstance(cfg.trainer, dict) else {}
+    explicit = {key: value for key, value in _strategy_args(trainer).items() if key in IMPLEMENTED_KEYS}
+    return resolve_config(explicit or None, cli=section_values(cfg.smp) or {})
+
+
 def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
     """Parse ``argv`` (what follows ``lightning-smp plan``) and plan; the plan and the parsed arguments. Raises
     ``HybridShardConfigError``."""
     parser = _parser()
     cfg = parser.parse_args(argv)
+    config = smp_config(cfg)
     trainer = cfg.trainer if isinstance(cfg.trainer, dict) else {}
-    smp = cfg.smp if isinstance(cfg.smp, dict) else {}
     strategy = _strategy_args(trainer)
     precision = cfg.precision or str(trainer.get("precision") or "32-true")
     nodes = cfg.nodes or int(trainer.get("num_nodes") or 1)
@@ -125,7 +144,7 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
         raise HybridShardConfigError(f"trainer.devices={given!r} does not say how many devices a node has. Fix: pass"
                                      " --devices N (per node).")
     devices = cfg.devices or given or 8
-    version = cfg.fsdp_version or int(strategy.get("fsdp_version") or smp.get("fsdp_version") or 1)
+    version = cfg.fsdp_version or config.fsdp_version
     wrap = cfg.wrap or strategy.get("auto_wrap_policy")  # a list of class paths, as LightningCLI configs give it
     policy = ({_import(p) if isinstance(p, str) else p for p in wrap}
               if isinstance(wrap, (list, tuple, set, frozenset)) else None)
@@ -172,7 +191,7 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
     else:
         raise HybridShardConfigError("lightning-smp plan needs a model: --config FILE / --model.class_path PATH, or"
                                      " --params COUNT with the layer shape (--layers, --hidden, --heads).")
-    budget = cfg.memory_budget or strategy.get("memory_budget") or smp.get("memory_budget")
+    budget = cfg.memory_budget or config.memory_budget
     if budget is None:
         accelerator = torch.accelerator.current_accelerator()  # this machine's, whatever its type
         device = accelerator if accelerator is not None else torch.device("cpu")
@@ -187,14 +206,16 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any]:
                 " (a matrix multiplication's rate)."
             )
         timed = parser.instantiate_classes(cfg).model  # for real this time: its passes are timed
-    links = _calibrated(devices, timed, example_input, precision) if cfg.calibrate else cfg.preset
+    preset = cfg.preset or config.links or DEFAULT_PRESET
+    calibrating = cfg.calibrate or preset == CALIBRATE  # (links: calibrate measures, as the strategy's "auto" does)
+    links = _calibrated(devices, timed, example_input, precision) if calibrating else preset
     return plan(model, world_size=nodes * devices, devices_per_node=devices, budget_bytes=budget,
                 fsdp_version=version, auto_wrap_policy=policy, optimizer=cfg.optimizer_name, precision=precision,
                 sharding_strategy=strategy.get("sharding_strategy") or HYBRID_SHARD,
                 micro_batches=accumulate, example_input=example_input, checkpoint=checkpoint,
                 activation_bytes=activation_bytes, headroom=cfg.headroom, links=links, flops=flops,
                 may_checkpoint=may_checkpoint,
-                replica_sync=strategy.get("replica_sync") or smp.get("replica_sync")), cfg
+                replica_sync=config.replica_sync), cfg
 
 
 def save_plot(result: Plan, path: Path) -> None:
@@ -236,9 +257,9 @@ def _calibrated(devices: int, model: Module | None = None, example_input: Any = 
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise HybridShardConfigError(
-            "--calibrate true measures the links of a running job: run every rank of it, e.g. `torchrun --nnodes M"
-            " --nproc_per_node N -m lightning_smp plan --calibrate true --devices N ...` (or calibrate in your"
-            " training script and save_links the result)."
+            "--calibrate true (or links: calibrate) measures the links of a running job: run every rank of it, e.g."
+            " `torchrun --nnodes M --nproc_per_node N -m lightning_smp plan --calibrate true --devices N ...` (or"
+            " calibrate in your training script and save_links the result)."
         )
     if not dist.is_initialized():
         accelerator = torch.accelerator.current_accelerator()
@@ -270,4 +291,4 @@ def main(argv: list[str]) -> None:
         save_plot(result, cfg.plot)
 
 
-__all__ = ["main", "plan_from_args", "save_plot"]
+__all__ = ["main", "plan_from_args", "save_plot", "smp_config"]

@@ -8,8 +8,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning_smp.accumulation import accumulation_mode
+from lightning_smp.config.replica_sync import ReplicaSync
 from lightning_smp.engines import FSDP_ENGINES
 from lightning_smp.links import Links
+from lightning_smp.names import BACKUP_CPU
 
 #: Where the activation figure of a plan comes from.
 MEASURED, GIVEN, NOT_INCLUDED = "measured on fake tensors", "given", "not included"
@@ -66,7 +68,9 @@ class DegreePlan:
 class Plan:
     """The planner's answer: the recommended ``degree``, why, and every candidate's figures;
     ``activation_checkpointing`` names what the planner checkpointed because nothing fitted without it (the figures
-    are then those of the checkpointed model), empty when it did not."""
+    are then those of the checkpointed model), empty when it did not; ``replica_sync`` the option planned with
+    (``None``: synchronous), and ``left_out`` the candidate degrees it left out, each with the strategies' refusal
+    (``(degree, why)``: one replica group, an engine that does not run it)."""
 
     degree: int
     reason: str
@@ -80,6 +84,8 @@ class Plan:
     activations: str
     links: Links
     activation_checkpointing: tuple[str, ...] = ()
+    replica_sync: ReplicaSync | None = None
+    left_out: tuple[tuple[int, str], ...] = ()
 
     def row(self, degree: int) -> DegreePlan:
         return next(r for r in self.rows if r.degree == degree)
@@ -91,8 +97,11 @@ class Plan:
     def table_rows(self) -> tuple[list[str], list[list[str]]]:
         from lightning_smp.accounting.render import fmt_bytes
 
-        header = ["degree", "mesh", "model state", "transient", "activations", "peak / rank", "fits",
-                  "shard bytes", "replica bytes", "comm time", "step time"]
+        sync = self.replica_sync
+        header = ["degree", "mesh", "model state", "transient", "activations", "peak / rank", "fits", "shard bytes",
+                  # (replica_sync: nothing crosses the groups between syncs; a sync's bytes spread over its window)
+                  "replica bytes" if sync is None else f"replica bytes / step (a sync's / {sync.every})",
+                  "comm time", "step time"]
         rows = []
         for r in self.rows:
             mark = "<- chosen" if r.degree == self.degree else ("yes" if r.fits else "no")
@@ -108,31 +117,46 @@ class Plan:
     def title(self) -> str:
         from lightning_smp.accounting.render import fmt_bytes
 
+        sync = self.replica_sync
+        semi = "" if sync is None else (
+            f", replica_sync every {sync.every} steps, {sync.fragments} fragment(s), outer copies "
+            + ("in host memory" if sync.backup == BACKUP_CPU else "on the device"))
         return (f"Degree plan: {self.world_size} rank(s), {self.devices_per_node} per node, FSDP{self.fsdp_version},"
                 f" {self.optimizer}, budget {fmt_bytes(self.budget_bytes)} per rank, {self.headroom:.0%} headroom,"
-                f" activations {self.activations}")
+                f" activations {self.activations}{semi}")
+
+    def footer(self) -> str:
+        """What the table is followed by: the reason, and each degree left out with why."""
+        return "\n".join([self.reason, *(f"degree {degree} left out: {why}" for degree, why in self.left_out)])
 
     def text(self, width: int | None = 200) -> str:
         """The table and the reason, as plain text (for logs)."""
         from lightning_smp.accounting.render import tables_text
 
         header, rows = self.table_rows()
-        return tables_text([(self.title(), header, rows)], width=width) + f"\n{self.reason}"
+        return tables_text([(self.title(), header, rows)], width=width) + f"\n{self.footer()}"
 
     def print(self) -> None:
         """The table and the reason on the terminal or in the notebook (rich)."""
         from lightning_smp.accounting.render import print_tables
 
         header, rows = self.table_rows()
-        print_tables([(self.title(), header, rows)], footer=self.reason)
+        print_tables([(self.title(), header, rows)], footer=self.footer())
 
 
 def _no_fit_message(rows: Sequence[DegreePlan], budget: int, headroom: float, world_size: int, source: str,
-                    fsdp_version: int, mode: str, micro_batches: int, cpu_offload: bool) -> str:
+                    fsdp_version: int, mode: str, micro_batches: int, cpu_offload: bool,
+                    on_host: Sequence[DegreePlan] = ()) -> str:
+    """Why nothing fits and what would help; ``on_host``: the rows that fit with ``replica_sync``'s outer copies in
+    host memory (planned so by the caller)."""
     from lightning_smp.accounting.render import fmt_bytes
 
     least = min(rows, key=lambda r: r.peak_bytes)
     helps = []
+    if on_host:
+        best = min(on_host, key=lambda r: r.peak_bytes)
+        helps.append(f"replica_sync's backup={BACKUP_CPU!r} (the outer loop's copies in host memory: degree"
+                     f" {best.degree} then needs {fmt_bytes(best.peak_bytes)} per rank, which fits)")
     if least.activation_bytes:
         helps.append(f"activation checkpointing or a smaller micro-batch (activations are"
                      f" {fmt_bytes(least.activation_bytes)} per rank)")
