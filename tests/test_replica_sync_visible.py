@@ -170,3 +170,54 @@ def test_a_user_who_loses_silently_under_replica_sync_is_told_once(tmp_path, syn
     for part in expected:
         assert sum(part in message for message in said) == 1, (part, said)
     assert not any("val_loss" in message or "train_plain" in message for message in said)
+
+
+def _reported(rank: int, world: int, folder: Path, comm_step: int) -> tuple[list[dict], str]:
+    from lightning_smp.accounting.render import format_report
+    from lightning_smp.callbacks import MemorySavingsCallback
+
+    callback = MemorySavingsCallback(comm_step=comm_step, print_table=False)
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=DEGREE, fsdp_version=2, replica_sync={"every": EVERY})
+    # (a sanity check's validation forward first: the strategy releases the root it left gathered)
+    trainer = cpu_trainer(strategy, folder, world, max_steps=STEPS, callbacks=[callback], limit_val_batches=1,
+                          num_sanity_val_steps=1)
+    trainer.fit(Validated(False), make_loader(samples=256), make_loader(samples=32))
+    return callback.reports["fit_end"], format_report(callback.reports["fit_end"])
+
+
+@pytest.mark.parametrize("comm_step", [1, EVERY], ids=["between_syncs", "a_sync"])
+def test_the_report_names_the_groups_the_engine_and_a_sync_and_counts_what_runs(tmp_path, comm_step):
+    """MemorySavingsCallback under replica_sync on 2 x 2 ranks: the title names the engine, the replica groups and
+    replica_sync's settings; the replicate axis has the sync's row (one all-reduce of each rank's parts every 3
+    steps, its ring bytes amortised per step); every count of the counted step equals the textbook's (the first
+    step, after a sanity check's validation; and a step that syncs, whose all-reduce the sync's row shows)."""
+    from lightning_smp.accounting.render import report_tables
+
+    records, text = run_distributed(_reported, 4, tmp_path, comm_step)[0]
+    assert report_tables(records)[0][0].endswith(
+        "HybridShardFSDPStrategy (fsdp2), 2 replica group(s) x 2 shard(s), FULL_SHARD inside each; replica_sync"
+        " every 3 steps, 1 fragment(s), outer SGD lr 0.7 momentum 0.9 Nesterov, copies on the device")
+    assert "measured differs" not in text
+    for record in records:
+        assert record["comm_mismatch"] == [], record
+        sync = record["replica_sync"]
+        assert sync["groups"] == 2 and sync["every"] == EVERY and sync["all_reduces_in_step"] == (comm_step == EVERY)
+        assert sync["bytes"] == record["replica_sync_bytes"] // 2  # (the parts once; the outer state keeps 2 copies)
+        assert sync["ring_bytes"] == sync["bytes"]  # (2 (2 - 1) / 2)
+        measured = (record["comm"].get("replicate", {}).get("all_reduce") or {"count": 0})["count"]
+        assert measured == (1 if comm_step == EVERY else 0)
+    assert text.count("all_reduce (a sync, every 3 steps)") == 4
+
+
+def test_the_start_line_names_the_engine_and_replica_sync():
+    from lightning_smp.config.replica_sync import ReplicaSync
+    from lightning_smp.degree import resolve_layout
+    from lightning_smp.frontend.shared import start_line
+
+    layout = resolve_layout(8, 2)
+    assert start_line("S", layout, "fsdp2", None) == f"S: {layout.describe()}, engine fsdp2"
+    assert start_line("S", layout, "fsdp2", ReplicaSync(every=20, fragments=4, outer_lr=1.0, outer_momentum=0.0,
+                                                        nesterov=False, backup="cpu")) == (
+        "S: hybrid_shard_degree=2: 4 replica group(s) x 2 shard(s) over 8 rank(s), FULL_SHARD inside each, engine"
+        " fsdp2; replica_sync every 20 steps, 4 fragment(s), outer SGD lr 1 no momentum, copies on the cpu")
+    assert "nothing sharded, engine ddp" in start_line("S", resolve_layout(4, 1), "ddp", ReplicaSync(every=5))

@@ -118,6 +118,10 @@ def comm_mismatches(record: dict) -> list[tuple[str, str]]:
     measured, book = record.get("comm") or {}, record.get("comm_textbook") or {}
     if not measured or not book:
         return []
+    sync = record.get("replica_sync")
+    if sync:  # (replica_sync: the replicate axis's all-reduces are the sync's, in the counted step or not)
+        book = {**book, REPLICATE_AXIS: {**book.get(REPLICATE_AXIS, {}),
+                                         "all_reduce": {"count": sync["all_reduces_in_step"]}}}
     return [(axis, op) for axis, ops in book.items() for op in OPS
             if measured.get(axis, {}).get(op, {"count": 0})["count"] != ops.get(op, {"count": 0})["count"]]
 
@@ -137,8 +141,9 @@ def comm_rows(records: Sequence[dict]) -> tuple[list[str], list[list[str]]]:
             # (replica_sync: the replicate axis's one all-reduce per sync, amortised over its window; the counted
             # step shows it only if it synced)
             m = measured.get(REPLICATE_AXIS, {}).get("all_reduce", {"count": 0, "bytes": 0})
+            count = str(m["count"]) + (f" {MISMATCH_MARK}" if (REPLICATE_AXIS, "all_reduce") in mismatched else "")
             rows.append([str(r["rank"]), REPLICATE_AXIS, f"all_reduce (a sync, every {sync['every']} steps)",
-                         str(m["count"]) if measured else "-", fmt_bytes(m["bytes"]) if measured else "-",
+                         count if measured else "-", fmt_bytes(m["bytes"]) if measured else "-",
                          f"1 per {sync['every']} steps", fmt_bytes(sync["bytes"]),
                          f"{fmt_bytes(sync['ring_bytes'])} ({fmt_bytes(sync['ring_bytes'] // sync['every'])}/step)"])
         for axis in dict.fromkeys([*measured, *book]):

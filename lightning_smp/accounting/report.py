@@ -126,12 +126,14 @@ def memory_report(
 
 
 def replica_sync_figures(describe: str, groups: int, every: int, sync_bytes: int,
-                         synced_in_step: bool = False) -> dict[str, Any]:
+                         all_reduces_in_step: int = 0) -> dict[str, Any]:
     """What the report shows of ``replica_sync``: its line, the replica groups (the replicate axis), one sync's
     all-reduce of this rank's ``sync_bytes`` across them (its ring sends ``2 (groups - 1) / groups`` of them), which
-    runs once every ``every`` optimizer steps, and whether the counted step synced."""
+    runs once every ``every`` optimizer steps, and the all-reduces across the groups the counted step ran (0: it
+    did not sync; one per bucket of the fragment it synced)."""
     return {"describe": describe, "groups": groups, "every": every, "bytes": sync_bytes,
-            "ring_bytes": ring_bytes(sync_bytes, groups), "synced_in_step": synced_in_step}
+            "ring_bytes": ring_bytes(sync_bytes, groups), "synced_in_step": all_reduces_in_step > 0,
+            "all_reduces_in_step": all_reduces_in_step}
 
 
 __all__ = ["count_communication", "memory_report", "replica_sync_figures"]

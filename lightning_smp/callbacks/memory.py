@@ -37,6 +37,10 @@ Record fields (one plain ``dict`` per rank; all sizes in bytes):
                                parameters as last synced and the outer momentum); ``None`` without it
 ``replica_sync_backup``        where that memory is: ``"device"`` (beside the parameters) or ``"cpu"`` (host memory,
                                ``replica_sync``'s ``backup``); ``None`` without it
+``engine``                     the engine that runs the model (``"fsdp1"``, ``"fsdp2"``, ``"ddp"``), or ``None``
+``replica_sync``               with ``replica_sync``: its line, the replica groups, one sync's bytes across them and
+                               what its ring sends, whether the counted step synced (the table's ``replicate`` row,
+                               amortised per step); ``None`` without it
 ``comm``                       collectives of optimizer step ``comm_step`` (all its micro-batches), as counted by
                                :class:`~lightning_smp.accounting.CommCounter`: ``{axis: {op: {"count", "bytes"}}}``;
                                ``None`` when counting is off
@@ -165,7 +169,7 @@ class MemorySavingsCallback(Callback):
         self._last_step = 0
         self._evaluated = False
         self._root_gathered = False
-        self._synced_in_step = False
+        self._sync_all_reduces = 0
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -176,7 +180,8 @@ class MemorySavingsCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.report, self.reports, self._comm, self._grads_bytes = [], {}, None, None
         self._backward_passes, self._last_step, self._step_grads = 0, trainer.global_step, 0
-        self._evaluated = self._root_gathered = self._synced_in_step = False
+        self._evaluated = self._root_gathered = False
+        self._sync_all_reduces = 0
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -237,16 +242,20 @@ class MemorySavingsCallback(Callback):
         self._comm = self._counter.counts()
         self._counter = None
         outer = getattr(trainer.strategy, "outer_sync", None)
-        # (replica_sync: whether the counted step synced, with its report's one small all-reduce inside the group)
-        self._synced_in_step = outer is not None and outer.report is not None and outer.report.step == outer.steps
+        # (replica_sync: the all-reduces across the groups of the counted step's sync, if it synced: one per bucket
+        # of each fragment it carried; with its report's one small all-reduce inside the group)
+        self._sync_all_reduces = 0
+        report = outer.report if outer is not None else None
+        if outer is not None and report is not None and report.step == outer.steps and outer.group is not None:
+            self._sync_all_reduces = sum(outer.bucket_count(index) for index in report.fragments)
 
     def _replica_sync(self, strategy: Any) -> dict[str, Any] | None:
         """``replica_sync``'s figures for the report (its groups are the layout's replicas), or ``None``."""
         outer = getattr(strategy, "outer_sync", None)
         if outer is None:
             return None
-        return replica_sync_figures(outer.describe(), strategy.layout.replicate, outer.every, outer.sync_bytes,
-                                    synced_in_step=self._synced_in_step)
+        return replica_sync_figures(strategy.core.replica_sync.describe(), strategy.layout.replicate, outer.every,
+                                    outer.sync_bytes, all_reduces_in_step=self._sync_all_reduces)
 
     def _make_report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy

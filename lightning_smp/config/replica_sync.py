@@ -68,6 +68,14 @@ class ReplicaSync:
             )
         return record
 
+    def describe(self) -> str:
+        """One line for logs and reports: how often the groups sync, in how many fragments, with which outer
+        optimizer, and where its copies live."""
+        momentum = (f"momentum {self.outer_momentum:g}{' Nesterov' if self.nesterov else ''}" if self.outer_momentum
+                    else "no momentum")
+        return (f"replica_sync every {self.every} steps, {self.fragments} fragment(s), outer SGD lr"
+                f" {self.outer_lr:g} {momentum}, copies on the {self.backup}")
+
 
 _KINDS: dict[str, tuple[type, ...]] = {
     "every": (int,), "outer_lr": (int, float), "outer_momentum": (int, float), "nesterov": (bool,),

@@ -22,6 +22,7 @@ from lightning_smp.checkpoint import CheckpointRun
 from lightning_smp.collectives import release_process_groups_at_exit
 from lightning_smp.config import SMPConfig
 from lightning_smp.config.options import StrategyOptions, option_names
+from lightning_smp.config.replica_sync import ReplicaSync
 from lightning_smp.core import HybridShardCore
 from lightning_smp.degree import Layout
 from lightning_smp.engines import Engine, ShardingPlan
@@ -32,7 +33,7 @@ from lightning_smp.frontend.degree_choice import DegreeChoice
 from lightning_smp.frontend.replica_groups import ReplicaGroupSteps
 from lightning_smp.frontend.replica_sync import ReplicaSyncSteps
 from lightning_smp.mesh import group_ranks
-from lightning_smp.names import MESH_AXES, STRATEGY_NAMES, GradientAccumulation, StartMethod
+from lightning_smp.names import FULL_SHARD, MESH_AXES, STRATEGY_NAMES, GradientAccumulation, StartMethod
 from lightning_smp.peers import RankAddress, gather_addresses, lost_peer_note
 
 if TYPE_CHECKING:
@@ -40,6 +41,16 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import ShardingStrategy
 
     from lightning_smp.planner import Plan
+
+
+def start_line(name: str, layout: Layout, engine: str, replica_sync: ReplicaSync | None) -> str:
+    """The line a strategy logs once its mesh exists: the layout, the engine that runs it, and ``replica_sync``'s
+    settings (under which each replica group is sharded on its own and the groups only meet at a sync)."""
+    if replica_sync is None:
+        return f"{name}: {layout.describe()}, engine {engine}"
+    inside = f"{FULL_SHARD} inside each" if layout.shard > 1 else "nothing sharded"
+    return (f"{name}: hybrid_shard_degree={layout.degree}: {layout.replicate} replica group(s) x {layout.shard}"
+            f" shard(s) over {layout.world_size} rank(s), {inside}, engine {engine}; {replica_sync.describe()}")
 
 
 class HybridShardFrontEnd(DegreeChoice, ReplicaGroupSteps, ReplicaSyncSteps, BackgroundSaves):
@@ -192,7 +203,7 @@ class HybridShardFrontEnd(DegreeChoice, ReplicaGroupSteps, ReplicaSyncSteps, Bac
         layout = self.core.build_mesh(num_nodes, devices, device_type)
         if layout is None:
             return None
-        rank_zero_info(f"{type(self).__name__}: {layout.describe()}")
+        rank_zero_info(start_line(type(self).__name__, layout, self.core.engine.name, self.core.replica_sync))
         self._join_replica_groups(device_type)
         return layout
 

@@ -237,13 +237,16 @@ class OuterSync:
         groups: every fragment once, its parts in the parameters' dtype."""
         return sum(part.numel() * part.element_size() for fragment in self.fragments for part in fragment.parts)
 
-    def describe(self) -> str:
-        """One line: how often the groups sync, in how many fragments, with which outer optimizer."""
-        outer = self.fragments[0].outer.param_groups[0] if self.fragments else {}
-        momentum = outer.get("momentum", 0.0)
-        nesterov = " Nesterov" if outer.get("nesterov") else ""
-        return (f"replica_sync every {self.every} steps, {len(self.fragments)} fragment(s), outer SGD lr"
-                f" {outer.get('lr', 0.0):g}{f', momentum {momentum:g}{nesterov}' if momentum else ', no momentum'}")
+    def bucket_count(self, index: int) -> int:
+        """The all-reduces a sync of fragment ``index`` runs across :attr:`group` (:meth:`average`'s buckets of at
+        most :attr:`bucket_bytes`, one per run of tensors of one dtype and device)."""
+        count, filled, kind = 0, 0, None
+        for part in self.fragments[index].parts:
+            size = part.numel() * part.element_size()
+            if kind != (part.dtype, part.device) or filled + size > self.bucket_bytes:
+                count, filled, kind = count + 1, 0, (part.dtype, part.device)
+            filled += size
+        return count
 
     @property
     def pending(self) -> bool:
