@@ -217,6 +217,13 @@ def test_a_group_frozen_past_the_heartbeat_inside_a_crossing_never_commits_what_
             # the survivor waited a heartbeat at most (and a step), never the collective's timeout (10 s)
             times = [r["time"] for r in jobs.records(0, rank) if r["time"] > frozen - 5]
             assert max(b - a for a, b in zip(times, times[1:])) <= HEARTBEAT + 3, times
+        if mode == "syncs":  # (and every sync the survivor committed is in its logger: replica_sync/*)
+            import csv
+
+            path = next((jobs.out / "metrics" / "group0").glob("version_*/metrics.csv"))
+            with path.open() as f:
+                syncs = [float(row["replica_sync/syncs"]) for row in csv.DictReader(f) if row.get("replica_sync/syncs")]
+            assert syncs == sorted(syncs) and len(syncs) >= steps // 4 - 2, syncs
         log1 = (jobs.out / "log1.txt").read_text()
         # (group 1 dropped the step it froze in: at the fence, when its side completed, or when the crossing failed)
         assert f"step {marker['step']} not committed" in log1, jobs.logs()

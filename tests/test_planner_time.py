@@ -272,7 +272,8 @@ def test_calibrate_outside_a_job_says_how_to_run_it(monkeypatch):
     from lightning_smp.planner import calibrate
 
     monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(SystemExit, match=r"--calibrate true measures the links of a running job: run every rank"):
+    with pytest.raises(SystemExit, match=r"--calibrate true \(or links: calibrate\) measures the links of a running"
+                                         r" job: run every rank"):
         main(["plan", "--params", "1B", "--layers", "16", "--hidden", "2048", "--devices", "4", "--calibrate", "true",
               "--memory_budget", "8GB"])
     with pytest.raises(HybridShardConfigError, match="no process group exists"):
