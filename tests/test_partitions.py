@@ -194,7 +194,9 @@ def test_a_group_frozen_past_the_heartbeat_inside_a_crossing_never_commits_what_
     4 steps) for twice the heartbeat timeout, then goes on: its side of that crossing completes (its peer's abandoned
     one is still alive in the background) after the survivor left it and went on without it. The survivor's longest
     wait is the heartbeat, never the collective's timeout; group 1 drops the step (the fence: its peers moved on), heals
-    from the survivor, and every step both groups committed is the same state in both, on every rank."""
+    from the survivor, and every step both groups committed is the same state in both, on every rank. (The survivor's
+    side as a node that lost power or its link: only the watch on the lighthouse ends its wait, within the
+    heartbeat; it commits its next step alone, and finishes.)"""
     if mode == "steps":
         script, extra, key, by, steps = FABRIC_SCRIPT, ["--pause", "0.2"], "model", "step", 36
     else:  # (the outer loop's synced copies and momentum, at every inner step: equal after every sync both commit)
@@ -214,9 +216,13 @@ def test_a_group_frozen_past_the_heartbeat_inside_a_crossing_never_commits_what_
             assert len(both) >= steps // 4, (rank, both)
             split = [s for s in both if ours[s] != theirs[s]]
             assert not split, (rank, split, jobs.logs())
-            # the survivor waited a heartbeat at most (and a step), never the collective's timeout (10 s)
+            # the survivor waited a heartbeat at most (and a step), on each of its ranks, never the collective's
+            # timeout (10 s), and committed its next step without group 1
             times = [r["time"] for r in jobs.records(0, rank) if r["time"] > frozen - 5]
             assert max(b - a for a, b in zip(times, times[1:])) <= HEARTBEAT + 3, times
+            if mode == "steps":
+                after = [r for r in jobs.records(0, rank) if r["time"] > frozen]
+                assert after[0]["step"] == marker["step"] + 1 and after[0]["groups"] == 1, after[0]
         if mode == "syncs":  # (and every sync the survivor committed is in its logger: replica_sync/*)
             import csv
 
@@ -227,7 +233,10 @@ def test_a_group_frozen_past_the_heartbeat_inside_a_crossing_never_commits_what_
         log1 = (jobs.out / "log1.txt").read_text()
         # (group 1 dropped the step it froze in: at the fence, when its side completed, or when the crossing failed)
         assert f"step {marker['step']} not committed" in log1, jobs.logs()
-        assert "ran past its timeout" not in (jobs.out / "log0.txt").read_text() + log1
+        survivor = (jobs.out / "log0.txt").read_text()
+        assert "ran past its timeout" not in survivor + log1  # (left by the watch, never the clock)
+        assert "abandoned: the lighthouse stopped hearing from group0001" in survivor, jobs.logs()
+        assert max(r["step" if mode == "steps" else "global_step"] for r in jobs.records(0)) == steps  # (finished)
 
 
 @pytest.mark.slow
