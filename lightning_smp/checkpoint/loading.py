@@ -55,7 +55,6 @@ def load_entries(model: ShardedModel, path: str | os.PathLike, entries: Mapping[
     Raises:
         CheckpointError: ``path`` is not a checkpoint."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     path = Path(model.collectives.broadcast(os.fspath(path)))
     if checkpoint_kind(path) != SHARDED:
@@ -64,24 +63,13 @@ def load_entries(model: ShardedModel, path: str | os.PathLike, entries: Mapping[
             if key in checkpoint:
                 _load_full_optimizer(model, optimizer, checkpoint.pop(key))
         return checkpoint
-    module, reader = model.module, SafeFileSystemReader(path)
+    reader = SafeFileSystemReader(path)
     keys = reader.read_metadata().state_dict_metadata
     found = {key: optimizer for key, optimizer in entries.items() if any(k.startswith(f"{key}.") for k in keys)}
-    state: dict[str, Any] = {}
-    for key, optimizer in found.items():
-        if any(k.startswith(f"{key}.state.") for k in keys):
-            with model.engine.optimizer_state_context(module, optimizer):
-                state[key] = get_optimizer_state_dict(module, optimizer)
-        else:
-            state[key] = {"param_groups": optimizer.state_dict()["param_groups"]}
+    state = _optimizer_templates(model, found, keys)
     if state:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
-    for key, optimizer in found.items():
-        if "state" in state[key]:
-            with _keeping_hyperparameter_types(optimizer), model.engine.optimizer_state_context(module, optimizer):
-                set_optimizer_state_dict(module, optimizer, state[key])
-        else:
-            _load_param_groups(optimizer, state[key]["param_groups"])
+    _set_optimizer_states(model, found, state)
     meta = path / META_FILENAME
     return dict(torch.load(meta, map_location="cpu", weights_only=True)) if meta.is_file() else {}
 
@@ -209,9 +197,7 @@ def _load_sharded(model: ShardedModel, path: Path, optimizers: list[Optimizer], 
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
-        get_optimizer_state_dict,
         set_model_state_dict,
-        set_optimizer_state_dict,
     )
 
     module = model.module
@@ -234,26 +220,42 @@ def _load_sharded(model: ShardedModel, path: Path, optimizers: list[Optimizer], 
     # would read both into them, in no set order)
     named = {**{f"optimizer_{idx}": optimizer for idx, optimizer in enumerate(optimizers)
                 if not any(optimizer is other for other in found.values())}, **found}
-    for key, optimizer in named.items():
-        if any(k.startswith(f"{key}.state.") for k in keys):
-            # the template holds this layout's shards; DCP reads whichever saved chunks overlap them
-            with model.engine.optimizer_state_context(module, optimizer):
-                state[key] = get_optimizer_state_dict(module, optimizer)
-        else:
-            # saved without per-parameter state: DCP needs the same structure to read the groups back into
-            state[key] = {"param_groups": optimizer.state_dict()["param_groups"]}
+    state.update(_optimizer_templates(model, named, keys))
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(allow_partial_load=not strict))
     set_model_state_dict(module, state["model"], options=StateDictOptions(strict=strict))
-    for key, optimizer in named.items():
-        optim_state = state[key]
-        if "state" in optim_state:
-            with _keeping_hyperparameter_types(optimizer), model.engine.optimizer_state_context(module, optimizer):
-                set_optimizer_state_dict(module, optimizer, optim_state)
-        else:
-            _load_param_groups(optimizer, optim_state["param_groups"])
+    _set_optimizer_states(model, named, state)
 
     meta = path / META_FILENAME
     return dict(torch.load(meta, map_location="cpu", weights_only=True)) if meta.is_file() else {}
+
+
+def _optimizer_templates(model: ShardedModel, named: Mapping[str, Optimizer], keys: Any) -> dict[str, Any]:
+    """What DCP reads each of ``named``'s entries into, given the checkpoint's ``keys``."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    templates: dict[str, Any] = {}
+    for key, optimizer in named.items():
+        if any(k.startswith(f"{key}.state.") for k in keys):
+            # the template holds this layout's shards; DCP reads whichever saved chunks overlap them
+            with model.engine.optimizer_state_context(model.module, optimizer):
+                templates[key] = get_optimizer_state_dict(model.module, optimizer)
+        else:
+            # saved without per-parameter state: DCP needs the same structure to read the groups back into
+            templates[key] = {"param_groups": optimizer.state_dict()["param_groups"]}
+    return templates
+
+
+def _set_optimizer_states(model: ShardedModel, named: Mapping[str, Optimizer], state: Mapping[str, Any]) -> None:
+    """Each of ``named``'s optimizers from what DCP read into its template."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    for key, optimizer in named.items():
+        optim_state = state[key]
+        if "state" in optim_state:
+            with _keeping_hyperparameter_types(optimizer), model.engine.optimizer_state_context(model.module, optimizer):
+                set_optimizer_state_dict(model.module, optimizer, optim_state)
+        else:
+            _load_param_groups(optimizer, optim_state["param_groups"])
 
 
 __all__ = ["check_model_fits", "load", "load_entries", "read_record"]
