@@ -51,7 +51,7 @@ from lightning_smp.checkpoint.fabric_state import (
     split_state,
     state_of,
 )
-from lightning_smp.checkpoint.format import REPLICA_SYNC_KEY
+from lightning_smp.checkpoint.format import OPTIMIZERS_KEY, REPLICA_SYNC_KEY
 from lightning_smp.checkpoint.saving import check_storage_options
 from lightning_smp.collectives import Collectives
 from lightning_smp.engines import ShardingPlan, engine_of, own_offload_config
@@ -61,6 +61,7 @@ from lightning_smp.errors import GradientSyncError, HybridShardConfigError, Unsu
 from lightning_smp.frontend import HybridShardFrontEnd, with_options
 from lightning_smp.launcher import FabricWaitingLauncher, choose_launcher
 from lightning_smp.names import (
+    FULL,
     GradientAccumulation,
     ShardingStrategyName,
     StartMethod,
@@ -500,7 +501,10 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         if not self._writes_checkpoints():
             # fault_tolerance: every group holds the same state, one live group writes it; under replica_sync each
             # other group keeps its own inner optimizer state beside it
-            own = self._own_inner_checkpoint(checkpoint, path)
+            # (a full checkpoint in Fabric's layout holds the optimizers under the state's own keys)
+            states = ([checkpoint[key] for key in optimizer_keys if key in checkpoint] if kind == FULL
+                      else checkpoint.get(OPTIMIZERS_KEY, []))
+            own = self._own_inner_checkpoint(states, path)
             if own is None:
                 return
             checkpoint, path, run = own

@@ -43,7 +43,7 @@ from lightning_smp.callbacks.fault_tolerance import ReplicaGroupMetrics
 from lightning_smp.checkpoint import ShardedModel
 from lightning_smp.checkpoint.after_commit import defer_until_commit
 from lightning_smp.checkpoint.atomic import remove_atomically
-from lightning_smp.checkpoint.format import REPLICA_GROUPS_KEY, REPLICA_SYNC_KEY
+from lightning_smp.checkpoint.format import OPTIMIZERS_KEY, REPLICA_GROUPS_KEY, REPLICA_SYNC_KEY
 from lightning_smp.checkpoint.local import model_state_to_save, optimizer_state_to_save
 from lightning_smp.collectives import Collectives
 from lightning_smp.engines import ShardingPlan, own_offload_config, selected_by
@@ -545,7 +545,7 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         if not self._writes_checkpoints():
             # fault_tolerance: every group holds the same state, one live group writes it; under replica_sync each
             # other group keeps its own inner optimizer state beside it
-            own = self._own_inner_checkpoint(checkpoint, filepath)
+            own = self._own_inner_checkpoint(checkpoint.get(OPTIMIZERS_KEY, []), filepath)
             if own is None:
                 return
             checkpoint, filepath, run = own

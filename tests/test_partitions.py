@@ -116,8 +116,8 @@ def _meet(rank: int, world: int, fingerprints: list, keys: list, fail: int | Non
                  id="differ_the_group_that_moved_on_last"),
     pytest.param([5, None, 5], [lineage(2, 0), lineage(9, 1), lineage(2, 2)], ["same"] * 3,
                  id="a_group_behind_heals_and_does_not_compare"),
-    pytest.param([5, None, 6], [lineage(2, 0), lineage(9, 1), lineage(2, 2)], ["keeps", "same", "heals"],
-                 id="behind_and_differ"),
+    pytest.param([5, None, 6], [lineage(2, 0), lineage(9, 1), lineage(2, 2)], ["keeps", "heals", "heals"],
+                 id="behind_and_differ_heals_again_from_the_one_kept"),
 ])
 def test_groups_that_meet_holding_different_states_take_one_deterministically(fingerprints, keys, expected):
     assert run_distributed(_meet, 3, fingerprints, keys, None) == expected

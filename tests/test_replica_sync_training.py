@@ -659,7 +659,8 @@ def _torchft_fabric_checkpoints(group: int, rank: int, degree: int, lighthouse: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("front_end", "kind"), [("trainer", "sharded"), ("trainer", "full"), ("fabric", "sharded")])
+@pytest.mark.parametrize(("front_end", "kind"), [("trainer", "sharded"), ("trainer", "full"), ("fabric", "sharded"),
+                                               ("fabric", "full")])
 def test_groups_on_torchft_resume_inside_a_window_exactly(tmp_path, front_end, kind):
     """Fault-tolerant groups resumed from the checkpoint of step 4 (a sync point inside a window, written by one
     group, the other group's own AdamW state kept beside it) end bit-equal to the run that was not interrupted, on

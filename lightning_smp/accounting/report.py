@@ -108,14 +108,15 @@ def memory_report(
     record["replica_sync"] = replica_sync
     record["comm"] = comm
     record["comm_textbook"] = textbook(module, backward_passes, accumulation, root_gathered=root_gathered)
-    if replica_sync is not None and replica_sync.get("synced_in_step") and record["comm_textbook"]:
-        # (a sync in the counted step: its report's two norms, one all-reduce of 2 float64 inside the group; the
+    if (replica_sync is not None and replica_sync.get("synced_in_step") and record["comm_textbook"]
+            and (record.get("shard_degree") or 1) > 1):
+        # (a sync in the counted step: its report's norms, one all-reduce of 3 float64 inside the group; the
         # sync's own all-reduce across the groups has its row, amortised)
         shard = record["comm_textbook"].setdefault(SHARD_AXIS, {}).setdefault(
             "all_reduce", {"count": 0, "bytes": 0, "ring_bytes": 0})
         shard["count"] += 1
-        shard["bytes"] += 16
-        shard["ring_bytes"] += ring_bytes(16, record.get("shard_degree") or 1)
+        shard["bytes"] += 24
+        shard["ring_bytes"] += ring_bytes(24, record.get("shard_degree") or 1)
     record["backward_passes"] = backward_passes
     record["gradient_accumulation"] = accumulation
     record["comm_mismatch"] = [list(pair) for pair in comm_mismatches(record)]

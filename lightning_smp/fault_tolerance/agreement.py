@@ -85,8 +85,9 @@ def abandon_reason(view: LighthouseView | None, crossing: InCrossing) -> str | N
 def fence_reason(view: LighthouseView | None, quorum_id: int, participants: Sequence[str], *,
                  asking_is_leaving: bool = False) -> str | None:
     """Why a group whose crossing in quorum ``quorum_id`` completed must not commit its step, given the lighthouse's
-    page (``None``: unread); ``None``: it may. ``asking_is_leaving``: a group asks for a quorum only at a point every
-    group reaches after this one's commit (``replica_sync``'s syncs), so a group asking now has refused this step."""
+    page (``None``: unread); ``None``: it may. ``asking_is_leaving``: a group asking for a quorum now has refused this
+    step (``replica_sync``, where a group asks only at its syncs, for a group that lost the lighthouse during this
+    one: a peer that asks at once, for a sync right after this one, is a peer that committed it)."""
     if view is None:
         return "the lighthouse could not be read to confirm that every group is still in this step's quorum"
     if view.quorum_id != quorum_id:
@@ -128,11 +129,8 @@ def counters_of(value: Any, prefix: str = "") -> list[str]:
 
 
 def _words_sum(tensor: Tensor) -> Tensor:
-    """The sum of ``tensor``'s bits read as 32-bit words (16- or 8-bit where its size asks), in int64, wrapping."""
-    data = tensor.detach().contiguous().reshape(-1)
-    size = data.numel() * data.element_size()
-    kind = torch.int32 if size % 4 == 0 else torch.int16 if size % 2 == 0 else torch.uint8
-    return data.view(kind).sum(dtype=torch.int64).reshape(1)
+    """The sum of ``tensor``'s bytes, in int64 (read as bytes: a view of any tensor at any offset, on every rank)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).sum(dtype=torch.int64).reshape(1)
 
 
 def quick_fingerprint(tensors: Sequence[Tensor], counters: Sequence[str] = ()) -> int:
@@ -156,15 +154,18 @@ def lineage(last_commit_quorum: int, group: int) -> int:
 def compare_at_meeting(fingerprint: int | None, key: int, *, device: torch.device,
                        all_reduce_max: Callable[[Tensor], bool], agree: Callable[[list[int]], list[int]]) -> Meeting:
     """Compare this rank's ``fingerprint`` (``None``: this group does not compare, it is behind and heals, and sends
-    what changes nobody's maximum) with the same rank of every other group, in one MAX all-reduce of four numbers
+    what changes nobody's maximum; it still learns whether the others differ, and then heals again, from the one
+    group left at the highest step) with the same rank of every other group, in one MAX all-reduce of four numbers
     across the groups (``all_reduce_max``: ``False`` if it failed), then agree inside the group (``agree``: each
     flag's maximum over the group's ranks, every rank calling it whatever happened before). ``key``: this group's
     :func:`lineage`."""
     values = (fingerprint, -fingerprint, key, 0) if fingerprint is not None else (_NEUTRAL, _NEUTRAL, _NEUTRAL, 0)
     probe = torch.tensor(values, dtype=torch.int64, device=device)
     crossed = all_reduce_max(probe)
-    # (max(x) == -max(-x): every group that compared holds x; the group with the greatest key is the source)
-    differ = crossed and fingerprint is not None and int(probe[0]) != -int(probe[1])
+    # (max(x) == -max(-x): every group that compared holds x; the group with the greatest key is the source. A
+    # group that does not compare reads the outcome too: it may be healing from the group the meeting drops, as
+    # torchft picks a source per rank among the groups at the highest step, and then steps back with the others)
+    differ = crossed and int(probe[0]) != _NEUTRAL and int(probe[0]) != -int(probe[1])
     source = crossed and fingerprint is not None and int(probe[2]) == key
     failed, differs, not_source = agree([int(not crossed), int(differ), int(differ and not source)])
     if failed:

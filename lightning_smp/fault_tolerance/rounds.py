@@ -76,6 +76,8 @@ class SyncRounds:
         wished[indices] = 1.0
         agreed = usable and replicas.cross_sum(wished)
         started, payload = time.perf_counter(), 0
+        sends_own = replicas.sends_own_part
+        trained = {i for i, fragment in enumerate(outer.fragments) if fragment.synced_at < outer.steps}
         if agreed:
             indices = sorted(set(indices) | {i for i, count in enumerate(wished.tolist()) if count > 0})
             payload = self._average(outer, indices)
@@ -86,11 +88,12 @@ class SyncRounds:
             # (the peer drops the fragments it wanted: this group, which holds the peer's window now and does not know
             # which, drops every fragment that trained)
             indices = [i for i, fragment in enumerate(outer.fragments) if fragment.synced_at < outer.steps]
-        measured = torch.zeros(2, dtype=torch.float64)
+        measured = torch.zeros(3, dtype=torch.float64)
         for index in indices:
             fragment = outer.fragments[index]
             if committed:
-                measured += outer.measure(fragment)
+                # (drift: only what this group trained and sent itself; a group that healed holds its peer's)
+                measured += outer.measure(fragment, own=sends_own and index in trained)
                 outer.step_outer(fragment)
             else:
                 fragment.outer.zero_grad(set_to_none=True)

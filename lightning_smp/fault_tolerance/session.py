@@ -150,6 +150,8 @@ class ReplicaGroups:
         self._compared: set[int] = set()
         #: the current step's meeting found the states different: this group's part (``Meeting``)
         self._diverged: Meeting | None = None
+        #: semi_sync: when the current round began (the commit fence asks whether this rank lost the lighthouse since)
+        self._round_started = time.monotonic()
         #: semi_sync: the kind of the current round (what a peer's served state records), the step before its quorum
         self._round_kind: str | None = None
         self._step_before_round = 0
@@ -280,6 +282,7 @@ class ReplicaGroups:
         torchft; its vote refuses it)."""
         self._crossed, self._notes, self._healed_from, self._healed_in_round = [], None, None, False
         self._crossed_in, self._diverged = None, None
+        self._round_started = time.monotonic()
         self._in_step = True
         self._round_kind, self._step_before_round = kind, self.manager.current_step()
         compared = len(self._agreed)
@@ -580,7 +583,11 @@ class ReplicaGroups:
             if view is not None:
                 break
             time.sleep(0.1 * (attempt + 1))
-        reason = fence_reason(view, self._crossed_in, list(quorum.replica_ids), asking_is_leaving=self.semi_sync)
+        # (replica_sync: a group asking for a quorum now refused this sync, when this group was cut off during it;
+        # otherwise it may have committed it and asked for the next, right after, as a checkpoint's sync does)
+        lost = self._watch.lost_since is not None and self._watch.lost_since >= self._round_started
+        reason = fence_reason(view, self._crossed_in, list(quorum.replica_ids),
+                              asking_is_leaving=self.semi_sync and lost)
         if reason is not None:
             self._fail("the commit", FaultToleranceError(reason))
 

@@ -207,18 +207,20 @@ class ReplicaSyncSteps:
                 extra.update({inner_entry(g, index): state for g, state in enumerate(states) if g > 0})
         return {**checkpoint, **extra}
 
-    def _own_inner_checkpoint(self, checkpoint: dict[str, Any],
+    def _own_inner_checkpoint(self, states: list[Any],
                               path: str | os.PathLike) -> tuple[dict[str, Any], Path, CheckpointRun] | None:
         """``fault_tolerance``: what a group that does not write the job's checkpoint at ``path`` keeps beside it, and
-        where (:func:`own_inner_path`): its own inner optimizer states (``checkpoint``'s, sharded or full, as the
-        front end took them), which differ from the writing group's between syncs, with the outer loop's step count
-        they go with, and the run that owns it; ``None`` without ``replica_sync`` (nothing to keep)."""
+        where (:func:`own_inner_path`): its own inner optimizer states (``states``, sharded or full, as the front end
+        took them for the checkpoint), which differ from the writing group's between syncs, with the outer loop's
+        step count they go with, and the run that owns it; ``None`` without ``replica_sync`` (nothing to keep)."""
         settings = self.core.fault_tolerance
         if self._outer is None or settings is None:
             return None
-        own = {MODEL_KEY: {}, REPLICA_SYNC_KEY: {"steps": self._outer.steps, "group": settings.group},
-               **{inner_entry(settings.group, index): state
-                  for index, state in enumerate(checkpoint.get(OPTIMIZERS_KEY, []))}}
+        # (the record names the entries it holds: a resume takes them only when they are its optimizers')
+        own = {MODEL_KEY: {}, REPLICA_SYNC_KEY: {"steps": self._outer.steps, "group": settings.group,
+                                                 "entries": sorted(inner_entry(settings.group, index)
+                                                                   for index in range(len(states)))},
+               **{inner_entry(settings.group, index): state for index, state in enumerate(states)}}
         if self._own_inner_run is None:
             self._own_inner_run = CheckpointRun()
         return own, own_inner_path(path, settings.group), self._own_inner_run
@@ -246,14 +248,16 @@ class ReplicaSyncSteps:
         # (rank 0 reads, every rank decides alike: the load is collective)
         kept = model.collectives.broadcast(read_record(own, REPLICA_SYNC_KEY) if own.exists() else None)
         steps = kept.get("steps") if isinstance(kept, dict) else None
-        if steps is not None and steps == record.get("steps"):
-            rest = load_entries(model, own, {inner_entry(settings.group, index): optimizer
-                                             for index, optimizer in enumerate(optimizers)})
+        entries = {inner_entry(settings.group, index): optimizer for index, optimizer in enumerate(optimizers)}
+        held = isinstance(kept, dict) and kept.get("entries") == sorted(entries)
+        if steps is not None and steps == record.get("steps") and held:
+            rest = load_entries(model, own, entries)
             self._own_inner_run = self._own_inner_run or CheckpointRun()
             self._own_inner_run.continue_from(rest)  # (its next save there is its own again)
         elif model.collectives.rank == 0:
-            why = (f"{own} was kept at step {steps}, the checkpoint at {record.get('steps')}" if kept is not None
-                   else f"it kept none beside the checkpoint ({own})")
+            why = (f"it kept none beside the checkpoint ({own})" if kept is None
+                   else f"{own} was kept at step {steps}, the checkpoint at {record.get('steps')}"
+                   if steps != record.get("steps") else f"{own} holds no state of its {len(entries)} optimizer(s)")
             warnings.warn(
                 f"replica group {settings.group} resumes {path} with group {writer}'s inner optimizer state: {why}."
                 " Its own state differs from the writer's between syncs, so the resume is not exact for this group"

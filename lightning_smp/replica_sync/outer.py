@@ -86,7 +86,8 @@ class SyncReport:
     #: moves the synced weights before its learning rate and momentum
     pseudo_gradient_norm: float
     #: how far this group had drifted from the average: the norm of its own pseudo-gradient minus the average, over
-    #: the average's norm (0: every group trained alike; about 1 and above: the groups' windows disagree)
+    #: the average's norm, over the fragments it trained and sent (0: every group trained alike; about 1 and above:
+    #: the groups' windows disagree; NaN: it sent none, having just healed or not trained them)
     drift: float
 
     def metrics(self) -> dict[str, float]:
@@ -260,9 +261,10 @@ class OuterSync:
             if indices:
                 self.rounds.sync(self, indices, after_step=after_step)
             return
-        measured, seconds, payload = torch.zeros(2, dtype=torch.float64), 0.0, 0
+        measured, seconds, payload = torch.zeros(3, dtype=torch.float64), 0.0, 0
         for index in indices:
             fragment = self.fragments[index]
+            trained = fragment.synced_at < self.steps  # (this group's own part of it: what drifted)
             pseudo = self.pseudo_gradients(fragment)
             started = time.perf_counter()
             self.average(pseudo)
@@ -270,7 +272,7 @@ class OuterSync:
             payload += sum(t.numel() * t.element_size() for t in pseudo)
             for synced, gradient in zip(fragment.synced, pseudo):
                 synced.grad = gradient.to(synced.device)
-            measured += self.measure(fragment)
+            measured += self.measure(fragment, own=trained)
             self.step_outer(fragment)
         if indices:
             groups = dist.get_world_size(self.group)
@@ -285,9 +287,10 @@ class OuterSync:
         return [synced.to(part.device) - part for synced, part in zip(fragment.synced, fragment.parts)]
 
     @torch.no_grad()
-    def measure(self, fragment: Fragment) -> Tensor:
+    def measure(self, fragment: Fragment, own: bool = True) -> Tensor:
         """Before ``fragment``'s outer step, with the averaged pseudo-gradient in its synced copies' ``.grad``: this
-        rank's squared norms of (its own pseudo-gradient minus the average) and of the average, float64 on the CPU
+        rank's squared norms of (its own pseudo-gradient minus the average) and of the average where ``own`` (this
+        group trained the fragment and sent its own part; zeros otherwise), and of the average, float64 on the CPU
         (its own is taken again from the parameters, which the step has not moved yet: nothing is kept for it)."""
         drift = torch.zeros((), dtype=torch.float64)
         average = torch.zeros((), dtype=torch.float64)
@@ -295,22 +298,25 @@ class OuterSync:
             if synced.grad is None:
                 continue
             mean = synced.grad.to(part.device, torch.float64)
-            own = synced.to(part.device, torch.float64) - part.to(torch.float64)
-            drift += (own - mean).square().sum().cpu()
             average += mean.square().sum().cpu()
-        return torch.stack([drift, average])
+            if own:
+                drift += (synced.to(part.device, torch.float64) - part.to(torch.float64) - mean).square().sum().cpu()
+        return torch.stack([drift, average if own else torch.zeros_like(average), average])
 
     def record(self, indices: Sequence[int], measured: Tensor, *, groups: int, sent_bytes: int,
                seconds: float) -> None:
         """A committed sync of ``indices`` (``measured``: :meth:`measure`'s sums over its fragments): the report,
-        its norms summed over this replica group's ranks (one all-reduce of two numbers inside the group, at the
-        sync; nothing between syncs)."""
+        its norms summed over this replica group's ranks (one all-reduce of three numbers inside the group, on the
+        parameters' device, at the sync; nothing between syncs)."""
         if dist.is_initialized() and dist.get_world_size(self.group_ranks) > 1:
-            dist.all_reduce(measured, group=self.group_ranks)
-        drift, average = (math.sqrt(max(float(v), 0.0)) for v in measured)
+            device = self.parameters[0].device if self.parameters else measured.device
+            summed = measured.to(device)  # (NCCL takes no CPU tensor)
+            dist.all_reduce(summed, group=self.group_ranks)
+            measured = summed.cpu()
+        drift, own, average = (math.sqrt(max(float(v), 0.0)) for v in measured)
         self.syncs += 1
         self.report = SyncReport(self.syncs, self.steps, tuple(indices), groups, sent_bytes, seconds, average,
-                                 drift / average if average > 0 else 0.0)
+                                 drift / own if own > 0 else math.nan)
 
     @torch.no_grad()
     def step_outer(self, fragment: Fragment) -> None:
