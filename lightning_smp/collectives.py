@@ -116,4 +116,17 @@ def _release_process_groups() -> None:
     time.sleep(0.05)
 
 
-__all__ = ["Collectives", "checkpoint_group", "release_process_groups_at_exit"]
+#: collectives whose ring sends the data twice (a reduce-scatter, then an all-gather)
+_RING_FACTOR_TWICE = frozenset({"all_reduce"})
+
+
+def ring_bytes(op: str, logical_bytes: float, group_size: int) -> float:
+    """Bytes one rank sends for a collective ``op`` of ``logical_bytes`` on a ring of ``group_size`` ranks (gloo's and
+    NCCL's ring; the cluster tests hold gloo to it)."""
+    if group_size <= 1:
+        return 0.0
+    factor = (group_size - 1) / group_size
+    return logical_bytes * factor * (2 if op in _RING_FACTOR_TWICE else 1)
+
+
+__all__ = ["Collectives", "checkpoint_group", "release_process_groups_at_exit", "ring_bytes"]

@@ -544,7 +544,7 @@ def max_params_bytes(model: torch.nn.Module, degree: int) -> int:
                                                      auto_wrap_policy={torch.nn.Linear}, optimizer="adamw"))
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", FSDP_VERSIONS)
 def test_the_planner_leaves_out_what_the_strategy_refuses_under_replica_sync(version):
     """Under ``replica_sync`` a degree is planned exactly when the Trainer's strategy takes it, on the same engine
     and world; every degree left out carries the strategy's own refusal, word for word (FSDP1's flat parameters,

@@ -24,8 +24,8 @@ from lightning_smp.accounting.counter import CommCounter
 from lightning_smp.accounting.memory import comm_groups, measure_memory, peak_memory, textbook
 from lightning_smp.accounting.render import comm_mismatches, print_report
 from lightning_smp.collectives import Collectives
+from lightning_smp.engines.textbook import ring_bytes
 from lightning_smp.names import NO_SYNC, SHARD_AXIS, GradientAccumulation
-from lightning_smp.replica_sync import ring_bytes
 
 
 def _module(model: Any) -> Any:
@@ -116,7 +116,7 @@ def memory_report(
             "all_reduce", {"count": 0, "bytes": 0, "ring_bytes": 0})
         shard["count"] += 1
         shard["bytes"] += 24
-        shard["ring_bytes"] += ring_bytes(24, record.get("shard_degree") or 1)
+        shard["ring_bytes"] += ring_bytes("all_reduce", 24, record.get("shard_degree") or 1)
     record["backward_passes"] = backward_passes
     record["gradient_accumulation"] = accumulation
     record["comm_mismatch"] = [list(pair) for pair in comm_mismatches(record)]
@@ -133,7 +133,7 @@ def replica_sync_figures(describe: str, groups: int, every: int, sync_bytes: int
     runs once every ``every`` optimizer steps, and the all-reduces across the groups the counted step ran (0: it
     did not sync; one per bucket of the fragment it synced)."""
     return {"describe": describe, "groups": groups, "every": every, "bytes": sync_bytes,
-            "ring_bytes": ring_bytes(sync_bytes, groups), "synced_in_step": all_reduces_in_step > 0,
+            "ring_bytes": round(ring_bytes("all_reduce", sync_bytes, groups)), "synced_in_step": all_reduces_in_step > 0,
             "all_reduces_in_step": all_reduces_in_step}
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_smp.collectives import ring_bytes
 from lightning_smp.names import (
     FULL_SHARD,
     HYBRID_SHARD,
@@ -36,18 +37,9 @@ OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "other")
 #: ``{axis: {op: {"count", "bytes", "ring_bytes"}}}``: a textbook figure of one step.
 CommFigure = dict[str, dict[str, dict[str, float]]]
 
-_RING_FACTOR_TWICE = {"all_reduce"}
 
 
 # ---------------------------------------------------------------------------------------------- textbook figures
-
-
-def ring_bytes(op: str, logical_bytes: float, group_size: int) -> float:
-    """Bytes one rank sends for a collective of ``logical_bytes`` on a ring of ``group_size`` ranks."""
-    if group_size <= 1:
-        return 0.0
-    factor = (group_size - 1) / group_size
-    return logical_bytes * factor * (2 if op in _RING_FACTOR_TWICE else 1)
 
 
 @dataclass(frozen=True)

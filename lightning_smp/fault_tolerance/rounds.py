@@ -24,10 +24,11 @@ import time
 
 import torch
 
+from lightning_smp.collectives import ring_bytes
 from lightning_smp.fault_tolerance.flat import pack, unpack
 from lightning_smp.fault_tolerance.session import ReplicaGroups
 from lightning_smp.fault_tolerance.start import Start
-from lightning_smp.replica_sync.outer import OuterSync, ring_bytes
+from lightning_smp.replica_sync.outer import OuterSync
 
 #: the kinds of round: after an inner optimizer step (the point of a step where every group's loop counters and
 #: schedulers stand alike, the only one a group heals in), and any other (the start, a checkpoint, the end of fit)
@@ -99,7 +100,8 @@ class SyncRounds:
                 fragment.outer.zero_grad(set_to_none=True)
                 outer.roll_back(fragment)
         if committed and indices:
-            outer.record(indices, measured, groups=groups, sent_bytes=ring_bytes(payload, groups), seconds=seconds)
+            outer.record(indices, measured, groups=groups, sent_bytes=round(ring_bytes("all_reduce", payload, groups)),
+                         seconds=seconds)
         return committed
 
     def _average(self, outer: OuterSync, indices: list[int]) -> int:

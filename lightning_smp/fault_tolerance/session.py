@@ -257,16 +257,9 @@ class ReplicaGroups:
     def _cross(self, flat: Tensor) -> bool:
         """One sum across the participating groups, in place; ``False`` (the error reported to torchft, which then
         refuses the step) if it failed or was abandoned because the lighthouse stopped hearing from a participant."""
-        manager = self.manager
-        if manager.errored():
+        if self.manager.errored() or not self._in_place("the all-reduce across groups", self.process_group.allreduce,
+                                                        flat, _options(AllreduceOptions, reduceOp=dist.ReduceOp.SUM)):
             return False
-        sent = flat.to(self.device) if flat.device != self.device else flat
-        work = self._collective("the all-reduce across groups", self.process_group.allreduce, [sent],
-                                _options(AllreduceOptions, reduceOp=dist.ReduceOp.SUM))
-        if work is None or not self._wait("the all-reduce across groups", work):
-            return False
-        if sent is not flat:
-            flat.copy_(sent)
         quorum = self._vote.quorum
         if quorum is not None and quorum.replica_world_size > 1:
             self._crossed_in = quorum.quorum_id  # (the commit fence asks the lighthouse about it)
@@ -323,6 +316,18 @@ class ReplicaGroups:
         """Pairs of a buffer and the value a crossing brought, copied in once the round commits."""
         self._crossed.extend(buffers)
 
+    def _in_place(self, operation: str, call: Any, tensor: Tensor, options: Any) -> bool:
+        """``call`` (a collective of the process group across groups) on ``tensor``, in place (through the root
+        device where it lives elsewhere), waited for as every crossing is (:meth:`_wait`). ``False``: it failed or
+        was abandoned (reported)."""
+        sent = tensor.to(self.device) if tensor.device != self.device else tensor
+        work = self._collective(operation, call, [sent], options)
+        if work is None or not self._wait(operation, work):
+            return False
+        if sent is not tensor:
+            tensor.copy_(sent)
+        return True
+
     def _collective(self, operation: str, call: Any, *args: Any) -> Any:
         try:
             return call(*args)
@@ -368,16 +373,8 @@ class ReplicaGroups:
         up_to_date = manager.is_participating() and manager.current_step() == quorum.max_step
 
         def cross(tensor: Tensor) -> bool:
-            if manager.errored() is not None:
-                return False
-            sent = tensor.to(self.device) if tensor.device != self.device else tensor
-            work = self._collective(operation, self.process_group.allreduce, [sent],
-                                    _options(AllreduceOptions, reduceOp=dist.ReduceOp.MAX))
-            if work is None or not self._wait(operation, work):
-                return False
-            if sent is not tensor:
-                tensor.copy_(sent)
-            return True
+            return manager.errored() is None and self._in_place(
+                operation, self.process_group.allreduce, tensor, _options(AllreduceOptions, reduceOp=dist.ReduceOp.MAX))
 
         found = compare_at_meeting(
             quick_fingerprint(tensors, [f"step={manager.current_step()}", *counters]) if up_to_date else None,
@@ -433,24 +430,15 @@ class ReplicaGroups:
             return True
         operation = "comparing the groups' state at step 0"
 
-        def cross(call: Any, tensor: Tensor, options: Any) -> bool:
-            sent = tensor.to(self.device) if tensor.device != self.device else tensor
-            work = self._collective(operation, call, [sent], options)
-            if work is None or not self._wait(operation, work):
-                return False
-            if sent is not tensor:
-                tensor.copy_(sent)
-            return True
-
         buffers = self._tracked.buffers
         # (every rank takes part in the group's agreement whatever happened on it, so that no rank of the group goes
         # on to its forward while another waits for it; only a collective's failure drops the step)
         start = agree_on_start(
             self._tracked.local_tensors(), compared=lambda name: name not in buffers, device=self.device,
-            all_reduce_max=lambda t: cross(self.process_group.allreduce, t,
-                                           _options(AllreduceOptions, reduceOp=dist.ReduceOp.MAX)),
-            broadcast_from_first=lambda t: cross(self.process_group.broadcast, t,
-                                                 _options(BroadcastOptions, rootRank=0, rootTensor=0)),
+            all_reduce_max=lambda t: self._in_place(operation, self.process_group.allreduce, t,
+                                                    _options(AllreduceOptions, reduceOp=dist.ReduceOp.MAX)),
+            broadcast_from_first=lambda t: self._in_place(operation, self.process_group.broadcast, t,
+                                                          _options(BroadcastOptions, rootRank=0, rootTensor=0)),
             group=self.settings.group, usable=manager.errored() is None)
         if start is None:
             self._failed_start.add(quorum.quorum_id)

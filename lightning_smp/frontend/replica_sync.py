@@ -246,7 +246,8 @@ class ReplicaSyncSteps:
             return
         own = own_inner_path(path, settings.group)
         # (rank 0 reads, every rank decides alike: the load is collective)
-        kept = model.collectives.broadcast(read_record(own, REPLICA_SYNC_KEY) if own.exists() else None)
+        reads = model.collectives.rank == 0 and own.exists()
+        kept = model.collectives.broadcast(read_record(own, REPLICA_SYNC_KEY) if reads else None)
         steps = kept.get("steps") if isinstance(kept, dict) else None
         entries = {inner_entry(settings.group, index): optimizer for index, optimizer in enumerate(optimizers)}
         held = isinstance(kept, dict) and kept.get("entries") == sorted(entries)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from lightning_smp.collectives import ring_bytes
 from lightning_smp.errors import HybridShardConfigError
 from lightning_smp.replicas import broadcast_tensors, local_part
 
@@ -98,12 +99,6 @@ class SyncReport:
                 "replica_sync/fragment": float(self.fragments[0]) if self.fragments else -1.0,
                 "replica_sync/sent_bytes": float(self.sent_bytes), "replica_sync/seconds": self.seconds,
                 "replica_sync/pseudo_gradient_norm": self.pseudo_gradient_norm, "replica_sync/drift": self.drift}
-
-
-def ring_bytes(payload: int, groups: int) -> int:
-    """What a ring all-reduce of ``payload`` bytes over ``groups`` members sends from each: 2 (groups - 1) / groups
-    times the payload (gloo's and NCCL's ring; the cluster tests hold gloo to it)."""
-    return 2 * (groups - 1) * payload // groups if groups > 1 else 0
 
 
 @dataclass
@@ -239,15 +234,8 @@ class OuterSync:
         return sum(part.numel() * part.element_size() for fragment in self.fragments for part in fragment.parts)
 
     def bucket_count(self, index: int) -> int:
-        """The all-reduces a sync of fragment ``index`` runs across :attr:`group` (:meth:`average`'s buckets of at
-        most :attr:`bucket_bytes`, one per run of tensors of one dtype and device)."""
-        count, filled, kind = 0, 0, None
-        for part in self.fragments[index].parts:
-            size = part.numel() * part.element_size()
-            if kind != (part.dtype, part.device) or filled + size > self.bucket_bytes:
-                count, filled, kind = count + 1, 0, (part.dtype, part.device)
-            filled += size
-        return count
+        """The all-reduces a sync of fragment ``index`` runs across :attr:`group` (:meth:`average`'s buckets)."""
+        return sum(1 for _ in _buckets(self.fragments[index].parts, self.bucket_bytes))
 
     @property
     def pending(self) -> bool:
@@ -276,7 +264,8 @@ class OuterSync:
             self.step_outer(fragment)
         if indices:
             groups = dist.get_world_size(self.group)
-            self.record(indices, measured, groups=groups, sent_bytes=ring_bytes(payload, groups), seconds=seconds)
+            self.record(indices, measured, groups=groups, sent_bytes=round(ring_bytes("all_reduce", payload, groups)),
+                        seconds=seconds)
         if indices and self.buffers:
             broadcast_tensors(self.buffers, dist.get_global_rank(self.group, 0) if self.group is not None else 0,
                               self.group, self.buffers[0].device)
@@ -292,15 +281,15 @@ class OuterSync:
         rank's squared norms of (its own pseudo-gradient minus the average) and of the average where ``own`` (this
         group trained the fragment and sent its own part; zeros otherwise), and of the average, float64 on the CPU
         (its own is taken again from the parameters, which the step has not moved yet: nothing is kept for it)."""
-        drift = torch.zeros((), dtype=torch.float64)
-        average = torch.zeros((), dtype=torch.float64)
+        sums = []  # (on the parameters' device, brought to the CPU once: no wait per parameter)
         for synced, part in zip(fragment.synced, fragment.parts):
             if synced.grad is None:
                 continue
             mean = synced.grad.to(part.device, torch.float64)
-            average += mean.square().sum().cpu()
-            if own:
-                drift += (synced.to(part.device, torch.float64) - part.to(torch.float64) - mean).square().sum().cpu()
+            drift = ((synced.to(part.device, torch.float64) - part.to(torch.float64) - mean).square().sum() if own
+                     else torch.zeros((), dtype=torch.float64, device=part.device))
+            sums.append(torch.stack([drift, mean.square().sum()]))
+        drift, average = torch.stack(sums).sum(0).cpu() if sums else torch.zeros(2, dtype=torch.float64)
         return torch.stack([drift, average if own else torch.zeros_like(average), average])
 
     def record(self, indices: Sequence[int], measured: Tensor, *, groups: int, sent_bytes: int,
@@ -338,20 +327,12 @@ class OuterSync:
         """Average ``tensors`` in place across :attr:`group`, in flat buffers of at most :attr:`bucket_bytes` (one
         per dtype and device run), every tensor written back."""
         size = dist.get_world_size(self.group)
-        bucket: list[Tensor] = []
-        for tensor in [*tensors, None]:
-            full = bucket and (tensor is None or tensor.dtype != bucket[0].dtype or tensor.device != bucket[0].device
-                               or sum(t.numel() * t.element_size() for t in bucket) + tensor.numel()
-                               * tensor.element_size() > self.bucket_bytes)
-            if full:
-                flat = _flatten_dense_tensors(bucket)
-                dist.all_reduce(flat, group=self.group)  # a sum (gloo has no average), then divided
-                flat /= size
-                for target, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                    target.copy_(averaged)
-                bucket = []
-            if tensor is not None:
-                bucket.append(tensor)
+        for bucket in _buckets(tensors, self.bucket_bytes):
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=self.group)  # a sum (gloo has no average), then divided
+            flat /= size
+            for target, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                target.copy_(averaged)
 
     def state_dict(self) -> dict[str, Any]:
         """The steps, each fragment's synced copies and its outer optimizer's state (this rank's parts)."""
@@ -393,6 +374,23 @@ class OuterSync:
                         state["momentum_buffer"].copy_(next(buffers))
 
 
+def _buckets(tensors: Sequence[Tensor], bucket_bytes: int) -> Iterator[list[Tensor]]:
+    """``tensors`` in order, cut into runs of one dtype and device of at most ``bucket_bytes`` each (a tensor larger
+    than that alone)."""
+    bucket: list[Tensor] = []
+    filled = 0
+    for tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if bucket and (tensor.dtype != bucket[0].dtype or tensor.device != bucket[0].device
+                       or filled + size > bucket_bytes):
+            yield bucket
+            bucket, filled = [], 0
+        bucket.append(tensor)
+        filled += size
+    if bucket:
+        yield bucket
+
+
 def _backup(part: Tensor, device: torch.device | None) -> Tensor:
     """A copy of ``part`` on ``device`` (``None``: its own), pinned when it leaves an accelerator for the host (the
     copies at each sync then run at the link's speed, as torchft's ``pin_memory``)."""
@@ -402,4 +400,4 @@ def _backup(part: Tensor, device: torch.device | None) -> Tensor:
     return copy
 
 
-__all__ = ["BUCKET_BYTES", "Fragment", "OuterSync", "Rounds", "SyncReport", "fragment_sizes", "ring_bytes"]
+__all__ = ["BUCKET_BYTES", "Fragment", "OuterSync", "Rounds", "SyncReport", "fragment_sizes"]
