@@ -37,7 +37,7 @@ from lightning_smp.config import SMPConfig, resolve_config
 from lightning_smp.config.fault_tolerance import FaultTolerance, check_fault_tolerant_layout, check_torchft
 from lightning_smp.config.keys import FRONT_END_NAMES, refuse_unacted, unacted
 from lightning_smp.config.options import ASYNC_FULL, StrategyOptions, engine_facing
-from lightning_smp.config.replica_sync import ReplicaSync, one_group_refusal
+from lightning_smp.config.replica_sync import ReplicaSync, fault_tolerant_sync_refusal, one_group_refusal
 from lightning_smp.degree import Layout, resolve_strategy_layout
 from lightning_smp.engines import (
     Engine,
@@ -52,7 +52,7 @@ from lightning_smp.engines import (
     scalars,
     selected_by,
 )
-from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.errors import HybridShardConfigError, UnsupportedOptionError
 from lightning_smp.mesh import axis_group, build_device_mesh
 from lightning_smp.names import AUTO, SHARD_AXIS, SHARDED, FrontEndName, GradientAccumulation
 from lightning_smp.replicas import broadcast_across_replicas, broadcast_before_wrapping
@@ -207,6 +207,9 @@ class HybridShardCore:
                     f"replica_sync with fault_tolerance groups={fault_tolerance.groups}: there is nothing to sync"
                     " across. Fix: groups >= 2 (a job per group), or drop replica_sync."
                 )
+            refusal = fault_tolerant_sync_refusal(self.settled.replica_sync)
+            if refusal is not None:
+                raise UnsupportedOptionError(refusal)
         elif layout is not None:
             refusal = one_group_refusal(layout)
             if refusal is not None:

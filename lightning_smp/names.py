@@ -63,6 +63,20 @@ REPLICA_SYNC_BACKUPS: Final[tuple[ReplicaSyncBackup, ...]] = get_args(ReplicaSyn
 BACKUP_DEVICE: Final[ReplicaSyncBackup] = "device"
 BACKUP_CPU: Final[ReplicaSyncBackup] = "cpu"
 
+#: ``replica_sync``'s outer optimizer when its keys are not given (its ``outer``): the groups' mean (outer SGD lr 1, no
+#: momentum: plain parameter averaging, which keeps synchronous quality at short windows), or the DiLoCo paper's
+#: Nesterov SGD (lr 0.7, momentum 0.9).
+ReplicaSyncOuter = Literal["average", "nesterov"]
+REPLICA_SYNC_OUTERS: Final[tuple[ReplicaSyncOuter, ...]] = get_args(ReplicaSyncOuter)
+OUTER_AVERAGE: Final[ReplicaSyncOuter] = "average"
+OUTER_NESTEROV: Final[ReplicaSyncOuter] = "nesterov"
+
+#: How ``replica_sync``'s pseudo-gradients cross the groups (its ``compress``): float32 as trained, bfloat16, or 8 or
+#: 4 bits per value with a float32 scale per block (:mod:`lightning_smp.replica_sync.compress`).
+ReplicaSyncCompression = Literal["none", "bf16", "int8", "int4"]
+REPLICA_SYNC_COMPRESSIONS: Final[tuple[ReplicaSyncCompression, ...]] = get_args(ReplicaSyncCompression)
+COMPRESS_NONE: Final[ReplicaSyncCompression] = "none"
+
 #: The front ends, each where an option can act: Lightning's Trainer strategy, Fabric's, and ``lightning_smp.init()``
 #: (plain PyTorch ``FSDP(...)``/``fully_shard`` calls). An option declares those it acts in; the others refuse it.
 FrontEndName = Literal["trainer", "fabric", "init"]
@@ -100,8 +114,15 @@ __all__ = [
     "ACTS_IN",
     "AUTO",
     "BACKUP_CPU",
+    "COMPRESS_NONE",
     "BACKUP_DEVICE",
+    "OUTER_AVERAGE",
+    "OUTER_NESTEROV",
     "REPLICA_SYNC_BACKUPS",
+    "REPLICA_SYNC_COMPRESSIONS",
+    "REPLICA_SYNC_OUTERS",
+    "ReplicaSyncCompression",
+    "ReplicaSyncOuter",
     "ReplicaSyncBackup",
     "DEFER_ALL_REDUCE",
     "EVERY_MICRO_BATCH",

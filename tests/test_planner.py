@@ -607,10 +607,35 @@ def test_the_table_says_replica_sync_is_on_and_what_its_replica_bytes_are():
     kwargs = dict(world_size=WORLD, budget_bytes="1GB", fsdp_version=2, auto_wrap_policy={torch.nn.Linear})
     semi = plan(model, replica_sync={"every": 20, "fragments": 2}, **kwargs)
     title, (header, _) = semi.title(), semi.table_rows()
-    assert title.endswith("replica_sync every 20 steps, 2 fragment(s), outer copies on the device")
-    assert header[8] == "replica bytes / step (a sync's / 20)"
+    assert title.endswith("replica_sync every 20 steps, 2 fragment(s), delay 0, compress none, outer copies on the"
+                          " device")
+    assert header[8] == "replica bytes / step (a sync's / every)"
     assert plan(model, replica_sync={"every": 20, "backup": "cpu"}, **kwargs).title().endswith(
-        "replica_sync every 20 steps, 1 fragment(s), outer copies in host memory")
+        "replica_sync every 20 steps, 1 fragment(s), delay 0, compress none, outer copies in host memory")
     synchronous = plan(model, **kwargs)
     assert "replica_sync" not in synchronous.title() and synchronous.table_rows()[0][8] == "replica bytes"
     assert synchronous.left_out == () and "left out" not in synchronous.text()
+
+
+def test_the_plan_chooses_every_auto_from_its_link_and_step_and_counts_compressed_bytes():
+    from lightning_smp.planner import Links
+    from lightning_smp.replica_sync.auto import choose_schedule
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    # two nodes of two ranks, a slow link across, a known device throughput: a step time to hide the sync under
+    links = Links(intra_bandwidth=5e8, intra_latency=1e-5, inter_bandwidth=1.25e7, inter_latency=1e-3,
+                  device_flops=1e9, overlap=False)
+    kwargs = dict(world_size=WORLD, devices_per_node=2, budget_bytes="1GB", fsdp_version=2, degrees=[2],
+                  auto_wrap_policy={torch.nn.Linear}, links=links, flops=(2e7, 4e7))
+    fixed = plan(model, replica_sync={"every": 20}, **kwargs).row(2)
+    auto = plan(model, replica_sync={"every": "auto", "delay": "auto"}, **kwargs)
+    row = auto.row(2)
+    # the crossing of the fixed plan's sync, its step without the sync's share: what "auto" chose from
+    crossing = fixed.replicate_seconds * 20
+    step = fixed.step_seconds - fixed.replicate_seconds
+    want = choose_schedule(crossing, step, 1, "auto", "auto")
+    assert (row.sync_every, row.sync_delay) == (want.every, want.delay) and row.sync_delay > 0
+    assert f"replica_sync at degree 2: {want.why} (chosen for every/delay 'auto')" in auto.text()
+    int8 = plan(model, replica_sync={"every": 20, "compress": "int8"}, **kwargs).row(2)
+    assert int8.replicate_bytes == pytest.approx(fixed.replicate_bytes * (1 + 4 / 256) / 4, rel=1e-3)

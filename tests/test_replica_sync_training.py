@@ -94,12 +94,12 @@ def test_groups_are_equal_right_after_each_sync_and_nothing_crosses_them_between
     trains on its own data); a step that does not sync sends nothing across the groups (no collective on the
     replicate axis, none over the world: gradient accumulation and clipping stay inside the group too), a step that
     syncs all-reduces this rank's parameters once (in bytes, exactly); fit stopping between syncs (max_steps 7,
-    every 3) ends with the groups equal. The memory report counts the outer loop's two copies of the rank's part, and
+    every 3) ends with the groups equal. The memory report counts the outer loop's copy of the rank's part, and
     says where they live (``backup``)."""
     every, steps = 3, 7
     ranks, reports = _fit(tmp_path, version, degree, every, steps, **within)
     for rank, record in zip(ranks, reports["fit_end"]):
-        assert record["replica_sync_bytes"] == 2 * rank["local_bytes"]  # the synced copy and the outer momentum
+        assert record["replica_sync_bytes"] == rank["local_bytes"]  # the synced copy (the default: no outer momentum)
         assert record["replica_sync_backup"] == within.get("backup", "device")
     groups = WORLD // degree
     for step in range(steps):
@@ -224,14 +224,22 @@ def test_every_step_with_plain_sgd_is_ddp(tmp_path, version, degree, manual, tra
     ({"fsdp_version": 2, "hybrid_shard_degree": 2, "device_mesh": None, "sync": {"every": 3, "fragments": 2}},
      r"every=3 is not a multiple of fragments=2.*every=2"),
     ({"fsdp_version": 2, "hybrid_shard_degree": 2, "sync": {"every": 0}}, r"every=0 is not a count >= 1"),
-    ({"fsdp_version": 2, "hybrid_shard_degree": 2, "sync": {"every": 5, "outer_momentum": 0.0}},
+    ({"fsdp_version": 2, "hybrid_shard_degree": 2, "sync": {"every": 5, "outer": "nesterov", "outer_momentum": 0.0}},
      r"nesterov=True with outer_momentum=0"),
     ({"fsdp_version": 2, "hybrid_shard_degree": 2, "sync": {"each": 5}}, r"unknown key 'each'.*every"),
     ({"fsdp_version": 2, "hybrid_shard_degree": 4,
       "fault_tolerance": {"lighthouse": "http://127.0.0.1:29510", "group": 0, "groups": 1}},
      r"fault_tolerance groups=1: there is nothing to sync across.*groups >= 2"),
     ({"fsdp_version": 2, "hybrid_shard_degree": 2, "sync": {"every": 4, "backup": "disk"}},
-     r"backup='disk' is not a place.*'device'.*'cpu'"),
+     r"backup='disk' is not one of 'device', 'cpu'. Fix: 'device' \(beside the parameters\) or 'cpu'"),
+    ({"fsdp_version": 2, "hybrid_shard_degree": 4,
+      "fault_tolerance": {"lighthouse": "http://127.0.0.1:29510", "group": 0, "groups": 2},
+      "sync": {"every": 4, "delay": 1, "compress": "int8"}},
+     r"replica_sync delay=1, compress='int8' with fault_tolerance.*Fix: under fault_tolerance leave delay=0,"
+     r" compress='none'.*or drop fault_tolerance"),
+    ({"fsdp_version": 2, "hybrid_shard_degree": 4,
+      "fault_tolerance": {"lighthouse": "http://127.0.0.1:29510", "group": 0, "groups": 2}, "sync": {"every": "auto"}},
+     r"replica_sync every='auto' with fault_tolerance.*lightning-smp plan prints the one 'auto' would choose"),
 ])
 def test_what_replica_sync_cannot_run_is_refused_when_the_trainer_is_made(kwargs, message):
     """Refused at ``Trainer(...)``, before any process starts, naming the value and the fix."""
@@ -281,35 +289,45 @@ def test_two_optimizers_are_refused(tmp_path):
 
 
 def _fit_with_checkpoints(folder: Path, version: int, degree: int, kind: str, async_save: bool, inner: str,
-                          ckpt_path: Path | None = None) -> dict[str, torch.Tensor]:
-    """A fit to step 10 syncing every 3 steps, a checkpoint every 4 steps (4 and 8: inside a window; step 4 ends
-    epoch 0); returns the final weights (in the launching process)."""
+                          ckpt_path: Path | None = None, sync: dict[str, Any] | None = None,
+                          **trainer_kwargs: Any) -> dict[str, torch.Tensor]:
+    """A fit to step 10 syncing every 3 steps (and ``sync``'s other keys), a checkpoint every 4 steps (4 and 8:
+    inside a window; step 4 ends epoch 0); returns the final weights (in the launching process)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=version, start_method="fork",
-                                       state_dict_type=kind, async_save=async_save, replica_sync={"every": 3})
+                                       state_dict_type=kind, async_save=async_save,
+                                       replica_sync={"every": 3, "outer": "nesterov", **(sync or {})})
     torch.manual_seed(0)
     model = TinyModel(optimizer=inner)
     saving = ModelCheckpoint(dirpath=folder / "checkpoints", save_top_k=-1, every_n_train_steps=4)
-    trainer = cpu_trainer(strategy, folder, WORLD, max_steps=10, callbacks=[saving], enable_checkpointing=True)
+    trainer = cpu_trainer(strategy, folder, WORLD, max_steps=10, callbacks=[saving], enable_checkpointing=True,
+                          **trainer_kwargs)
     trainer.fit(model, make_loader(), ckpt_path=ckpt_path)
     return {key: value.detach().clone() for key, value in model.state_dict().items()}
 
 
-@pytest.mark.parametrize(("version", "degree", "kind", "async_save", "inner"), [
-    pytest.param(2, 2, "sharded", False, "adam", id="fsdp2-sharded"),
-    pytest.param(2, 2, "sharded", True, "adam", id="fsdp2-async"),
-    pytest.param(2, 1, "sharded", False, "adam", id="ddp_engine-sharded"),
-    pytest.param(2, 2, "full", False, "adam", id="fsdp2-full"),
+@pytest.mark.parametrize(("version", "degree", "kind", "async_save", "inner", "sync", "trainer_kwargs"), [
+    pytest.param(2, 2, "sharded", False, "adam", None, {}, id="fsdp2-sharded"),
+    pytest.param(2, 2, "sharded", True, "adam", None, {}, id="fsdp2-async"),
+    pytest.param(2, 1, "sharded", False, "adam", None, {}, id="ddp_engine-sharded"),
+    pytest.param(2, 2, "full", False, "adam", None, {}, id="fsdp2-full"),
+    # the crossing of step 3's sync in flight at step 4's checkpoint (delay 2): landed, then the sync of a save
+    pytest.param(2, 2, "sharded", False, "adam", {"delay": 2, "compress": "int8"}, {}, id="fsdp2-overlapped-int8"),
+    pytest.param(2, 1, "full", False, "adam", {"delay": 1, "compress": "bf16"},
+                 {"precision": "bf16-mixed", "accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
+                 id="ddp_engine-overlapped-bf16-mixed_accumulation_clipping"),
 ])
-def test_a_run_resumed_inside_a_window_continues_exactly(tmp_path, version, degree, kind, async_save, inner):
+def test_a_run_resumed_inside_a_window_continues_exactly(tmp_path, version, degree, kind, async_save, inner,
+                                                         sync, trainer_kwargs):
     """Resumed from the checkpoint of step 4 (one step after a sync, two before the next), the run ends bit-equal to
     the one that was not interrupted: the outer momentum, the step count inside the window and every group's own
-    inner optimizer state came back (a checkpoint is a sync point in both runs)."""
-    whole = _fit_with_checkpoints(tmp_path / "whole", version, degree, kind, async_save, inner)
-    saved = tmp_path / "whole" / "checkpoints" / "epoch=0-step=4.ckpt"
-    assert saved.exists()
-    resumed = _fit_with_checkpoints(tmp_path / "resumed", version, degree, kind, async_save, inner, ckpt_path=saved)
+    inner optimizer state came back (a checkpoint is a sync point in both runs, a crossing in flight landed first)."""
+    whole = _fit_with_checkpoints(tmp_path / "whole", version, degree, kind, async_save, inner, sync=sync,
+                                  **trainer_kwargs)
+    (saved,) = (tmp_path / "whole" / "checkpoints").glob("epoch=*-step=4.ckpt")
+    resumed = _fit_with_checkpoints(tmp_path / "resumed", version, degree, kind, async_save, inner, ckpt_path=saved,
+                                    sync=sync, **trainer_kwargs)
     assert whole.keys() == resumed.keys()
     for key in whole:
         assert torch.equal(whole[key], resumed[key]), key
@@ -372,7 +390,7 @@ def test_the_outer_state_moves_between_degrees_engines_and_formats(tmp_path):
     assert set(saved_momentum) == set(names) and all(v.abs().sum() > 0 for v in saved_momentum.values())
 
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=1, fsdp_version=2, start_method="fork",
-                                       replica_sync={"every": 3})
+                                       replica_sync={"every": 3, "outer": "nesterov"})
     torch.manual_seed(0)
     trainer = cpu_trainer(strategy, tmp_path / "second", WORLD, max_steps=5, callbacks=[OuterProbe(tmp_path)])
     trainer.fit(TinyModel(), make_loader(), ckpt_path=saved)
@@ -416,21 +434,24 @@ def _fabric_loop(fabric: L.Fabric, steps: int, save_at: int | None, folder: str,
     return ranks  # (the launcher hands back rank 0's)
 
 
-@pytest.mark.parametrize("kind", ["sharded", "full"])
-def test_fabric_syncs_every_h_steps_ends_synced_and_resumes_exactly(tmp_path, kind):
-    """In a Fabric loop the groups are bit-equal after every third ``optimizer.step()`` and apart between;
-    ``sync_replicas()`` ends the loop synced; a loop started from ``fabric.save`` at step 4 (inside a window) ends
-    bit-equal to the loop that saved it."""
+@pytest.mark.parametrize(("kind", "sync"), [("sharded", {}), ("full", {}),
+                                            ("sharded", {"delay": 2, "compress": "int4"})],
+                         ids=["sharded", "full", "sharded-overlapped-int4"])
+def test_fabric_syncs_every_h_steps_ends_synced_and_resumes_exactly(tmp_path, kind, sync):
+    """In a Fabric loop the groups are bit-equal after every third ``optimizer.step()`` and apart between (with an
+    overlapped crossing, apart until the end: each group keeps its own steps of the delay); ``sync_replicas()`` ends
+    the loop synced; a loop started from ``fabric.save`` at step 4 (inside a window; with a delay of 2, step 3's
+    crossing still in flight: the save lands it, then syncs) ends bit-equal to the loop that saved it."""
     from lightning_smp.fabric import HybridShardFSDPStrategy as FabricStrategy
 
     def launch(save_at: int | None, resume: bool, folder: Path) -> list[dict[str, Any]]:
         strategy = FabricStrategy(hybrid_shard_degree=2, fsdp_version=2, start_method="fork", state_dict_type=kind,
-                                  replica_sync={"every": 3})
+                                  replica_sync={"every": 3, "outer": "nesterov", **sync})
         return L.Fabric(strategy=strategy, accelerator="cpu", devices=WORLD).launch(
             _fabric_loop, 8, save_at, str(folder), resume)
 
     whole = launch(4, False, tmp_path)
-    for step in range(8):
+    for step in range(8 if not sync else 0):
         for position in range(2):
             digests = {whole[group * 2 + position]["digests"][step] for group in range(2)}
             assert (len(digests) == 1) == ((step + 1) % 3 == 0), step  # (the save at 4 syncs after the digest)
@@ -475,7 +496,7 @@ def test_validation_sees_the_synced_weights_and_changes_nothing(tmp_path, saving
     weights = {}
     for validate in (False, True):
         strategy = HybridShardFSDPStrategy(hybrid_shard_degree=2, fsdp_version=2, start_method="fork",
-                                           replica_sync={"every": 3})
+                                           replica_sync={"every": 3, "outer": "nesterov"})
         torch.manual_seed(0)
         model = Validated()
         probe = ValidationProbe(tmp_path)
@@ -613,7 +634,7 @@ def _torchft_checkpoints(group: int, rank: int, degree: int, lighthouse: str, ki
     fault_tolerance = {"lighthouse": lighthouse, "group": group, "groups": 2, "min_groups": 2, "timeout": 30.0,
                        "quorum_timeout": 60.0}
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=degree, fsdp_version=2, state_dict_type=kind,
-                                       replica_sync={"every": 3}, fault_tolerance=fault_tolerance)
+                                       replica_sync={"every": 3, "outer": "nesterov"}, fault_tolerance=fault_tolerance)
     torch.manual_seed(0)
     saving = ModelCheckpoint(dirpath=folder / "checkpoints", save_top_k=-1, every_n_train_steps=4)
     trainer = cpu_trainer(strategy, folder / f"group{group}", degree, max_steps=10, callbacks=[saving],
@@ -636,7 +657,7 @@ def _torchft_fabric_checkpoints(group: int, rank: int, degree: int, lighthouse: 
     fault_tolerance = {"lighthouse": lighthouse, "group": group, "groups": 2, "min_groups": 2, "timeout": 30.0,
                        "quorum_timeout": 60.0}
     strategy = FabricStrategy(hybrid_shard_degree=degree, fsdp_version=2, state_dict_type=kind,
-                              replica_sync={"every": 3}, fault_tolerance=fault_tolerance)
+                              replica_sync={"every": 3, "outer": "nesterov"}, fault_tolerance=fault_tolerance)
     fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=degree)
     fabric.launch()
     model = fabric.setup_module(make_net())
@@ -715,7 +736,8 @@ def test_a_model_initialised_on_the_meta_device_starts_alike_in_every_group():
     group holds the same part, and the outer loop's synced copies are those weights (the anchor of the first sync)."""
     from lightning_smp.fabric import HybridShardFSDPStrategy as FabricStrategy
 
-    strategy = FabricStrategy(hybrid_shard_degree=2, fsdp_version=2, start_method="fork", replica_sync={"every": 3})
+    strategy = FabricStrategy(hybrid_shard_degree=2, fsdp_version=2, start_method="fork",
+                              replica_sync={"every": 3, "outer": "nesterov"})
     ranks = L.Fabric(strategy=strategy, accelerator="cpu", devices=WORLD).launch(_meta_init_loop)
     for position in range(2):
         assert ranks[position] == ranks[2 + position]

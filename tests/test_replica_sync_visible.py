@@ -196,13 +196,13 @@ def test_the_report_names_the_groups_the_engine_and_a_sync_and_counts_what_runs(
     records, text = run_distributed(_reported, 4, tmp_path, comm_step)[0]
     assert report_tables(records)[0][0].endswith(
         "HybridShardFSDPStrategy (fsdp2), 2 replica group(s) x 2 shard(s), FULL_SHARD inside each; replica_sync"
-        " every 3 steps, 1 fragment(s), outer SGD lr 0.7 momentum 0.9 Nesterov, copies on the device")
+        " every 3 steps, 1 fragment(s), outer SGD lr 1 no momentum, copies on the device")
     assert "measured differs" not in text
     for record in records:
         assert record["comm_mismatch"] == [], record
         sync = record["replica_sync"]
         assert sync["groups"] == 2 and sync["every"] == EVERY and sync["all_reduces_in_step"] == (comm_step == EVERY)
-        assert sync["bytes"] == record["replica_sync_bytes"] // 2  # (the parts once; the outer state keeps 2 copies)
+        assert sync["bytes"] == record["replica_sync_bytes"]  # (the parts once; the outer state: their synced copy)
         assert sync["ring_bytes"] == sync["bytes"]  # (2 (2 - 1) / 2)
         measured = (record["comm"].get("replicate", {}).get("all_reduce") or {"count": 0})["count"]
         assert measured == (1 if comm_step == EVERY else 0)

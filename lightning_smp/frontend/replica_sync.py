@@ -141,7 +141,8 @@ class ReplicaSyncSteps:
         own = axis_group(mesh, SHARD_AXIS) if replicas is None and mesh is not None else None
         self._outer = OuterSync(module.parameters(), group, every=settings.every, outer_lr=settings.outer_lr,
                                 outer_momentum=settings.outer_momentum, nesterov=settings.nesterov,
-                                fragments=settings.fragments, buffers=buffers,
+                                fragments=settings.fragments, buffers=buffers, delay=settings.delay,
+                                compress=settings.compress,
                                 backup_device=torch.device("cpu") if settings.backup == BACKUP_CPU else None,
                                 rounds=SyncRounds(replicas) if replicas is not None else None, group_ranks=own)
         self._outer_module = module
@@ -192,6 +193,9 @@ class ReplicaSyncSteps:
         outer = self._outer
         shadow = outer_optimizer(outer)
         record: dict[str, Any] = {"steps": outer.steps}
+        schedule = outer.schedule()
+        if schedule is not None and outer.schedule_chosen:  # (what "auto" chose: a resume does not choose again)
+            record["schedule"] = schedule
         if self.core.fault_tolerance is not None:  # (the group that wrote it: the others keep their own beside it)
             record["group"] = self.core.fault_tolerance.group
         extra: dict[str, Any] = {REPLICA_SYNC_KEY: record,
@@ -290,6 +294,9 @@ class ReplicaSyncSteps:
         record = checkpoint.pop(REPLICA_SYNC_KEY, None)
         if self._outer is not None and shadow is not None:
             restore_outer(self._outer, shadow, int(record["steps"]) if isinstance(record, dict) else 0)
+            schedule = record.get("schedule") if isinstance(record, dict) else None
+            if isinstance(schedule, dict) and self.core.replica_sync is not None and self.core.replica_sync.auto:
+                self._outer.set_schedule(schedule)
 
 
 __all__ = ["OUTER_ENTRY", "ReplicaSyncSteps", "inner_entry"]

@@ -36,6 +36,8 @@ from lightning_smp.planner.result import GIVEN, MEASURED, NOT_INCLUDED, DegreePl
 from lightning_smp.planner.state import fsdp_units, model_state, optimizer_name
 from lightning_smp.planner.step import textbook, transient_bytes
 from lightning_smp.planner.timing import engine_seconds, step_time
+from lightning_smp.replica_sync.auto import choose_schedule
+from lightning_smp.replica_sync.compress import sync_payload_bytes
 from lightning_smp.sizes import parse_bytes
 
 #: Predicted step times within this fraction of the fastest count as tied (the smaller degree wins).
@@ -160,12 +162,11 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
         replica_link, replica_inter = axis_link(link, world_size, layout.shard, False, per_node)
         if sync is not None:  # an inner step sends nothing across the groups; a sync, each rank's part, every H
             figure = {**figure, "replicate": {}}
-            sync_ops = {"all_reduce": {"count": 1, "bytes": part,
-                                       "ring_bytes": ring_bytes("all_reduce", part, replicas)}}
+            sent = sync_payload_bytes(part, sync.compress)  # (a compressed payload: its encoded bytes)
+            sync_ops = {"all_reduce": {"count": 1, "bytes": sent,
+                                       "ring_bytes": ring_bytes("all_reduce", sent, replicas)}}
         run = {axis: as_run(ops, link.reduce_scatter_as_all_reduce) for axis, ops in figure.items()}  # as run
         shard_s = collective_seconds(run["shard"], layout.shard, *shard_link)
-        replica_s = (collective_seconds(run["replicate"], replicas, *replica_link) if sync is None else
-                     collective_seconds(sync_ops, replicas, *replica_link) / sync.every)
         scattered, synced = accumulation_mode(mode).passes(micro_batches)
         timed = step_time(figure, sharding_strategy=layout.sharding_strategy, shard=layout.shard, replicas=replicas,
                           shard_link=shard_link, replicate_link=replica_link,
@@ -174,19 +175,28 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
                           backward_flops=flops[1] if flops else 0.0, device_flops=link.device_flops,
                           overlap=link.overlap, reduce_scatter_as_all_reduce=link.reduce_scatter_as_all_reduce,
                           engine_seconds=engine_seconds(link.engine_costs, runs.name, unit_bytes))
+        schedule = None
+        if sync is None:
+            replica_s = collective_seconds(run["replicate"], replicas, *replica_link)
+        else:  # (the window and overlap as "auto" would choose them from this row's crossing and step, or as given)
+            schedule = choose_schedule(collective_seconds(sync_ops, replicas, *replica_link), timed.seconds,
+                                       sync.fragments, sync.every, sync.delay)
+            replica_s = schedule.shown_s / schedule.every if schedule.every else schedule.shown_s
         return DegreePlan(
             degree=degree, sharding_strategy=layout.sharding_strategy, shard=layout.shard, replicas=replicas,
             model_state_bytes=state, transient_bytes=transient, buffer_bytes=buffers, activation_bytes=activations,
             peak_bytes=peak, fits=peak * (1 + headroom) <= budget,
             shard_bytes=int(sum(e["bytes"] for e in figure["shard"].values())),
-            replicate_bytes=(int(sum(e["bytes"] for e in figure["replicate"].values())) if sync is None else
-                             int(part / sync.every)),
+            replicate_bytes=(int(sum(e["bytes"] for e in figure["replicate"].values())) if schedule is None else
+                             int(sent / schedule.every)),
             shard_seconds=shard_s, replicate_seconds=replica_s,
             shard_link="-" if layout.shard <= 1 else ("inter-node" if shard_inter else "intra-node"),
             replicate_link="-" if replicas <= 1 else ("inter-node" if replica_inter else "intra-node"),
             compute_seconds=timed.compute, exposed_seconds=timed.exposed + (replica_s if sync else 0.0),
             engine_seconds=timed.engine, step_seconds=timed.seconds + (replica_s if sync else 0.0),
-            outer_bytes=outer)
+            outer_bytes=outer, **({} if schedule is None else {"sync_every": schedule.every,
+                                                               "sync_delay": schedule.delay,
+                                                               "sync_why": schedule.why}))
 
     rows = rows_for(activations, flops)
     fitting = [r for r in rows if r.fits]

@@ -62,6 +62,11 @@ class DegreePlan:
     step_seconds: float = 0.0
     engine_seconds: float = 0.0
     outer_bytes: int = 0
+    #: ``replica_sync``: the window and the overlap planned (what ``"auto"`` chose for this degree, or as given),
+    #: and why
+    sync_every: int = 0
+    sync_delay: int = 0
+    sync_why: str = ""
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,7 @@ class Plan:
         sync = self.replica_sync
         header = ["degree", "mesh", "model state", "transient", "activations", "peak / rank", "fits", "shard bytes",
                   # (replica_sync: nothing crosses the groups between syncs; a sync's bytes spread over its window)
-                  "replica bytes" if sync is None else f"replica bytes / step (a sync's / {sync.every})",
+                  "replica bytes" if sync is None else "replica bytes / step (a sync's / every)",
                   "comm time", "step time"]
         rows = []
         for r in self.rows:
@@ -119,15 +124,22 @@ class Plan:
 
         sync = self.replica_sync
         semi = "" if sync is None else (
-            f", replica_sync every {sync.every} steps, {sync.fragments} fragment(s), outer copies "
+            f", replica_sync every {sync.every} steps, {sync.fragments} fragment(s), delay {sync.delay}, compress"
+            f" {sync.compress}, outer copies "
             + ("in host memory" if sync.backup == BACKUP_CPU else "on the device"))
         return (f"Degree plan: {self.world_size} rank(s), {self.devices_per_node} per node, FSDP{self.fsdp_version},"
                 f" {self.optimizer}, budget {fmt_bytes(self.budget_bytes)} per rank, {self.headroom:.0%} headroom,"
                 f" activations {self.activations}{semi}")
 
     def footer(self) -> str:
-        """What the table is followed by: the reason, and each degree left out with why."""
-        return "\n".join([self.reason, *(f"degree {degree} left out: {why}" for degree, why in self.left_out)])
+        """What the table is followed by: the reason, the chosen degree's sync schedule (``replica_sync``), and each
+        degree left out with why."""
+        chosen = self.row(self.degree) if self.replica_sync is not None else None
+        schedule = ([f"replica_sync at degree {self.degree}: {chosen.sync_why}"
+                     + (" (chosen for every/delay 'auto')" if self.replica_sync.auto else "")]
+                    if chosen is not None and self.replica_sync is not None else [])
+        return "\n".join([self.reason, *schedule,
+                          *(f"degree {degree} left out: {why}" for degree, why in self.left_out)])
 
     def text(self, width: int | None = 200) -> str:
         """The table and the reason, as plain text (for logs)."""

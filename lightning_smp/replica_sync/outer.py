@@ -14,6 +14,7 @@ the others on stale pseudo-gradients: a pitfall measured in torchft 0.2.0).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -25,9 +26,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from lightning_smp.collectives import ring_bytes
 from lightning_smp.errors import HybridShardConfigError
+from lightning_smp.names import AUTO, COMPRESS_NONE
+from lightning_smp.replica_sync.auto import CALIBRATION_STEPS, Calibration, Schedule
+from lightning_smp.replica_sync.compress import Exchange, check_compression, sync_payload_bytes
 from lightning_smp.replicas import broadcast_tensors, local_part
+
+log = logging.getLogger(__name__)
 
 #: Largest flat buffer of one all-reduce of pseudo-gradients, in bytes (DDP's default bucket is 25 MiB).
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -139,14 +144,28 @@ class OuterSync:
     torch's first step without a buffer, and the state exists from the start (a checkpoint holds it whole).
     """
 
-    def __init__(self, parameters: Iterable[Tensor], group: dist.ProcessGroup | None, *, every: int,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, fragments: int = 1,
+    def __init__(self, parameters: Iterable[Tensor], group: dist.ProcessGroup | None, *, every: int | str,
+                 outer_lr: float = 1.0, outer_momentum: float = 0.0, nesterov: bool = False, fragments: int = 1,
                  backup_device: torch.device | None = None, bucket_bytes: int = BUCKET_BYTES,
                  buffers: Iterable[Tensor] = (), rounds: Rounds | None = None,
-                 group_ranks: dist.ProcessGroup | None = None) -> None:
+                 group_ranks: dist.ProcessGroup | None = None, delay: int | str = 0,
+                 compress: str = COMPRESS_NONE) -> None:
         trained = [p for p in parameters if p.requires_grad]
+        check_compression(compress)
+        #: ``every`` or ``delay`` left to the first sync's measurement (:mod:`lightning_smp.replica_sync.auto`): until
+        #: then the first sync comes after :data:`CALIBRATION_STEPS` steps, blocking, every fragment at once
+        self.calibration: Calibration | None = None
+        #: what ``"auto"`` chose, once it has (``None``: nothing to choose, or not yet)
+        self.chosen: Schedule | None = None
+        if AUTO in (every, delay):
+            self.calibration = Calibration(every=every, delay=delay, fragments=fragments)
+            every, delay = CALIBRATION_STEPS * fragments, 0
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise HybridShardConfigError(f"replica_sync every={every!r} is not a number of steps >= 1. Fix: e.g. 20.")
+        if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < every // fragments:
+            raise HybridShardConfigError(
+                f"replica_sync delay={delay!r} with every={every}, fragments={fragments}: the crossing must land"
+                f" before the next fragment's sync. Fix: a delay from 0 to {max(every // fragments - 1, 0)}.")
         if every % fragments:
             raise HybridShardConfigError(
                 f"replica_sync every={every} is not a multiple of fragments={fragments}: the fragments sync in turn,"
@@ -157,6 +176,13 @@ class OuterSync:
         #: all-reduce and commit vote); ``None``: an all-reduce over :attr:`group`
         self.rounds = rounds
         self.every = every
+        #: inner steps a crossing runs under before its outer step lands (0: each sync blocks)
+        self.delay = delay
+        #: how the pseudo-gradients cross (:mod:`lightning_smp.replica_sync.compress`)
+        self.compress = compress
+        #: the step from which the fragments' turns count (after a calibration, the step of its sync)
+        self.origin = 0
+        self._in_flight: list[InFlight] = []
         #: the trained parameters, in the order the fragments cut them
         self.parameters = trained
         self.buffers = [b for b in buffers if b.numel()]
@@ -184,19 +210,56 @@ class OuterSync:
             self.fragments.append(Fragment(params, synced, outer, (index + 1) * every // fragments % every))
 
     def after_step(self) -> list[int]:
-        """After an inner optimizer step: sync the fragments whose turn it is; returns their indices."""
+        """After an inner optimizer step: land the crossings whose delay ran out (their outer step), then sync the
+        fragments whose turn it is; returns their indices."""
         self.steps += 1
-        due = [index for index, fragment in enumerate(self.fragments) if self.steps % self.every == fragment.offset]
+        if self.calibration is not None:
+            return self._calibrate()
+        for flight in self._in_flight:
+            flight.poll()  # (a compressed crossing's next stage starts as soon as its first is done)
+        landing = [flight for flight in self._in_flight if flight.lands <= self.steps]
+        if landing:
+            self.hide_synced()
+            self._land(landing)
+        due = [index for index, fragment in enumerate(self.fragments)
+               if (self.steps - self.origin) % self.every == fragment.offset]
         self._sync_fragments(due, after_step=True)
         return due
 
     def sync(self) -> list[int]:
         """Sync every fragment that trained since its last sync (training that stops between syncs: a checkpoint,
-        the end of fit); the groups leave bit-equal. Returns the fragments synced (none: the groups
-        are equal already, and nothing is sent)."""
+        the end of fit), a crossing in flight landed first; the groups leave bit-equal. Returns the fragments synced
+        (none: the groups are equal already, and nothing is sent)."""
+        self.drain()
         pending = [index for index, fragment in enumerate(self.fragments) if fragment.synced_at < self.steps]
         self._sync_fragments(pending, after_step=False)
         return pending
+
+    def drain(self) -> None:
+        """Land every crossing in flight now (a checkpoint, the end of fit, a sync of every fragment)."""
+        if self._in_flight:
+            self.hide_synced()
+            self._land(list(self._in_flight))
+
+    def _calibrate(self) -> list[int]:
+        """``every`` or ``delay`` ``"auto"``: time the steps, and at the calibration's step sync every fragment,
+        blocking, timed; then choose (the same on every rank: the slowest rank's figures)."""
+        calibration = self.calibration
+        assert calibration is not None
+        calibration.step_done()
+        if self.steps < self.every:
+            return []
+        due = list(range(len(self.fragments)))
+        started = time.perf_counter()
+        self._sync_fragments(due, after_step=True)
+        crossing = self.report.seconds if self.report is not None else time.perf_counter() - started
+        device = self.parameters[0].device if self.parameters else torch.device("cpu")
+        self.chosen = calibration.choose(crossing, device)
+        self.calibration = None
+        self._reschedule(self.chosen.every, self.chosen.delay, self.steps)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.info("replica_sync chose from %s", self.chosen.why)
+        return due
 
     @torch.no_grad()
     def show_synced(self) -> None:
@@ -229,9 +292,10 @@ class OuterSync:
 
     @property
     def sync_bytes(self) -> int:
-        """Bytes of the pseudo-gradients this rank's part of one full window sends into the all-reduce across the
-        groups: every fragment once, its parts in the parameters' dtype."""
-        return sum(part.numel() * part.element_size() for fragment in self.fragments for part in fragment.parts)
+        """Bytes of the pseudo-gradients this rank's part of one full window puts into the crossing: every fragment
+        once, its parts in the parameters' dtype, or encoded (``compress``)."""
+        raw = sum(part.numel() * part.element_size() for fragment in self.fragments for part in fragment.parts)
+        return sync_payload_bytes(raw, self.compress)
 
     def bucket_count(self, index: int) -> int:
         """The all-reduces a sync of fragment ``index`` runs across :attr:`group` (:meth:`average`'s buckets)."""
@@ -239,8 +303,34 @@ class OuterSync:
 
     @property
     def pending(self) -> bool:
-        """Whether some fragment trained since its last sync (the groups may differ)."""
-        return any(fragment.synced_at < self.steps for fragment in self.fragments)
+        """Whether some fragment trained since its last sync, or a crossing is in flight (the groups may differ)."""
+        return bool(self._in_flight) or any(fragment.synced_at < self.steps for fragment in self.fragments)
+
+    def schedule(self) -> dict[str, int] | None:
+        """When the fragments sync: ``every``, ``delay`` and the step their turns count from (a checkpoint keeps
+        them: ``"auto"`` chose them once); ``None`` while ``"auto"`` has not chosen yet."""
+        if self.calibration is not None:
+            return None
+        return {"every": self.every, "delay": self.delay, "origin": self.origin}
+
+    @property
+    def schedule_chosen(self) -> bool:
+        """Whether ``"auto"`` chose the schedule (a checkpoint then keeps it)."""
+        return self.chosen is not None
+
+    def set_schedule(self, schedule: dict[str, Any]) -> None:
+        """Back from :meth:`schedule` (a checkpoint of a run whose ``"auto"`` chose them: no new calibration)."""
+        every, delay, origin = (int(schedule[k]) for k in ("every", "delay", "origin"))
+        if self.calibration is not None:
+            self.chosen = Schedule(every, delay, f"every {every} steps, delay {delay}: kept by the checkpoint")
+        self.calibration = None
+        self._reschedule(every, delay, origin)
+
+    def _reschedule(self, every: int, delay: int, origin: int) -> None:
+        """The fragments' turns every ``every`` steps counted from step ``origin``, each crossing under ``delay``."""
+        self.every, self.delay, self.origin = every, delay, origin
+        for index, fragment in enumerate(self.fragments):
+            fragment.offset = (index + 1) * every // len(self.fragments) % every
 
     def _sync_fragments(self, indices: list[int], *, after_step: bool) -> None:
         if indices:
@@ -249,24 +339,64 @@ class OuterSync:
             if indices:
                 self.rounds.sync(self, indices, after_step=after_step)
             return
+        flights = [self._launch(index) for index in indices]
+        if self.delay and after_step:
+            self._in_flight.extend(flights)  # (each lands ``delay`` steps later, in :meth:`after_step`)
+        elif flights:
+            self._land(flights)
+
+    @torch.no_grad()
+    def _launch(self, index: int) -> InFlight:
+        """Fragment ``index``'s crossing started: its pseudo-gradients on their way to the average, in buckets, each
+        an :class:`~lightning_smp.replica_sync.compress.Exchange` of its own."""
+        fragment = self.fragments[index]
+        started = time.perf_counter()
+        pseudo = self.pseudo_gradients(fragment)
+        exchanges = []
+        for bucket in _buckets(pseudo, self.bucket_bytes):
+            flat = _flatten_dense_tensors(bucket)
+            if self.compress != COMPRESS_NONE:
+                flat = flat.float()  # (the codes and scales are taken from float32)
+            exchanges.append((bucket, Exchange(flat, self.group, self.compress)))
+        # (with a delay the parameters move on while it crosses: the merge needs them as they were sent)
+        sent = [part.clone() for part in fragment.parts] if self.delay else None
+        return InFlight(index, pseudo, exchanges, sent, fragment.synced_at < self.steps, self.steps,
+                        self.steps + self.delay, time.perf_counter() - started)
+
+    @torch.no_grad()
+    def _land(self, flights: list[InFlight]) -> None:
+        """The crossings of ``flights`` completed (waiting where they have not) and their outer steps taken: each
+        fragment's synced copies stepped with the average, its parameters set to them, or, where training went on
+        while it crossed, moved by as much as the synced copies moved (the group keeps its own progress of those
+        steps). One report for them all."""
         measured, seconds, payload = torch.zeros(3, dtype=torch.float64), 0.0, 0
-        for index in indices:
-            fragment = self.fragments[index]
-            trained = fragment.synced_at < self.steps  # (this group's own part of it: what drifted)
-            pseudo = self.pseudo_gradients(fragment)
+        for flight in flights:
             started = time.perf_counter()
-            self.average(pseudo)
-            seconds += time.perf_counter() - started
-            payload += sum(t.numel() * t.element_size() for t in pseudo)
-            for synced, gradient in zip(fragment.synced, pseudo):
+            for bucket, exchange in flight.exchanges:
+                averaged = exchange.wait()
+                for target, value in zip(bucket, _unflatten_dense_tensors(averaged, bucket)):
+                    target.copy_(value)
+                payload += exchange.sent_bytes
+            seconds += flight.seconds + time.perf_counter() - started
+            fragment = self.fragments[flight.fragment]
+            for synced, gradient in zip(fragment.synced, flight.pseudo):
                 synced.grad = gradient.to(synced.device)
-            measured += self.measure(fragment, own=trained)
-            self.step_outer(fragment)
-        if indices:
+            measured += self.measure(fragment, own=flight.trained, sent=flight.sent)
+            if flight.sent is None or flight.launched == self.steps:
+                self.step_outer(fragment)
+            else:
+                fragment.outer.step()
+                fragment.outer.zero_grad(set_to_none=True)
+                for part, synced, sent in zip(fragment.parts, fragment.synced, flight.sent):
+                    part.add_(synced.to(part.device) - sent)  # (the synced copy's move, from where it was sent)
+                fragment.synced_at = flight.launched  # (the steps since are this group's own: still to sync)
+            if flight in self._in_flight:
+                self._in_flight.remove(flight)
+        if flights:
             groups = dist.get_world_size(self.group)
-            self.record(indices, measured, groups=groups, sent_bytes=round(ring_bytes("all_reduce", payload, groups)),
+            self.record([flight.fragment for flight in flights], measured, groups=groups, sent_bytes=payload,
                         seconds=seconds)
-        if indices and self.buffers:
+        if flights and self.buffers:
             broadcast_tensors(self.buffers, dist.get_global_rank(self.group, 0) if self.group is not None else 0,
                               self.group, self.buffers[0].device)
 
@@ -276,13 +406,14 @@ class OuterSync:
         return [synced.to(part.device) - part for synced, part in zip(fragment.synced, fragment.parts)]
 
     @torch.no_grad()
-    def measure(self, fragment: Fragment, own: bool = True) -> Tensor:
+    def measure(self, fragment: Fragment, own: bool = True, sent: list[Tensor] | None = None) -> Tensor:
         """Before ``fragment``'s outer step, with the averaged pseudo-gradient in its synced copies' ``.grad``: this
         rank's squared norms of (its own pseudo-gradient minus the average) and of the average where ``own`` (this
         group trained the fragment and sent its own part; zeros otherwise), and of the average, float64 on the CPU
-        (its own is taken again from the parameters, which the step has not moved yet: nothing is kept for it)."""
+        (its own is taken again from the parameters as they were sent: ``sent``, or the parameters themselves, which
+        nothing has moved since)."""
         sums = []  # (on the parameters' device, brought to the CPU once: no wait per parameter)
-        for synced, part in zip(fragment.synced, fragment.parts):
+        for synced, part in zip(fragment.synced, sent if sent is not None else fragment.parts):
             if synced.grad is None:
                 continue
             mean = synced.grad.to(part.device, torch.float64)
@@ -323,19 +454,10 @@ class OuterSync:
             part.copy_(synced)
         fragment.synced_at = self.steps
 
-    def average(self, tensors: list[Tensor]) -> None:
-        """Average ``tensors`` in place across :attr:`group`, in flat buffers of at most :attr:`bucket_bytes` (one
-        per dtype and device run), every tensor written back."""
-        size = dist.get_world_size(self.group)
-        for bucket in _buckets(tensors, self.bucket_bytes):
-            flat = _flatten_dense_tensors(bucket)
-            dist.all_reduce(flat, group=self.group)  # a sum (gloo has no average), then divided
-            flat /= size
-            for target, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                target.copy_(averaged)
-
     def state_dict(self) -> dict[str, Any]:
         """The steps, each fragment's synced copies and its outer optimizer's state (this rank's parts)."""
+        if self._in_flight:  # (the front ends sync before they save: nothing of a crossing is lost)
+            raise RuntimeError("OuterSync.state_dict() with a crossing in flight: call sync() or drain() first")
         return {"steps": self.steps,
                 "fragments": [{"synced": [s.detach().clone() for s in f.synced], "outer": f.outer.state_dict(),
                                "synced_at": f.synced_at} for f in self.fragments]}
@@ -374,6 +496,31 @@ class OuterSync:
                         state["momentum_buffer"].copy_(next(buffers))
 
 
+@dataclass
+class InFlight:
+    """A fragment's crossing on its way (:meth:`OuterSync._launch`), until it lands (:meth:`OuterSync._land`)."""
+
+    fragment: int
+    #: this rank's part of the fragment's pseudo-gradient, averaged in place as the crossing lands
+    pseudo: list[Tensor]
+    #: each bucket of them and its exchange
+    exchanges: list[tuple[list[Tensor], Exchange]]
+    #: the parameters as they were sent, where training goes on while it crosses (``delay``); else ``None``
+    sent: list[Tensor] | None
+    #: whether this group trained the fragment since its last sync (its own pseudo-gradient is in the average)
+    trained: bool
+    #: the inner step it left at, and the one it lands after
+    launched: int
+    lands: int
+    #: the wall time its start took (the pseudo-gradients taken and the first collectives launched)
+    seconds: float
+
+    def poll(self) -> None:
+        """Advance every exchange whose collective completed, without waiting."""
+        for _, exchange in self.exchanges:
+            exchange.poll()
+
+
 def _buckets(tensors: Sequence[Tensor], bucket_bytes: int) -> Iterator[list[Tensor]]:
     """``tensors`` in order, cut into runs of one dtype and device of at most ``bucket_bytes`` each (a tensor larger
     than that alone)."""
@@ -400,4 +547,4 @@ def _backup(part: Tensor, device: torch.device | None) -> Tensor:
     return copy
 
 
-__all__ = ["BUCKET_BYTES", "Fragment", "OuterSync", "Rounds", "SyncReport", "fragment_sizes"]
+__all__ = ["BUCKET_BYTES", "Fragment", "InFlight", "OuterSync", "Rounds", "SyncReport", "fragment_sizes"]
