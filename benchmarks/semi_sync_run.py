@@ -92,9 +92,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", type=Path, required=True, help="a uint8 tensor file (torch.save)")
     parser.add_argument("--split", type=int, required=True, help="bytes of the corpus before the held-out part")
-    parser.add_argument("--every", type=int, default=0, help="replica_sync's every (0: synchronous)")
+    parser.add_argument("--every", default="0", help="replica_sync's every (0: synchronous; 'auto')")
     parser.add_argument("--fragments", type=int, default=1)
-    parser.add_argument("--outer", default="{}", help="replica_sync's outer-optimizer keys, as JSON (default: the paper's)")
+    parser.add_argument("--outer", default="{}",
+                        help="replica_sync's other keys (outer optimizer, delay, compress), as JSON (default: none)")
+    parser.add_argument("--seed", type=int, default=0, help="the model's initialisation and the windows' draw")
+    parser.add_argument("--mix", type=float, default=None,
+                        help="an overlapped crossing lands as Streaming DiLoCo's mix with this alpha (OuterSync.mix)")
     parser.add_argument("--degree", type=int, default=2)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--data-steps", type=int, default=None,
@@ -114,19 +118,23 @@ def main() -> None:
 
     warnings.filterwarnings("ignore")
     from lightning_smp import HybridShardFSDPStrategy
+    from lightning_smp.replica_sync import OuterSync
+
+    OuterSync.mix = args.mix  # (the rule measured against; None: the library's)
 
     corpus = torch.load(args.corpus, weights_only=True)
     world = int(os.environ["WORLD_SIZE"])
     nodes = world // int(os.environ["LOCAL_WORLD_SIZE"])
     # the same windows in the same order for every row: the full job's ranks each read their part of them
     train = Windows(corpus[:args.split], args.block + 1,
-                    (args.data_steps or args.steps) * args.batch * args.samples_world, seed=1)
+                    (args.data_steps or args.steps) * args.batch * args.samples_world, seed=1 + 1000 * args.seed)
     val = Windows(corpus[args.split:], args.block + 1, args.val_windows, seed=2)
-    sync = ({"replica_sync": {"every": args.every, "fragments": args.fragments, **json.loads(args.outer)}}
-            if args.every else {})
+    every = args.every if args.every == "auto" else int(args.every)
+    sync = ({"replica_sync": {"every": every, "fragments": args.fragments, **json.loads(args.outer)}}
+            if every else {})
     strategy = HybridShardFSDPStrategy(hybrid_shard_degree=args.degree, fsdp_version=2, auto_wrap_policy={Block},
                                        **sync)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     model = CharGPT(vocab_size=256, dim=args.dim, layers=args.layers, heads=4, block_size=args.block, lr=args.lr)
     timeline = Timeline()
     trainer = L.Trainer(accelerator="cpu", devices=world // nodes, num_nodes=nodes, strategy=strategy,
@@ -135,8 +143,12 @@ def main() -> None:
                         enable_model_summary=False, callbacks=[timeline])
     trainer.fit(model, DataLoader(train, batch_size=args.batch), DataLoader(val, batch_size=args.batch))
     params = sum(p.numel() for p in model.parameters())
+    outer = strategy.outer_sync
     record = {"marks": timeline.marks, "validations": timeline.validations, "validating_s": timeline.validating,
-              "validation_bytes": timeline.validation_bytes, "node": int(os.environ["GROUP_RANK"])}
+              "validation_bytes": timeline.validation_bytes, "node": int(os.environ["GROUP_RANK"]),
+              # (what "auto" chose, and why)
+              "schedule": outer.schedule() if outer is not None else None,
+              "chosen": outer.chosen.why if outer is not None and outer.chosen is not None else None}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, record)
     if dist.get_rank() == 0:

@@ -170,11 +170,12 @@ class HybridShardFSDPStrategy(HybridShardFrontEnd, FSDPStrategy):
         replica_sync: this library's key: semi-synchronous replica groups (DiLoCo): each replica group
             trains on its own and the groups sync every ``every`` optimizer steps through an outer
             optimizer; nothing crosses the groups in between. A mapping with ``every`` and optionally
-            ``outer_lr``, ``outer_momentum``, ``nesterov``, ``fragments`` and ``backup``
-            (:class:`lightning_smp.config.replica_sync.ReplicaSync`). Runs on FSDP2 where the layout shards
-            and on the DDP engine for groups of one rank, with at least two replica groups. See
-            ``docs/replica-sync.md``. ``None`` (default): from the configuration sources (the CLI's ``smp:``
-            section, ``lightning_smp.init``, ``LIGHTNING_SMP_CONFIG``, ``SM_HP_MP_PARAMETERS``).
+            ``outer``, ``outer_lr``, ``outer_momentum``, ``nesterov``, ``fragments``, ``backup``, ``delay``
+            and ``compress`` (:class:`lightning_smp.config.replica_sync.ReplicaSync`). Runs on FSDP2 where
+            the layout shards and on the DDP engine for groups of one rank, with at least two replica
+            groups. See ``docs/replica-sync.md``. ``None`` (default): from the configuration sources (the
+            CLI's ``smp:`` section, ``lightning_smp.init``, ``LIGHTNING_SMP_CONFIG``,
+            ``SM_HP_MP_PARAMETERS``).
         sharding_strategy: ``"HYBRID_SHARD"`` (default), ``"_HYBRID_SHARD_ZERO2"``, ``"FULL_SHARD"``,
             ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"`` (any case), or a ``ShardingStrategy``. With
             ``hybrid_shard_degree >= 2`` anything but ``"_HYBRID_SHARD_ZERO2"`` becomes ``"HYBRID_SHARD"``

@@ -361,4 +361,4 @@ def test_the_replica_sync_example_trains_and_saves_its_section(tmp_path, monkeyp
     assert len([row for row in rows if row.get("train_loss")]) == 6
     assert len([row for row in rows if row.get("val_loss")]) == 1  # at step 6, after the sync
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())["smp"]
-    assert saved["replica_sync"] == {"every": 4} and saved["hybrid_shard_degree"] == 2
+    assert saved["replica_sync"] == {"every": 4, "delay": 2, "compress": "int8"} and saved["hybrid_shard_degree"] == 2

@@ -65,7 +65,7 @@ def test_notebook_runs_top_to_bottom_in_a_real_kernel(tmp_path: Path) -> None:
     summary = _text(degrees)
     assert "degree 1:" in summary and "50% saved" in summary and "75% saved" in summary
     assert "now at global_step=24" in _text(_cell(notebook, "ckpt_path=path"))
-    assert "replica_sync every 4: global_step=10" in _text(_cell(notebook, "replica_sync={"))
+    assert "replica_sync every 4, overlapped 2 steps, int8: global_step=10" in _text(_cell(notebook, "replica_sync={"))
     # the cell prints the library's error (its message is asserted in tests/test_degree.py)
     assert "HybridShardConfigError: hybrid_shard_degree=3 " in _text(_cell(notebook, "hybrid_shard_degree=3"))
     # everything the notebook wrote went to its temporary directory, which its last cell removed

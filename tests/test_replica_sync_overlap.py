@@ -177,8 +177,9 @@ def _auto(rank: int, world: int) -> tuple:
     inner = torch.optim.SGD(model.parameters(), lr=0.05)
     outer = OuterSync(model.parameters(), None, every="auto", delay="auto", fragments=2)
     generator = torch.Generator().manual_seed(100 + rank)
-    launched = []
-    for _ in range(2 * CALIBRATION_STEPS + 20):
+    launched: list[list[int]] = []
+    # (to the calibration, then a whole window of what it chose: every rank alike, so every rank's loop ends alike)
+    while len(launched) < 2 * CALIBRATION_STEPS or len(launched) < 2 * CALIBRATION_STEPS + outer.every:
         x, y = torch.randn(32, 8, generator=generator), torch.randn(32, 4, generator=generator)
         inner.zero_grad()
         ((model(x) - y) ** 2).mean().backward()

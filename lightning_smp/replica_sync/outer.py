@@ -14,7 +14,6 @@ the others on stale pseudo-gradients: a pitfall measured in torchft 0.2.0).
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -23,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -31,8 +31,6 @@ from lightning_smp.names import AUTO, COMPRESS_NONE
 from lightning_smp.replica_sync.auto import CALIBRATION_STEPS, Calibration, Schedule
 from lightning_smp.replica_sync.compress import Exchange, check_compression, sync_payload_bytes
 from lightning_smp.replicas import broadcast_tensors, local_part
-
-log = logging.getLogger(__name__)
 
 #: Largest flat buffer of one all-reduce of pseudo-gradients, in bytes (DDP's default bucket is 25 MiB).
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -144,6 +142,11 @@ class OuterSync:
     torch's first step without a buffer, and the state exists from the start (a checkpoint holds it whole).
     """
 
+    #: how an overlapped crossing lands: ``None``, the rule above (the group's parameters move by the synced copy's
+    #: move); a number ``alpha``, Streaming DiLoCo's mix ``(1 - alpha) x synced + alpha x the group's own``, which the
+    #: benchmark measures against (``make bench-semi-sync``)
+    mix: float | None = None
+
     def __init__(self, parameters: Iterable[Tensor], group: dist.ProcessGroup | None, *, every: int | str,
                  outer_lr: float = 1.0, outer_momentum: float = 0.0, nesterov: bool = False, fragments: int = 1,
                  backup_device: torch.device | None = None, bucket_bytes: int = BUCKET_BYTES,
@@ -247,7 +250,7 @@ class OuterSync:
         calibration = self.calibration
         assert calibration is not None
         calibration.step_done()
-        if self.steps < self.every:
+        if len(calibration.marks) < self.every:  # (timed steps: a run resumed past them still times its own)
             return []
         due = list(range(len(self.fragments)))
         started = time.perf_counter()
@@ -257,8 +260,7 @@ class OuterSync:
         self.chosen = calibration.choose(crossing, device)
         self.calibration = None
         self._reschedule(self.chosen.every, self.chosen.delay, self.steps)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            log.info("replica_sync chose from %s", self.chosen.why)
+        rank_zero_info(f"replica_sync chose from {self.chosen.why}")
         return due
 
     @torch.no_grad()
@@ -388,7 +390,10 @@ class OuterSync:
                 fragment.outer.step()
                 fragment.outer.zero_grad(set_to_none=True)
                 for part, synced, sent in zip(fragment.parts, fragment.synced, flight.sent):
-                    part.add_(synced.to(part.device) - sent)  # (the synced copy's move, from where it was sent)
+                    if self.mix is None:
+                        part.add_(synced.to(part.device) - sent)  # (the synced copy's move, from where it was sent)
+                    else:  # (Streaming DiLoCo's rule, measured against: a mix of the new synced copy and the group's)
+                        part.mul_(self.mix).add_(synced.to(part.device), alpha=1 - self.mix)
                 fragment.synced_at = flight.launched  # (the steps since are this group's own: still to sync)
             if flight in self._in_flight:
                 self._in_flight.remove(flight)
