@@ -68,10 +68,11 @@ def choose_schedule(crossing_s: float, step_s: float, fragments: int, every: int
         every = max(delay + 1, math.ceil(margined / (EXPOSED_SHARE * step_s * fragments)), 1) * fragments
     every = int(every)
     shown = max(0.0, per_fragment - delay * step_s) * fragments  # (per window, as measured)
-    hidden = "hidden" if shown == 0 else f"{shown:.3g} s shown per window, {shown / (every * step_s):.1%}"
+    compute = f"the window's {every * step_s:.3g} s of compute"
+    hidden = (f"hidden under {compute}" if shown == 0 else
+              f"{shown:.3g} s shown per window, {shown / (every * step_s):.1%} of {compute}")
     why = (f"a crossing of {crossing_s:.3g} s ({per_fragment:.3g} s per fragment) and a step of {step_s:.3g} s:"
-           f" delay {delay} step(s), every {every} steps ({hidden} of the window's {every * step_s:.3g} s of"
-           " compute)")
+           f" delay {delay} step(s), every {every} steps ({hidden})")
     return Schedule(every, delay, why, shown)
 
 
