@@ -220,6 +220,21 @@ def _crossing_started(cluster: Any, node: int, threshold: int, timeout: float) -
     raise TimeoutError(f"no crossing seen on node {node}'s link within {timeout} s")
 
 
+def _crossing_ended(cluster: Any, node: int, timeout: float, quiet: float = 0.05, below: int = 16 * 1024) -> float:
+    """After a crossing started: poll node ``node``'s link counter until it sends less than ``below`` bytes in
+    ``quiet`` seconds (the crossing's last bytes left: the group votes, its rank 0 reads the lighthouse, the next
+    quorum comes; heartbeats and quorum calls are a few hundred bytes); returns when."""
+    deadline = time.monotonic() + timeout
+    marks = [(time.monotonic(), cluster.link_bytes()[node])]
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+        marks.append((time.monotonic(), cluster.link_bytes()[node]))
+        old = [m for m in marks if m[0] <= marks[-1][0] - quiet]
+        if old and marks[-1][1] - old[-1][1] < below:
+            return time.time()
+    raise TimeoutError(f"node {node}'s crossing did not end within {timeout} s")
+
+
 def in_crossing(args: argparse.Namespace, work: Path, how: str) -> list[dict[str, Any]]:
     """``args.trials`` deaths of node 1 inside the crossing (``how``: ``vanish`` or ``kill``), each followed by a
     restart and a heal; every recovery time."""
@@ -257,6 +272,9 @@ def in_crossing(args: argparse.Namespace, work: Path, how: str) -> list[dict[str
 
 #: the partition sweep's cuts, as multiples of the heartbeat timeout: from just under it to well over it
 CUT_FACTORS = (0.9, 1.1, 1.3, 1.5, 2.5)
+#: where a cut lands: as a crossing starts; as it ends (the vote, the commit fence, the next quorum); as the groups
+#: meet again after a first cut of 1.1 x the heartbeat (the quorum that takes the cut group back, and its heal)
+LANDINGS = ("crossing", "after_crossing", "rejoining")
 
 
 def _together(jobs: Any, since: float, key: str) -> bool:
@@ -304,39 +322,55 @@ def partitions(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             since = 0.0
             jobs.wait_for(lambda key=key: _together(jobs, 0.0, key), args.timeout, "the groups meeting")
             met = time.time()
-            for round_ in range(args.partition_rounds):
-                for factor in CUT_FACTORS:
-                    settled = 3 * every + 2  # (steps recorded since: the step time, and the groups apart no more)
-                    jobs.wait_for(lambda since=since, key=key, settled=settled: _together(jobs, since, key) and sum(
-                        r["time"] > since for r in jobs.records(0)) >= settled, args.timeout, "both groups together")
-                    times = [r["time"] for r in jobs.records(0) if r["time"] > since][-settled:]
-                    step_s = statistics.median(b - a for a, b in zip(times, times[1:]))
-                    begun = _crossing_started(cluster, 1, 64 * 1024, args.timeout)
+            for round_, landing, factor in ((r, landing, f) for r in range(args.partition_rounds)
+                                            for landing in LANDINGS for f in CUT_FACTORS):
+                settled = 3 * every + 2  # (steps recorded since: the step time, and the groups apart no more)
+                jobs.wait_for(lambda since=since, key=key, settled=settled: _together(jobs, since, key) and sum(
+                    r["time"] > since for r in jobs.records(0)) >= settled, args.timeout, "both groups together")
+                times = [r["time"] for r in jobs.records(0) if r["time"] > since][-settled:]
+                step_s = statistics.median(b - a for a, b in zip(times, times[1:]))
+                # (one sync: a whole window, its inner steps and the sync's own crossing, as the survivor took it)
+                window_s = statistics.median(b - a for a, b in zip(times, times[every:]))
+                first = None
+                if landing == "rejoining":  # (a first cut the survivor abandons, then the second as it mends)
+                    _crossing_started(cluster, 1, 64 * 1024, args.timeout)
+                    first = time.time()
                     cluster.cut("down")
-                    cut = time.time()
-                    time.sleep(factor * hb)
+                    time.sleep(1.1 * hb)
                     cluster.mend()
-                    mended = time.time()
-                    jobs.wait_for(lambda mended=mended, key=key: _together(jobs, mended, key), args.timeout,
-                                  "the groups meeting again after the cut")
-                    together = time.time()
-                    survivor = [r["time"] for r in jobs.records(0) if cut - 2 * step_s * every <= r["time"] <= together]
-                    gap = max(b - a for a, b in zip(survivor, survivor[1:]))
-                    heals = {r["healed_at"] for r in jobs.records(1) if r["time"] > cut and r["healed_at"] is not None}
-                    # (the wait a cut may cost the survivor: the heartbeat, and the step, or the sync, it lands in)
-                    bound = hb + every * step_s
-                    row = {"mode": mode, "round": round_, "factor": factor, "cut_s": mended - cut,
-                           "landed_s": cut - begun, "survivor_gap_s": gap, "bound_s": bound, "within": gap <= bound,
-                           "step_s": step_s, "heals": len(heals), "rejoined_s": together - mended}
-                    rows.append(row)
-                    print(f"partition {mode} x{factor} (cut {row['cut_s']:.2f} s, {row['landed_s']:.2f} s into the"
-                          f" crossing): survivor's longest gap {gap:.2f} s (bound {bound:.2f}), {len(heals)} heal(s),"
-                          f" together again {row['rejoined_s']:.2f} s after the link came back", flush=True)
-                    since = together
+                begun = _crossing_started(cluster, 1, 64 * 1024, args.timeout)
+                if landing == "after_crossing":
+                    begun = _crossing_ended(cluster, 1, args.timeout)
+                cluster.cut("down")
+                cut = time.time()
+                time.sleep(factor * hb)
+                cluster.mend()
+                mended = time.time()
+                jobs.wait_for(lambda mended=mended, key=key: _together(jobs, mended, key), args.timeout,
+                              "the groups meeting again after the cut")
+                together = time.time()
+                # (from a window before the cut, or before the first cut of two)
+                start = (first if first is not None else cut) - 2 * window_s
+                survivor = [r["time"] for r in jobs.records(0) if start <= r["time"] <= together]
+                gap = max(b - a for a, b in zip(survivor, survivor[1:]))
+                heals = {r["healed_at"] for r in jobs.records(1) if r["time"] > cut and r["healed_at"] is not None}
+                # (the wait a cut may cost the survivor: the heartbeat, and the step, or the window with the sync,
+                # it lands in)
+                bound = hb + window_s
+                row = {"mode": mode, "landing": landing, "round": round_, "factor": factor, "cut_s": mended - cut,
+                       "landed_s": cut - begun, "survivor_gap_s": gap, "bound_s": bound, "within": gap <= bound,
+                       "step_s": step_s, "window_s": window_s, "heals": len(heals),
+                       "rejoined_s": together - mended}
+                rows.append(row)
+                print(f"partition {mode} {landing} x{factor} (cut {row['cut_s']:.2f} s, {row['landed_s']:.2f} s"
+                      f" after the mark): survivor's longest gap {gap:.2f} s (bound {bound:.2f}), {len(heals)} heal(s),"
+                      f" together again {row['rejoined_s']:.2f} s after the link came back", flush=True)
+                since = together
             split = _splits(jobs, key, by, met)
             totals[mode] = {"split": split, "cuts": sum(r["mode"] == mode for r in rows)}
             print(f"partition {mode}: {len(split)} split step(s) {split}", flush=True)
-    return {"rows": rows, "totals": totals, "every": args.partition_every, "factors": list(CUT_FACTORS)}
+    return {"rows": rows, "totals": totals, "every": args.partition_every, "factors": list(CUT_FACTORS),
+            "landings": list(LANDINGS)}
 
 
 def parity(args: argparse.Namespace) -> dict[str, Any]:
@@ -459,16 +493,21 @@ def markdown(result: dict[str, Any]) -> str:
              "![step timeline](fault_tolerance.png)", ""]
     part = result.get("partitions")
     if part:
-        lines += ["## Partitions: the link cut inside a crossing, then back", "",
-                  f"The link between the nodes goes down as node 1's side of a crossing is under way (its link counter),"
-                  f" for {', '.join(f'{f:g}' for f in part['factors'])} x the heartbeat timeout ({hb:g} s), then comes"
-                  f" back; {max(r['round'] for r in part['rows']) + 1} rounds. `steps`: plain fault tolerance, a cut"
-                  f" inside a step's crossing; `syncs`: `replica_sync` every {part['every']} steps, a cut inside a"
-                  " sync's. The survivor's longest wait between two recorded steps, against the heartbeat plus the"
-                  " step (or the sync's window) it lands in.", "",
-                  "| mode | cut (x heartbeat) | cut | into the crossing | survivor's longest gap (bound) | heals |"
-                  " together again after |", "|---|---|---|---|---|---|---|",
-                  *(f"| {r['mode']} | {r['factor']:g} | {r['cut_s']:.2f} s | {r['landed_s']:.2f} s |"
+        lines += ["## Partitions: the link cut inside a crossing, as it ends, and as the groups meet again", "",
+                  f"The link between the nodes goes down for {', '.join(f'{f:g}' for f in part['factors'])} x the"
+                  f" heartbeat timeout ({hb:g} s), then comes back; {max(r['round'] for r in part['rows']) + 1}"
+                  " rounds. Where it lands (node 1's link counter): `crossing`, as node 1's side of a crossing gets"
+                  " under way; `after_crossing`, as its last bytes have left (the vote, the commit fence, the next"
+                  " quorum); `rejoining`, a second cut as the groups meet again after a first one of 1.1 x the"
+                  " heartbeat (the quorum that takes the cut group back, and its heal). `steps`: plain fault"
+                  f" tolerance; `syncs`: `replica_sync` every {part['every']} steps, the crossings a sync's. The"
+                  " survivor's longest wait between two recorded steps (from a window before the first cut to the"
+                  " groups meeting again), against the heartbeat plus the step, or the whole window with its sync,"
+                  " as the survivor took them just before.", "",
+                  "| mode | landing | cut (x heartbeat) | cut | after the mark | survivor's longest gap (bound) |"
+                  " heals | together again after |", "|---|---|---|---|---|---|---|---|",
+                  *(f"| {r['mode']} | {r.get('landing', 'crossing')} | {r['factor']:g} | {r['cut_s']:.2f} s |"
+                    f" {r['landed_s']:.2f} s |"
                     f" {r['survivor_gap_s']:.2f} s ({r['bound_s']:.2f}){'' if r['within'] else ' **over**'} |"
                     f" {r['heals']} | {r['rejoined_s']:.2f} s |" for r in part["rows"]), "",
                   f"Split steps (both groups recorded a step with different states, any rank): "
