@@ -207,7 +207,8 @@ class HybridShardCore:
                     f"replica_sync with fault_tolerance groups={fault_tolerance.groups}: there is nothing to sync"
                     " across. Fix: groups >= 2 (a job per group), or drop replica_sync."
                 )
-            refusal = fault_tolerant_sync_refusal(self.settled.replica_sync)
+            sync = self.replica_sync
+            refusal = fault_tolerant_sync_refusal(sync) if sync is not None else None
             if refusal is not None:
                 raise UnsupportedOptionError(refusal)
         elif layout is not None:

@@ -172,12 +172,14 @@ def test_a_user_who_loses_silently_under_replica_sync_is_told_once(tmp_path, syn
     assert not any("val_loss" in message or "train_plain" in message for message in said)
 
 
-def _reported(rank: int, world: int, folder: Path, comm_step: int) -> tuple[list[dict], str]:
+def _reported(rank: int, world: int, folder: Path, comm_step: int, sync: dict | None = None
+              ) -> tuple[list[dict], str]:
     from lightning_smp.accounting.render import format_report
     from lightning_smp.callbacks import MemorySavingsCallback
 
     callback = MemorySavingsCallback(comm_step=comm_step, print_table=False)
-    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=DEGREE, fsdp_version=2, replica_sync={"every": EVERY})
+    strategy = HybridShardFSDPStrategy(hybrid_shard_degree=DEGREE, fsdp_version=2,
+                                       replica_sync={"every": EVERY, **(sync or {})})
     # (a sanity check's validation forward first: the strategy releases the root it left gathered)
     trainer = cpu_trainer(strategy, folder, world, max_steps=STEPS, callbacks=[callback], limit_val_batches=1,
                           num_sanity_val_steps=1)
@@ -221,3 +223,20 @@ def test_the_start_line_names_the_engine_and_replica_sync():
         "S: hybrid_shard_degree=2: 4 replica group(s) x 2 shard(s) over 8 rank(s), FULL_SHARD inside each, engine"
         " fsdp2; replica_sync every 20 steps, 4 fragment(s), outer SGD lr 1 no momentum, copies on the cpu")
     assert "nothing sharded, engine ddp" in start_line("S", resolve_layout(4, 1), "ddp", ReplicaSync(every=5))
+
+
+@pytest.mark.parametrize("comm_step", [EVERY, EVERY + 1], ids=["the_start", "the_landing"])
+def test_an_overlapped_compressed_sync_is_counted_where_it_starts(tmp_path, comm_step):
+    """Under ``delay=1`` and ``compress`` the counted step that starts a sync ran the compressed exchange's first
+    stage across the groups (one all-to-all, counted as "other"; no all-reduce), the step it lands in the second (one
+    all-gather, started as the first was found done) and its norms' all-reduce inside the group: the report's
+    expectation says the same, nothing is marked as differing."""
+    records, text = run_distributed(_reported, 4, tmp_path, comm_step, {"delay": 1, "compress": "int8"})[0]
+    assert "measured differs" not in text
+    for record in records:
+        assert record["comm_mismatch"] == [], record
+        across = record["comm"].get("replicate", {})
+        started = comm_step == EVERY
+        assert (across.get("all_gather", {"count": 0})["count"], across.get("other", {"count": 0})["count"],
+                across.get("all_reduce", {"count": 0})["count"]) == ((0, 1, 0) if started else (1, 0, 0))
+        assert record["replica_sync"]["compress"] == "int8"

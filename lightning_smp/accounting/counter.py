@@ -46,6 +46,7 @@ _C10D_OPS = {
     "allreduce_": "all_reduce",
     "allreduce_coalesced_": "all_reduce",
     "broadcast_": "broadcast",
+    "alltoall_base_": "other",
 }
 
 # Functional collectives (``torch.distributed._functional_collectives``: DTensor's redistributions, ``full_tensor()``,

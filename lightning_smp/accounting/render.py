@@ -120,8 +120,9 @@ def comm_mismatches(record: dict) -> list[tuple[str, str]]:
         return []
     sync = record.get("replica_sync")
     if sync:  # (replica_sync: the replicate axis's all-reduces are the sync's, in the counted step or not)
-        book = {**book, REPLICATE_AXIS: {**book.get(REPLICATE_AXIS, {}),
-                                         "all_reduce": {"count": sync["all_reduces_in_step"]}}}
+        crossed = sync.get("crossed_in_step", {"all_reduce": sync.get("all_reduces_in_step", 0)})
+        crossing = {op: {"count": crossed.get(op, 0)} for op in ("all_reduce", "all_gather", "other")}
+        book = {**book, REPLICATE_AXIS: {**book.get(REPLICATE_AXIS, {}), **crossing}}
     return [(axis, op) for axis, ops in book.items() for op in OPS
             if measured.get(axis, {}).get(op, {"count": 0})["count"] != ops.get(op, {"count": 0})["count"]]
 

@@ -13,7 +13,7 @@ rank; rank 0 prints the same tables.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -127,14 +127,19 @@ def memory_report(
 
 
 def replica_sync_figures(describe: str, groups: int, every: int, sync_bytes: int,
-                         all_reduces_in_step: int = 0) -> dict[str, Any]:
+                         crossed_in_step: Mapping[str, int] | None = None, landed_in_step: bool | None = None,
+                         compress: str = "none") -> dict[str, Any]:
     """What the report shows of ``replica_sync``: its line, the replica groups (the replicate axis), one sync's
-    all-reduce of this rank's ``sync_bytes`` across them (its ring sends ``2 (groups - 1) / groups`` of them), which
-    runs once every ``every`` optimizer steps, and the all-reduces across the groups the counted step ran (0: it
-    did not sync; one per bucket of the fragment it synced)."""
+    crossing of this rank's ``sync_bytes`` across them (as sent: encoded under ``compress``; it sends
+    ``2 (groups - 1) / groups`` of them), which runs once every ``every`` optimizer steps, the collectives across
+    the groups the counted step started, by kind (none: it did not sync; an all-reduce per bucket of the fragments
+    it sent, or under ``compress`` an all-to-all, ``"other"``, and an all-gather, whose second stage may start in a
+    later step), and whether a sync landed in it (its report's norms; ``None``: where it started)."""
+    crossed = dict(crossed_in_step or {})
     return {"describe": describe, "groups": groups, "every": every, "bytes": sync_bytes,
-            "ring_bytes": round(ring_bytes("all_reduce", sync_bytes, groups)), "synced_in_step": all_reduces_in_step > 0,
-            "all_reduces_in_step": all_reduces_in_step}
+            "ring_bytes": round(ring_bytes("all_reduce", sync_bytes, groups)),
+            "synced_in_step": bool(crossed) if landed_in_step is None else landed_in_step,
+            "crossed_in_step": crossed, "all_reduces_in_step": crossed.get("all_reduce", 0), "compress": compress}
 
 
 __all__ = ["count_communication", "memory_report", "replica_sync_figures"]

@@ -71,6 +71,7 @@ run to the next.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -169,7 +170,8 @@ class MemorySavingsCallback(Callback):
         self._last_step = 0
         self._evaluated = False
         self._root_gathered = False
-        self._sync_all_reduces = 0
+        self._sync_crossed: dict[str, int] = {}
+        self._sync_landed = False
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -181,7 +183,8 @@ class MemorySavingsCallback(Callback):
         self.report, self.reports, self._comm, self._grads_bytes = [], {}, None, None
         self._backward_passes, self._last_step, self._step_grads = 0, trainer.global_step, 0
         self._evaluated = self._root_gathered = False
-        self._sync_all_reduces = 0
+        self._sync_crossed = {}
+        self._sync_landed = False
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -244,10 +247,13 @@ class MemorySavingsCallback(Callback):
         outer = getattr(trainer.strategy, "outer_sync", None)
         # (replica_sync: the all-reduces across the groups of the counted step's sync, if it synced: one per bucket
         # of each fragment it carried; with its report's one small all-reduce inside the group)
-        self._sync_all_reduces = 0
+        self._sync_crossed, self._sync_landed = {}, False
         report = outer.report if outer is not None else None
-        if outer is not None and report is not None and report.step == outer.steps and outer.group is not None:
-            self._sync_all_reduces = sum(outer.bucket_count(index) for index in report.fragments)
+        if outer is not None and outer.group is not None:
+            # (what crossed in the counted step, by kind: one or two collectives per bucket of the fragments it sent,
+            # or a compressed exchange's second stage; with a delay the sync lands steps later)
+            self._sync_crossed = dict(Counter(outer.crossed))
+            self._sync_landed = report is not None and report.step == outer.steps
 
     def _replica_sync(self, strategy: Any) -> dict[str, Any] | None:
         """``replica_sync``'s figures for the report (its groups are the layout's replicas), or ``None``."""
@@ -255,7 +261,8 @@ class MemorySavingsCallback(Callback):
         if outer is None:
             return None
         return replica_sync_figures(strategy.core.replica_sync.describe(), strategy.layout.replicate, outer.every,
-                                    outer.sync_bytes, all_reduces_in_step=self._sync_all_reduces)
+                                    outer.sync_bytes, crossed_in_step=self._sync_crossed,
+                                    landed_in_step=self._sync_landed, compress=outer.compress)
 
     def _make_report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy

@@ -81,6 +81,15 @@ class ReplicaSync:
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)
 
+    def outer_settings(self) -> tuple[float, float, bool]:
+        """The outer SGD's learning rate, momentum and Nesterov flag, as given or from ``outer``'s preset."""
+        lr, momentum, nesterov = self.outer_lr, self.outer_momentum, self.nesterov
+        if lr is None or momentum is None or nesterov is None:  # (no preset of that name filled them)
+            raise HybridShardConfigError(
+                f"replica_sync outer={self.outer!r} is not one of {', '.join(map(repr, REPLICA_SYNC_OUTERS))}."
+                f"{_MEANINGS['outer']}")
+        return lr, momentum, nesterov
+
     @property
     def auto(self) -> bool:
         """Whether the first sync's measurement chooses ``every`` or ``delay``."""

@@ -139,8 +139,9 @@ class ReplicaSyncSteps:
         group = axis_group(mesh, REPLICATE_AXIS) if replicas is None and mesh is not None else None
         # (the ranks of this rank's own replica group: a sync's report holds the whole model's norms over them)
         own = axis_group(mesh, SHARD_AXIS) if replicas is None and mesh is not None else None
-        self._outer = OuterSync(module.parameters(), group, every=settings.every, outer_lr=settings.outer_lr,
-                                outer_momentum=settings.outer_momentum, nesterov=settings.nesterov,
+        outer_lr, outer_momentum, nesterov = settings.outer_settings()
+        self._outer = OuterSync(module.parameters(), group, every=settings.every, outer_lr=outer_lr,
+                                outer_momentum=outer_momentum, nesterov=nesterov,
                                 fragments=settings.fragments, buffers=buffers, delay=settings.delay,
                                 compress=settings.compress,
                                 backup_device=torch.device("cpu") if settings.backup == BACKUP_CPU else None,

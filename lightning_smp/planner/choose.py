@@ -194,9 +194,8 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
             replicate_link="-" if replicas <= 1 else ("inter-node" if replica_inter else "intra-node"),
             compute_seconds=timed.compute, exposed_seconds=timed.exposed + (replica_s if sync else 0.0),
             engine_seconds=timed.engine, step_seconds=timed.seconds + (replica_s if sync else 0.0),
-            outer_bytes=outer, **({} if schedule is None else {"sync_every": schedule.every,
-                                                               "sync_delay": schedule.delay,
-                                                               "sync_why": schedule.why}))
+            outer_bytes=outer, sync_every=schedule.every if schedule else 0,
+            sync_delay=schedule.delay if schedule else 0, sync_why=schedule.why if schedule else "")
 
     rows = rows_for(activations, flops)
     fitting = [r for r in rows if r.fits]

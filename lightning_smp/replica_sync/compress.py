@@ -124,8 +124,12 @@ class Exchange:
     floating dtype (the plain all-reduce). With int8/int4 a NaN or infinity makes its whole block non-finite.
     """
 
-    def __init__(self, flat: Tensor, group: dist.ProcessGroup | None, compress: str) -> None:
+    def __init__(self, flat: Tensor, group: dist.ProcessGroup | None, compress: str,
+                 log: list[str] | None = None) -> None:
         check_compression(compress)
+        #: where each collective it starts is named as it starts (``"all_reduce"``, ``"other"``: the all-to-all,
+        #: ``"all_gather"``), for a caller that accounts for what crossed when
+        self.log = log if log is not None else []
         if flat.dim() != 1 or not flat.is_contiguous() or (compress != "none" and flat.dtype != torch.float32):
             raise ValueError(f"Exchange averages a contiguous 1-D tensor, float32 unless compress='none'; got "
                              f"{flat.dtype} of shape {tuple(flat.shape)}")
@@ -139,6 +143,7 @@ class Exchange:
         if compress == "none":  # what the plain all-reduce does, bit for bit: a sum (gloo has no average), then / G
             self.sent_bytes = round(ring_bytes("all_reduce", flat.numel() * flat.element_size(), self.size))
             self._work = dist.all_reduce(flat, group=group, async_op=True)
+            self.log.append("all_reduce")
             self._stages = iter([self._divide])
             return
         # G equal chunks of whole blocks: rank j reduces chunk j
@@ -149,6 +154,7 @@ class Exchange:
         self._recv = torch.empty_like(self._send)
         self.sent_bytes = round(ring_bytes("all_reduce", self._send.numel(), self.size))  # 2 (G - 1) chunk payloads
         self._work = dist.all_to_all_single(self._recv, self._send, group=group, async_op=True)
+        self.log.append("other")
         self._stages = iter([self._reduce, self._write_back])
 
     def _divide(self) -> None:
@@ -165,6 +171,7 @@ class Exchange:
         self._recv = torch.empty(self.size * self._send.numel(), dtype=torch.uint8, device=self.flat.device)
         # all_gather_single: torch 2.13's name for all_gather_into_tensor (deprecated under the old name)
         self._work = dist.all_gather_single(self._recv, self._send, group=self.group, async_op=True)
+        self.log.append("all_gather")
 
     def _write_back(self) -> None:
         """Stage 3: every averaged chunk decoded from its encoding (this rank's own too: every rank bit-equal)."""

@@ -186,6 +186,9 @@ class OuterSync:
         #: the step from which the fragments' turns count (after a calibration, the step of its sync)
         self.origin = 0
         self._in_flight: list[InFlight] = []
+        #: the collectives across the groups started since the last inner step (by kind: ``"all_reduce"``, or
+        #: under ``compress`` ``"other"``, the all-to-all, and ``"all_gather"``): what crossed in that step
+        self.crossed: list[str] = []
         #: the trained parameters, in the order the fragments cut them
         self.parameters = trained
         self.buffers = [b for b in buffers if b.numel()]
@@ -216,6 +219,7 @@ class OuterSync:
         """After an inner optimizer step: land the crossings whose delay ran out (their outer step), then sync the
         fragments whose turn it is; returns their indices."""
         self.steps += 1
+        self.crossed.clear()
         if self.calibration is not None:
             return self._calibrate()
         for flight in self._in_flight:
@@ -299,10 +303,6 @@ class OuterSync:
         raw = sum(part.numel() * part.element_size() for fragment in self.fragments for part in fragment.parts)
         return sync_payload_bytes(raw, self.compress)
 
-    def bucket_count(self, index: int) -> int:
-        """The all-reduces a sync of fragment ``index`` runs across :attr:`group` (:meth:`average`'s buckets)."""
-        return sum(1 for _ in _buckets(self.fragments[index].parts, self.bucket_bytes))
-
     @property
     def pending(self) -> bool:
         """Whether some fragment trained since its last sync, or a crossing is in flight (the groups may differ)."""
@@ -359,7 +359,7 @@ class OuterSync:
             flat = _flatten_dense_tensors(bucket)
             if self.compress != COMPRESS_NONE:
                 flat = flat.float()  # (the codes and scales are taken from float32)
-            exchanges.append((bucket, Exchange(flat, self.group, self.compress)))
+            exchanges.append((bucket, Exchange(flat, self.group, self.compress, log=self.crossed)))
         # (with a delay the parameters move on while it crosses: the merge needs them as they were sent)
         sent = [part.clone() for part in fragment.parts] if self.delay else None
         return InFlight(index, pseudo, exchanges, sent, fragment.synced_at < self.steps, self.steps,
