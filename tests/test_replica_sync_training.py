@@ -333,6 +333,46 @@ def test_a_run_resumed_inside_a_window_continues_exactly(tmp_path, version, degr
         assert torch.equal(whole[key], resumed[key]), key
 
 
+class ScheduleProbe(Callback):
+    """At the end of fit: what the outer loop's schedule is and why (rank 0 writes ``<folder>/schedule.pt``)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        outer = trainer.strategy.outer_sync
+        if trainer.global_rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            torch.save({"schedule": outer.schedule(), "why": outer.chosen.why}, self.folder / "schedule.pt")
+
+
+def test_what_auto_chose_comes_back_with_a_checkpoint_and_is_not_chosen_again(tmp_path):
+    """every='auto', delay='auto' on the DDP engine (4 groups of one rank): the calibration sync at step 10 chooses;
+    the checkpoint of step 12 keeps the choice; the run resumed from it takes it (no second calibration: its reason
+    says so) and ends bit-equal to the run that was not interrupted."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(folder: Path, ckpt_path: Path | None = None) -> dict[str, torch.Tensor]:
+        strategy = HybridShardFSDPStrategy(hybrid_shard_degree=1, fsdp_version=2, start_method="fork",
+                                           replica_sync={"every": "auto", "delay": "auto"})
+        torch.manual_seed(0)
+        model = TinyModel(optimizer="adam")
+        saving = ModelCheckpoint(dirpath=folder / "checkpoints", save_top_k=-1, every_n_train_steps=12)
+        trainer = cpu_trainer(strategy, folder, WORLD, max_steps=16, callbacks=[saving, ScheduleProbe(folder)],
+                              enable_checkpointing=True)
+        trainer.fit(model, make_loader(samples=192), ckpt_path=ckpt_path)  # (12 steps an epoch: step 12 ends one)
+        return {key: value.detach().clone() for key, value in model.state_dict().items()}
+
+    whole = fit(tmp_path / "whole")
+    (saved,) = (tmp_path / "whole" / "checkpoints").glob("epoch=*-step=12.ckpt")
+    chose = torch.load(tmp_path / "whole" / "schedule.pt", weights_only=False)
+    assert chose["schedule"]["origin"] == 10 and chose["why"].startswith("a crossing of ")
+    resumed = fit(tmp_path / "resumed", saved)
+    kept = torch.load(tmp_path / "resumed" / "schedule.pt", weights_only=False)
+    assert kept["schedule"] == chose["schedule"] and "kept by the checkpoint" in kept["why"]
+    assert all(torch.equal(whole[key], resumed[key]) for key in whole)
+
+
 @pytest.mark.parametrize("kind", ["sharded", "full"])
 def test_a_run_resumed_with_another_outer_momentum_takes_the_new_one(tmp_path, kind):
     """A checkpoint saved with outer momentum resumes without it (outer_momentum=0: the saved momentum is not
