@@ -6,21 +6,25 @@ group), the project's small GPT over bytes of a real text corpus that every mach
 library's own ``.py`` sources (sorted by path, the last tenth held out for validation). Every row reads the same
 training windows in the same order and validates on the same held-out windows (:mod:`benchmarks.semi_sync_run`):
 
-- synchronous hybrid sharding; DiLoCo at H = 5, 20, 100 (the paper's outer optimizer: Nesterov SGD, lr 0.7, momentum
-  0.9), H = 20 with 4 streaming fragments, and H = 20 with plain averaging (outer lr 1, no momentum); both groups training
-  side by side and never syncing (nothing crosses the link: the compute bound, with the 4 ranks sharing this
-  machine's cores as in every other row); one group alone on one node (its own compute, on cores it shares with
-  nobody, and the loss of one group reading half the samples per step);
+- the rows (:data:`ROWS`): synchronous hybrid sharding (two seeds); the paper's outer optimizer (Nesterov SGD, lr
+  0.7, momentum 0.9) at H = 5, 20, 100 and Streaming DiLoCo's 4 fragments at H = 20; the defaults (``{"every": H}``
+  alone: the groups' mean) at H = 5, 20, 100 (two seeds); H = 5 and 20 overlapped (``delay``), H = 20 overlapped
+  with Streaming DiLoCo's landing rule (the one measured against), H = 20 overlapped and compressed (bf16, int8,
+  int4); ``every="auto"`` with ``delay="auto"`` at the benchmark's rate and at 1 Gbit/s; both groups training side by
+  side and never syncing (nothing crosses the link: the compute bound, with the 4 ranks sharing this machine's cores
+  as in every other row); one group alone on one node;
 - per row: the step (training time, validation excluded, over the optimizer steps: the amortised step, syncs
   included), the bytes on the link per step (both nodes' counters, validation excluded), the validation loss after
-  the synchronous run's samples, and the training time at which the validation loss first reaches the synchronous
-  run's final one (the DiLoCo rows train ``--longer`` times as many steps to get there, the validation loss at equal
-  samples is read at the synchronous run's last step).
+  the synchronous run's samples (each further seed trains to there only: the spread at equal samples), and the
+  training time at which the validation loss first reaches the synchronous run's final one (the semi-synchronous
+  rows train ``--longer`` times as many steps to get there).
 
-Targets (checked in the same run, a miss reported, never hidden): bytes per step <= synchronous / H (+ 10 % for
-headers); at H >= 20 a step <= 1.2x the compute bound; the validation loss within 3 % of synchronous at equal samples
-for H <= 20 (the report says where it stops holding); the time to the synchronous run's final loss at least 3x
-shorter. Writes ``benchmarks/results/semi_sync.{json,md,png}``.
+Targets (checked in the same run, a miss reported, never hidden): the defaults and ``"auto"`` within 2 % of
+synchronous at equal samples (the worse seed); every overlapped row and ``"auto"`` <= 1.05x the compute bound;
+overlap within 1 % of the blocking defaults at the same H, compression within 1 % of the overlapped float32 row;
+int8's bytes per step <= 0.3 x synchronous / H; the fastest of the library's rows to the synchronous final loss at
+least 4x sooner. Today's rows keep their checks, reported (bytes per step <= synchronous / H + 10 %, 1.2x at
+H >= 20, 3 %). Writes ``benchmarks/results/semi_sync.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -175,21 +179,28 @@ def _check(name: str, value: float, target: float, unit: str, le: bool = True, r
     return {"name": name, "value": value, "target": target, "ok": ok, "unit": unit, "le": le, "required": required}
 
 
+def _shipped(row: dict[str, Any]) -> bool:
+    """A row of what the library offers by default or by one key (not the paper's optimizer nor the landing rule
+    measured against)."""
+    return row.get("mix") is None and row.get("outer", "average") == "average" and row["every"] not in (None, NEVER)
+
+
 def targets(rows: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
     """The issue's targets, each checked against this run (``required``: a target of this release; the others
-    are today's, reported)."""
+    are reported: today's rows, and the landing rule measured against)."""
     sync = rows[0]
     compute = next(r for r in rows if r["every"] == NEVER)["step_s"]
     final = loss_at(sync["curve"], steps)
-    # the blocking defaults row at each H: what overlap and compression are compared with
+    seeds = sync.get("seed_losses") or [final]
+    # what overlap is compared with: the blocking defaults row at each H; compression: the overlapped float32 row
     blocking = {r["every"]: r for r in rows if r["defaults"]}
+    overlapped = {r["every"]: r for r in rows if r["delay"] and r["compress"] == "none" and _shipped(r)}
     checks, speedups = [], []
     for row in rows[1:]:
         if row["every"] is None or row["every"] == NEVER:
             continue
         label, every = row["label"], row["schedule"]["every"] if row["every"] == "auto" else row["every"]
-        ratio = loss_at(row["curve"], steps) / final - 1
-        overlapped, compressed = bool(row["delay"]), row["compress"] != "none"
+        delayed, compressed, shipped = bool(row["delay"]), row["compress"] != "none", _shipped(row)
         if row["every"] != "auto":
             if compressed:
                 share = {"bf16": 0.55, "int8": 0.3, "int4": 0.3}[row["compress"]]
@@ -200,25 +211,31 @@ def targets(rows: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
                 bound = sync["bytes_per_step"] / every * 1.1
                 checks.append(_check(f"{label}: bytes per step <= synchronous / H (+10 %)", row["bytes_per_step"] / 1e6,
                                      bound / 1e6, "MB"))
-        if overlapped or row["every"] == "auto":
-            checks.append(_check(f"{label}: step / compute bound", row["step_s"] / compute, 1.05, "x"))
+        if delayed or row["every"] == "auto":
+            checks.append(_check(f"{label}: step / compute bound", row["step_s"] / compute, 1.05, "x",
+                                 required=shipped))
         elif every >= 20:
             checks.append(_check(f"{label}: step / compute bound", row["step_s"] / compute, 1.2, "x",
                                  required=False))
+        # (over every seed the row ran, each against the synchronous run of that seed: the worst)
+        ratio = max(loss / base - 1 for loss, base in zip(row.get("seed_losses") or [loss_at(row["curve"], steps)],
+                                                            seeds))
         required = row["defaults"] or row["every"] == "auto"
-        checks.append(_check(f"{label}: validation loss over synchronous at equal samples", ratio * 100,
+        checks.append(_check(f"{label}: validation loss over synchronous at equal samples"
+                             + (" (the worse seed)" if row.get("seeds", 1) > 1 else ""), ratio * 100,
                              2.0 if required else 3.0, "%", required=required))
-        base = blocking.get(every)
-        if (overlapped or compressed) and base is not None and base is not row:
+        base, what = (overlapped.get(every), "compression") if compressed else (blocking.get(every), "overlap")
+        if (delayed or compressed) and base is not None and base is not row:
             cost = loss_at(row["curve"], steps) / loss_at(base["curve"], steps) - 1
-            what = " and ".join(w for w, on in (("overlap", overlapped), ("compression", compressed)) if on)
-            checks.append(_check(f"{label}: validation loss over the blocking defaults at H={every} ({what})",
-                                 cost * 100, 1.0 * (overlapped + compressed), "%"))
-        reached = row["seconds_to_sync_final_loss"]
-        speedups.append((sync["seconds_to_sync_final_loss"] / reached if reached else 0.0, label))
-    best, label = max(speedups)
-    checks.append(_check(f"time to the synchronous final loss, synchronous / the fastest row ({label})", best, 4.0,
-                         "x", le=False))
+            checks.append(_check(f"{label}: validation loss over {base['label']} ({what})", cost * 100, 1.0, "%",
+                                 required=shipped))
+        if shipped:
+            reached = row["seconds_to_sync_final_loss"]
+            speedups.append((sync["seconds_to_sync_final_loss"] / reached if reached else 0.0, label))
+    if speedups:
+        best, label = max(speedups)
+        checks.append(_check(f"time to the synchronous final loss, synchronous / the fastest row ({label})", best,
+                             4.0, "x", le=False))
     return checks
 
 
@@ -367,10 +384,6 @@ def main(argv: list[str] | None = None) -> int:
     result = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "corpus": about,
               "params": params, "steps": args.steps, "sync_final_loss": final,
               "seconds": time.monotonic() - began,
-              "compute_bound_step_s": next(r for r in rows if r["every"] == NEVER)["step_s"], "rows": rows,
-              "checks": targets(rows, args.steps)}
-    result = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "corpus": about,
-              "params": params, "steps": args.steps, "sync_final_loss": final,
               "compute_bound_step_s": next(r for r in rows if r["every"] == NEVER)["step_s"], "rows": rows,
               "checks": targets(rows, args.steps)}
     write(result, args.out)

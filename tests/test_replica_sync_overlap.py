@@ -30,7 +30,8 @@ def _model() -> nn.Module:
 
 
 def _digest(tensors: list[torch.Tensor]) -> str:
-    return hashlib.sha1(b"".join(t.detach().contiguous().numpy().tobytes() for t in tensors)).hexdigest()
+    return hashlib.sha1(b"".join(t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+                                 for t in tensors)).hexdigest()
 
 
 def _train(rank: int, world: int, steps: int, options: dict) -> list[dict]:
@@ -115,6 +116,9 @@ def test_an_overlapped_sync_moves_each_group_by_the_synced_copy_s_move(every, fr
 
 
 def _no_delay_equals_blocking(rank: int, world: int) -> bool:
+    """Every 2 steps for 6 steps, then the end of training's sync: with a delay of 1 the crossing of step 6 is still
+    in flight then, and the end lands it (a sync recorded at step 6) and syncs nothing more (nothing trained since it
+    left); without, it landed at once. Three syncs either way; every group ends equal."""
     runs = []
     for delay in (0, 1):
         model = _model()
@@ -127,7 +131,9 @@ def _no_delay_equals_blocking(rank: int, world: int) -> bool:
             ((model(x) - y) ** 2).mean().backward()
             inner.step()
             outer.after_step()
-        outer.sync()  # (the end of fit: every group equal)
+        in_flight = outer.pending
+        assert outer.sync() == [] and not outer.pending  # (the end of fit: every group equal)
+        assert (in_flight, outer.syncs, outer.report.step) == (bool(delay), 3, 6)
         runs.append(_digest(list(model.parameters())))
         digests: list[str] = [""] * world
         dist.all_gather_object(digests, runs[-1])
@@ -198,7 +204,7 @@ def test_auto_chooses_alike_on_every_rank_after_its_calibration_sync():
     assert all(not s for s in launched[:calibration - 1])
     turns = [(step + 1, s) for step, s in enumerate(launched) if s and step + 1 > calibration]
     assert turns[0] == (calibration + every // 2, [0])  # then in turn, from the calibration's step
-    assert schedule == {"every": every, "delay": delay, "origin": calibration}
+    assert schedule == {"every": every, "delay": delay, "origin": calibration, "fragments": 2}
 
 
 @pytest.mark.parametrize(("values", "match"), [
@@ -219,3 +225,83 @@ def test_the_outer_preset_fills_only_the_keys_not_given():
     paper = ReplicaSync.from_mapping({"every": 5, "outer": "nesterov"})
     assert (paper.outer_lr, paper.outer_momentum, paper.nesterov) == (0.7, 0.9, True)
     assert ReplicaSync.from_mapping({"every": 5, "outer": "nesterov", "outer_lr": 0.5}).outer_lr == 0.5
+
+
+def _many_buckets(rank: int, world: int, dtype: torch.dtype) -> list:
+    """int8 with a delay of 2 over buckets of 64 bytes (several exchanges in flight, each with its second stage);
+    at every step: the synced weights shown in place of the group's and hidden again, then every rank's synced
+    copies and, after the last sync, parameters."""
+    model = _model().to(dtype)
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    outer = OuterSync(model.parameters(), None, every=3, delay=2, compress="int8", bucket_bytes=64)
+    generator = torch.Generator().manual_seed(100 + rank)
+    seen = []
+    for _ in range(9):
+        x, y = torch.randn(32, 8, generator=generator), torch.randn(32, 4, generator=generator)
+        inner.zero_grad()
+        ((model(x.to(dtype)) - y.to(dtype)) ** 2).mean().backward()
+        inner.step()
+        outer.after_step()
+        own = [p.detach().clone() for p in model.parameters()]
+        outer.show_synced()  # (validation while a crossing is in flight: the synced weights, then the group's own)
+        shown = [p.detach().clone() for p in model.parameters()]
+        outer.hide_synced()
+        synced = [s.detach().clone() for s in outer.fragments[0].synced]
+        assert all(torch.equal(a, b) for a, b in zip(shown, synced)) or not outer.pending
+        assert all(torch.equal(a, p) for a, p in zip(own, model.parameters()))
+        seen.append(_digest(synced))
+    outer.sync()
+    return seen, _digest(list(model.parameters())), outer.sync_bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_compressed_overlapped_sync_over_many_buckets_leaves_every_group_bit_equal(dtype):
+    runs = run_distributed(_many_buckets, WORLD, dtype)
+    assert all(run[0] == runs[0][0] for run in runs) and len(set(runs[0][0])) > 1  # synced copies, every step
+    assert len({run[1] for run in runs}) == 1  # the parameters after the last sync
+    # what a window puts into the crossing: each value in 1 byte, a float32 scale per 256 of them (either dtype)
+    values = sum(p.numel() for p in _model().parameters())
+    assert runs[0][2] == -(-values // 256) * (256 + 4)
+
+
+def _loaded_in_flight(rank: int, world: int) -> tuple[bool, bool]:
+    """A crossing in flight when the outer state is loaded (a rewind): it is dropped, not applied to what was
+    loaded."""
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    outer = OuterSync(model.parameters(), None, every=3, delay=2)
+    saved = outer.state_dict()
+    start = [p.detach().clone() for p in model.parameters()]
+    generator = torch.Generator().manual_seed(100 + rank)
+    for _ in range(3):
+        x, y = torch.randn(32, 8, generator=generator), torch.randn(32, 4, generator=generator)
+        inner.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        inner.step()
+        outer.after_step()
+    in_flight = outer.pending
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), start):
+            p.copy_(value)
+    outer.load_state_dict(saved)
+    outer.after_step()
+    outer.after_step()  # (where the crossing would have landed)
+    return in_flight, all(torch.equal(p, value) for p, value in zip(model.parameters(), start))
+
+
+def test_a_load_drops_the_crossing_in_flight():
+    assert run_distributed(_loaded_in_flight, 2) == [(True, True)] * 2
+
+
+def test_a_kept_schedule_that_does_not_fit_the_settings_is_not_taken():
+    def outer(**options):
+        return OuterSync(_model().parameters(), None, **options)
+
+    kept = {"every": 6, "delay": 2, "origin": 10, "fragments": 2}
+    assert outer(every="auto", delay="auto", fragments=2).set_schedule(kept)
+    assert not outer(every="auto", delay="auto", fragments=3).set_schedule(kept)  # (other fragments)
+    assert not outer(every=12, delay="auto", fragments=2).set_schedule(kept)  # (another every given)
+    assert not outer(every="auto", delay=1, fragments=2).set_schedule(kept)  # (another delay given)
+    assert outer(every="auto", delay=2, fragments=2).set_schedule(kept)
+    with pytest.raises(HybridShardConfigError, match="every=3 with delay='auto' and fragments=2"):
+        outer(every=3, delay="auto", fragments=2)

@@ -62,8 +62,8 @@ class ReplicaSync:
             blocks); the outer step then moves each group's parameters by what it moves the synced copy, keeping the
             group's own progress of those steps. Below ``every / fragments``. ``"auto"``: the steps the measured
             crossing takes.
-        compress: how the pseudo-gradients cross: ``"none"`` (float32), ``"bf16"``, or ``"int8"`` / ``"int4"`` (a
-            float32 scale per block of 256 values); every group applies the same decoded average.
+        compress: how the pseudo-gradients cross: ``"none"`` (in the parameters' dtype), ``"bf16"``, or ``"int8"`` /
+            ``"int4"`` (a float32 scale per block of 256 values); every group applies the same decoded average.
     """
 
     every: int | str
@@ -120,9 +120,11 @@ class ReplicaSync:
                     f" {spacing - 1}, or every >= {(record.delay + 1) * record.fragments}."
                 )
         if record.nesterov and record.outer_momentum == 0:
+            preset = (f" (nesterov from outer={record.outer!r})" if checked.get("nesterov") is None else
+                      f" (outer_momentum from outer={record.outer!r})" if checked.get("outer_momentum") is None else "")
             raise HybridShardConfigError(
-                f"{where}: nesterov=True with outer_momentum=0: Nesterov needs momentum. Fix: nesterov=False, or an"
-                " outer_momentum above 0 (0.9)."
+                f"{where}: nesterov=True with outer_momentum=0{preset}: Nesterov needs momentum. Fix: nesterov=False"
+                f" (or outer={OUTER_AVERAGE!r}, the groups' mean), or an outer_momentum above 0 (0.9)."
             )
         return record
 
@@ -188,7 +190,7 @@ def check_replica_sync(value: Any, where: str = "replica_sync") -> dict[str, Any
 #: what a wrong word of each choice key needs to be told
 _MEANINGS = {"outer": f" Fix: {OUTER_AVERAGE!r} (the groups' mean) or {OUTER_NESTEROV!r} (the DiLoCo paper's).",
              "backup": f" Fix: {BACKUP_DEVICE!r} (beside the parameters) or {BACKUP_CPU!r} (host memory).",
-             "compress": f" Fix: {COMPRESS_NONE!r} (float32), 'bf16', 'int8' or 'int4'."}
+             "compress": f" Fix: {COMPRESS_NONE!r} (the parameters' dtype), 'bf16', 'int8' or 'int4'."}
 
 
 def fault_tolerant_sync_refusal(sync: ReplicaSync) -> str | None:

@@ -297,7 +297,11 @@ class ReplicaSyncSteps:
             restore_outer(self._outer, shadow, int(record["steps"]) if isinstance(record, dict) else 0)
             schedule = record.get("schedule") if isinstance(record, dict) else None
             if isinstance(schedule, dict) and self.core.replica_sync is not None and self.core.replica_sync.auto:
-                self._outer.set_schedule(schedule)
+                if not self._outer.set_schedule(schedule) and (not dist.is_initialized() or dist.get_rank() == 0):
+                    warnings.warn(
+                        f"replica_sync: the checkpoint's schedule ({schedule}) does not fit this run's settings"
+                        f" ({self.core.replica_sync.describe()}): 'auto' chooses again, from a new calibration sync.",
+                        stacklevel=2)
 
 
 __all__ = ["OUTER_ENTRY", "ReplicaSyncSteps", "inner_entry"]

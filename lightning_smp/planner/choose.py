@@ -122,6 +122,7 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
     wrapped = {id(p) for target in engine.prediction.units_of(model, auto_wrap_policy) for p in target.parameters()}
     root_is_last = bool(units) and any(id(p) not in wrapped for p in units[-1])
     unit_bytes = [sum(p.numel() * p.element_size() for p in unit) for unit in units]
+    element_size = next((p.element_size() for p in model.parameters()), 4)  # (the pseudo-gradients' dtype)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     if activation_bytes is not None:
         activations, source = int(activation_bytes), GIVEN
@@ -162,7 +163,8 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
         replica_link, replica_inter = axis_link(link, world_size, layout.shard, False, per_node)
         if sync is not None:  # an inner step sends nothing across the groups; a sync, each rank's part, every H
             figure = {**figure, "replicate": {}}
-            sent = sync_payload_bytes(part, sync.compress)  # (a compressed payload: its encoded bytes)
+            # (a compressed payload: its encoded bytes)
+            sent = sync_payload_bytes(part // element_size, sync.compress, element_size)
             sync_ops = {"all_reduce": {"count": 1, "bytes": sent,
                                        "ring_bytes": ring_bytes("all_reduce", sent, replicas)}}
         run = {axis: as_run(ops, link.reduce_scatter_as_all_reduce) for axis, ops in figure.items()}  # as run
@@ -179,8 +181,10 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
         if sync is None:
             replica_s = collective_seconds(run["replicate"], replicas, *replica_link)
         else:  # (the window and overlap as "auto" would choose them from this row's crossing and step, or as given)
-            schedule = choose_schedule(collective_seconds(sync_ops, replicas, *replica_link), timed.seconds,
-                                       sync.fragments, sync.every, sync.delay)
+            # (no device throughput: the step's compute unknown, nothing known to hide the crossing under)
+            schedule = choose_schedule(collective_seconds(sync_ops, replicas, *replica_link),
+                                       timed.seconds if link.device_flops else 0.0, sync.fragments, sync.every,
+                                       sync.delay)
             replica_s = schedule.shown_s / schedule.every if schedule.every else schedule.shown_s
         return DegreePlan(
             degree=degree, sharding_strategy=layout.sharding_strategy, shard=layout.shard, replicas=replicas,
@@ -188,7 +192,7 @@ def plan(model: Module, *, world_size: int, devices_per_node: int | None = None,
             peak_bytes=peak, fits=peak * (1 + headroom) <= budget,
             shard_bytes=int(sum(e["bytes"] for e in figure["shard"].values())),
             replicate_bytes=(int(sum(e["bytes"] for e in figure["replicate"].values())) if schedule is None else
-                             int(sent / schedule.every)),
+                             int(sent / (schedule.every or 1))),
             shard_seconds=shard_s, replicate_seconds=replica_s,
             shard_link="-" if layout.shard <= 1 else ("inter-node" if shard_inter else "intra-node"),
             replicate_link="-" if replicas <= 1 else ("inter-node" if replica_inter else "intra-node"),

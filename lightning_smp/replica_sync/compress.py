@@ -24,6 +24,8 @@ between polls. Nothing here depends on the device: buffers go where the tensor i
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -66,15 +68,16 @@ def encoded_bytes(numel: int, fmt: str) -> int:
     return 4 * _blocks(numel, fmt) + (numel if fmt == "int8" else numel // 2)
 
 
-def sync_payload_bytes(nbytes: int, fmt: str) -> int:
-    """What ``nbytes`` of float32 values put into a crossing as ``fmt`` encodes them (the planner's and the
-    report's estimate, padding to whole blocks aside); ``"none"`` sends them as they are."""
+def sync_payload_bytes(values: int, fmt: str, element_size: int = 4) -> int:
+    """What ``values`` values of ``element_size`` bytes each (the parameters' dtype) put into a crossing as ``fmt``
+    encodes them (the planner's and the report's figure, padding to whole blocks aside); ``"none"`` sends them as
+    they are."""
     check_compression(fmt)
     if fmt == "none":
-        return nbytes
-    values = nbytes // 4
-    blocks = -(-values // BLOCK)
-    return encoded_bytes(blocks * BLOCK, fmt) if fmt != "bf16" else 2 * values
+        return values * element_size
+    if fmt == "bf16":
+        return 2 * values
+    return encoded_bytes(-(-values // BLOCK) * BLOCK, fmt)
 
 
 def encode(x: Tensor, fmt: str) -> Tensor:
@@ -122,6 +125,12 @@ class Exchange:
     ``__init__`` launches the first stage; :meth:`poll` advances through every stage whose collective has completed
     without blocking, :meth:`wait` blocks until the end. Leave ``flat`` alone until then. ``"none"`` takes any
     floating dtype (the plain all-reduce). With int8/int4 a NaN or infinity makes its whole block non-finite.
+
+    On an accelerator every stage is queued at once on a stream of its own (a collective's ``wait()`` there orders
+    the stream after it, without blocking the host): the host never waits, the compute stream only at :meth:`wait`,
+    and every rank issues the stages' collectives at the same point of its program (NCCL wants collectives on
+    different communicators issued in one order everywhere). On the CPU (gloo, whose ``wait()`` blocks) the stages
+    advance as :meth:`poll` finds each done.
     """
 
     def __init__(self, flat: Tensor, group: dist.ProcessGroup | None, compress: str,
@@ -138,8 +147,23 @@ class Exchange:
         self.done = self.size == 1 or flat.numel() == 0
         self.sent_bytes = 0
         self._work: dist.Work | None = None
+        self._stream: Any = None
         if self.done:
             return
+        if flat.device.type == "cpu":
+            self._start()
+            return
+        device = torch.get_device_module(flat.device)
+        self._stream = device.Stream(device=flat.device)
+        self._stream.wait_stream(device.current_stream(flat.device))  # (flat as the caller wrote it)
+        with device.stream(self._stream):
+            self._start()
+            while not self.done:
+                self._next()
+
+    def _start(self) -> None:
+        """The first stage's collective started (the caller's stream current)."""
+        flat, group, compress = self.flat, self.group, self.compress
         if compress == "none":  # what the plain all-reduce does, bit for bit: a sum (gloo has no average), then / G
             self.sent_bytes = round(ring_bytes("all_reduce", flat.numel() * flat.element_size(), self.size))
             self._work = dist.all_reduce(flat, group=group, async_op=True)
@@ -193,9 +217,13 @@ class Exchange:
         return self.done
 
     def wait(self) -> Tensor:
-        """Block until the average is in ``flat``; return ``flat``."""
+        """Block until the average is in ``flat`` (an accelerator: the current stream waits for it); return
+        ``flat``."""
         while not self.done:
             self._next()
+        if self._stream is not None:
+            torch.get_device_module(self.flat.device).current_stream(self.flat.device).wait_stream(self._stream)
+            self._stream = None
         return self.flat
 
 

@@ -161,6 +161,15 @@ class OuterSync:
         #: what ``"auto"`` chose, once it has (``None``: nothing to choose, or not yet)
         self.chosen: Schedule | None = None
         if AUTO in (every, delay):
+            if every != AUTO and (isinstance(every, bool) or not isinstance(every, int) or every < fragments
+                                  or every % fragments):
+                raise HybridShardConfigError(
+                    f"replica_sync every={every!r} with delay='auto' and fragments={fragments}: not a multiple of the"
+                    f" fragments. Fix: e.g. every={20 * fragments}, or every='auto'.")
+            if delay != AUTO and (isinstance(delay, bool) or not isinstance(delay, int) or delay < 0):
+                raise HybridShardConfigError(
+                    f"replica_sync delay={delay!r} with every='auto' is not a number of steps >= 0. Fix: e.g."
+                    " delay=2, or delay='auto'.")
             self.calibration = Calibration(every=every, delay=delay, fragments=fragments)
             every, delay = CALIBRATION_STEPS * fragments, 0
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -222,8 +231,9 @@ class OuterSync:
         self.crossed.clear()
         if self.calibration is not None:
             return self._calibrate()
-        for flight in self._in_flight:
-            flight.poll()  # (a compressed crossing's next stage starts as soon as its first is done)
+        for flight in self._in_flight:  # (a compressed crossing's next stage starts once its first is done)
+            if not flight.poll():
+                break  # (the next flight's stages after this one's, on every rank)
         landing = [flight for flight in self._in_flight if flight.lands <= self.steps]
         if landing:
             self.hide_synced()
@@ -242,6 +252,15 @@ class OuterSync:
         self._sync_fragments(pending, after_step=False)
         return pending
 
+    def _drop_in_flight(self) -> None:
+        """Every crossing in flight completed (its collectives stay paired across ranks) and dropped, unapplied;
+        nothing shown in place of this group's parameters any more (a load replaces both)."""
+        for flight in self._in_flight:
+            for _, exchange in flight.exchanges:
+                exchange.wait()
+        self._in_flight.clear()
+        self._kept = None
+
     def drain(self) -> None:
         """Land every crossing in flight now (a checkpoint, the end of fit, a sync of every fragment)."""
         if self._in_flight:
@@ -253,14 +272,16 @@ class OuterSync:
         blocking, timed; then choose (the same on every rank: the slowest rank's figures)."""
         calibration = self.calibration
         assert calibration is not None
+        device = self.parameters[0].device if self.parameters else torch.device("cpu")
+        _synchronize(device)  # (an accelerator's queue drained: the step's time, not its launch's)
         calibration.step_done()
         if len(calibration.marks) < self.every:  # (timed steps: a run resumed past them still times its own)
             return []
         due = list(range(len(self.fragments)))
         started = time.perf_counter()
         self._sync_fragments(due, after_step=True)
-        crossing = self.report.seconds if self.report is not None else time.perf_counter() - started
-        device = self.parameters[0].device if self.parameters else torch.device("cpu")
+        _synchronize(device)
+        crossing = time.perf_counter() - started
         self.chosen = calibration.choose(crossing, device)
         self.calibration = None
         self._reschedule(self.chosen.every, self.chosen.delay, self.steps)
@@ -300,8 +321,9 @@ class OuterSync:
     def sync_bytes(self) -> int:
         """Bytes of the pseudo-gradients this rank's part of one full window puts into the crossing: every fragment
         once, its parts in the parameters' dtype, or encoded (``compress``)."""
-        raw = sum(part.numel() * part.element_size() for fragment in self.fragments for part in fragment.parts)
-        return sync_payload_bytes(raw, self.compress)
+        return sum(sync_payload_bytes(sum(part.numel() for part in fragment.parts), self.compress,
+                                      fragment.parts[0].element_size())
+                   for fragment in self.fragments if fragment.parts)
 
     @property
     def pending(self) -> bool:
@@ -313,20 +335,30 @@ class OuterSync:
         them: ``"auto"`` chose them once); ``None`` while ``"auto"`` has not chosen yet."""
         if self.calibration is not None:
             return None
-        return {"every": self.every, "delay": self.delay, "origin": self.origin}
+        return {"every": self.every, "delay": self.delay, "origin": self.origin, "fragments": len(self.fragments)}
 
     @property
     def schedule_chosen(self) -> bool:
         """Whether ``"auto"`` chose the schedule (a checkpoint then keeps it)."""
         return self.chosen is not None
 
-    def set_schedule(self, schedule: dict[str, Any]) -> None:
-        """Back from :meth:`schedule` (a checkpoint of a run whose ``"auto"`` chose them: no new calibration)."""
+    def set_schedule(self, schedule: dict[str, Any]) -> bool:
+        """Back from :meth:`schedule` (a checkpoint of a run whose ``"auto"`` chose them: no new calibration), where
+        it fits this loop (its fragments, and ``every`` or ``delay`` as given, not ``"auto"``); returns whether it
+        did (else the loop calibrates as if new, and the caller says why)."""
         every, delay, origin = (int(schedule[k]) for k in ("every", "delay", "origin"))
-        if self.calibration is not None:
+        fragments = len(self.fragments)
+        given = self.calibration
+        if (int(schedule.get("fragments", fragments)) != fragments or every % fragments
+                or not 0 <= delay < every // fragments
+                or (given is not None and given.every != AUTO and int(given.every) != every)
+                or (given is not None and given.delay != AUTO and int(given.delay) != delay)):
+            return False
+        if given is not None:
             self.chosen = Schedule(every, delay, f"every {every} steps, delay {delay}: kept by the checkpoint")
         self.calibration = None
         self._reschedule(every, delay, origin)
+        return True
 
     def _reschedule(self, every: int, delay: int, origin: int) -> None:
         """The fragments' turns every ``every`` steps counted from step ``origin``, each crossing under ``delay``."""
@@ -341,29 +373,29 @@ class OuterSync:
             if indices:
                 self.rounds.sync(self, indices, after_step=after_step)
             return
-        flights = [self._launch(index) for index in indices]
+        flights = [self._launch(index, overlapped=bool(self.delay) and after_step) for index in indices]
         if self.delay and after_step:
             self._in_flight.extend(flights)  # (each lands ``delay`` steps later, in :meth:`after_step`)
         elif flights:
             self._land(flights)
 
     @torch.no_grad()
-    def _launch(self, index: int) -> InFlight:
-        """Fragment ``index``'s crossing started: its pseudo-gradients on their way to the average, in buckets, each
-        an :class:`~lightning_smp.replica_sync.compress.Exchange` of its own."""
+    def _launch(self, index: int, overlapped: bool = False) -> InFlight:
+        """Fragment ``index``'s crossing started: its pseudo-gradients on their way to the average, in flat buckets,
+        each an :class:`~lightning_smp.replica_sync.compress.Exchange` of its own (``overlapped``: training goes on
+        while it crosses, and the parameters as sent are kept for its landing)."""
         fragment = self.fragments[index]
         started = time.perf_counter()
-        pseudo = self.pseudo_gradients(fragment)
         exchanges = []
-        for bucket in _buckets(pseudo, self.bucket_bytes):
-            flat = _flatten_dense_tensors(bucket)
+        for bucket in _buckets(self.pseudo_gradients(fragment), self.bucket_bytes):
+            flat = _flatten_dense_tensors(bucket)  # (only the flat buffers are held while it crosses)
             if self.compress != COMPRESS_NONE:
                 flat = flat.float()  # (the codes and scales are taken from float32)
-            exchanges.append((bucket, Exchange(flat, self.group, self.compress, log=self.crossed)))
-        # (with a delay the parameters move on while it crosses: the merge needs them as they were sent)
-        sent = [part.clone() for part in fragment.parts] if self.delay else None
-        return InFlight(index, pseudo, exchanges, sent, fragment.synced_at < self.steps, self.steps,
-                        self.steps + self.delay, time.perf_counter() - started)
+            shapes = [torch.empty_like(t, device="meta") for t in bucket]  # (to cut the average back into tensors)
+            exchanges.append((shapes, Exchange(flat, self.group, self.compress, log=self.crossed)))
+        sent = [part.clone() for part in fragment.parts] if overlapped else None
+        return InFlight(index, exchanges, sent, fragment.synced_at < self.steps, self.steps,
+                        self.steps + (self.delay if overlapped else 0), time.perf_counter() - started)
 
     @torch.no_grad()
     def _land(self, flights: list[InFlight]) -> None:
@@ -374,15 +406,14 @@ class OuterSync:
         measured, seconds, payload = torch.zeros(3, dtype=torch.float64), 0.0, 0
         for flight in flights:
             started = time.perf_counter()
-            for bucket, exchange in flight.exchanges:
-                averaged = exchange.wait()
-                for target, value in zip(bucket, _unflatten_dense_tensors(averaged, bucket)):
-                    target.copy_(value)
+            average: list[Tensor] = []
+            for shapes, exchange in flight.exchanges:
+                average += _unflatten_dense_tensors(exchange.wait(), shapes)
                 payload += exchange.sent_bytes
             seconds += flight.seconds + time.perf_counter() - started
             fragment = self.fragments[flight.fragment]
-            for synced, gradient in zip(fragment.synced, flight.pseudo):
-                synced.grad = gradient.to(synced.device)
+            for synced, gradient in zip(fragment.synced, average, strict=True):
+                synced.grad = gradient.to(device=synced.device, dtype=synced.dtype)
             measured += self.measure(fragment, own=flight.trained, sent=flight.sent)
             if flight.sent is None or flight.launched == self.steps:
                 self.step_outer(fragment)
@@ -468,7 +499,8 @@ class OuterSync:
                                "synced_at": f.synced_at} for f in self.fragments]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Back from :meth:`state_dict` (the same parameters and fragments)."""
+        """Back from :meth:`state_dict` (the same parameters and fragments); a crossing in flight is dropped."""
+        self._drop_in_flight()
         self.steps = int(state["steps"])
         for fragment, saved in zip(self.fragments, state["fragments"], strict=True):
             with torch.no_grad():
@@ -486,7 +518,9 @@ class OuterSync:
     def restart_from_parameters(self, steps: int, momentum: list[Tensor] | None) -> None:
         """After a checkpoint (a sync point: the parameters are the synced ones) was loaded: the synced copies taken
         from the parameters, ``steps`` inner steps done, the outer momentum ``momentum`` (this rank's parts, in
-        :attr:`parameters`' order; ``None``: zeros, a checkpoint without it)."""
+        :attr:`parameters`' order; ``None``: zeros, a checkpoint without it). A crossing in flight is dropped: it
+        belonged to the weights the checkpoint replaced."""
+        self._drop_in_flight()
         self.steps = steps
         buffers = iter(momentum) if momentum is not None else None
         for fragment in self.fragments:
@@ -506,9 +540,8 @@ class InFlight:
     """A fragment's crossing on its way (:meth:`OuterSync._launch`), until it lands (:meth:`OuterSync._land`)."""
 
     fragment: int
-    #: this rank's part of the fragment's pseudo-gradient, averaged in place as the crossing lands
-    pseudo: list[Tensor]
-    #: each bucket of them and its exchange
+    #: each bucket of this rank's part of the fragment's pseudo-gradient (its tensors' shapes, on the meta device)
+    #: and its exchange, which averages it in a flat buffer
     exchanges: list[tuple[list[Tensor], Exchange]]
     #: the parameters as they were sent, where training goes on while it crosses (``delay``); else ``None``
     sent: list[Tensor] | None
@@ -520,10 +553,11 @@ class InFlight:
     #: the wall time its start took (the pseudo-gradients taken and the first collectives launched)
     seconds: float
 
-    def poll(self) -> None:
-        """Advance every exchange whose collective completed, without waiting."""
-        for _, exchange in self.exchanges:
-            exchange.poll()
+    def poll(self) -> bool:
+        """Advance the exchanges whose collectives completed, in bucket order, without waiting; stop at the first
+        still under way (each rank then starts the next stages' collectives in the same order: gloo pairs a process
+        group's collectives by the order they were issued). True when all are done."""
+        return all(exchange.poll() for _, exchange in self.exchanges)  # (all() stops at the first False)
 
 
 def _buckets(tensors: Sequence[Tensor], bucket_bytes: int) -> Iterator[list[Tensor]]:
@@ -541,6 +575,12 @@ def _buckets(tensors: Sequence[Tensor], bucket_bytes: int) -> Iterator[list[Tens
         filled += size
     if bucket:
         yield bucket
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for what ``device`` has queued (an accelerator's collectives and kernels return to the host at once)."""
+    if device.type != "cpu":
+        torch.get_device_module(device).synchronize(device)
 
 
 def _backup(part: Tensor, device: torch.device | None) -> Tensor:
