@@ -272,9 +272,10 @@ def in_crossing(args: argparse.Namespace, work: Path, how: str) -> list[dict[str
 
 #: the partition sweep's cuts, as multiples of the heartbeat timeout: from just under it to well over it
 CUT_FACTORS = (0.9, 1.1, 1.3, 1.5, 2.5)
-#: where a cut lands: as a crossing starts; as it ends (the vote, the commit fence, the next quorum); as the groups
-#: meet again after a first cut of 1.1 x the heartbeat (the quorum that takes the cut group back, and its heal)
-LANDINGS = ("crossing", "after_crossing", "rejoining")
+#: where a cut lands, and the cut lengths swept there: as a crossing starts (every factor); as it ends (the vote,
+#: the commit fence, the next quorum); as the groups meet again after a first cut of 1.1 x the heartbeat (the
+#: quorum that takes the cut group back, and its heal)
+LANDINGS = {"crossing": CUT_FACTORS, "after_crossing": (0.9, 1.5, 2.5), "rejoining": (1.1, 2.5)}
 
 
 def _together(jobs: Any, since: float, key: str) -> bool:
@@ -323,7 +324,7 @@ def partitions(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             jobs.wait_for(lambda key=key: _together(jobs, 0.0, key), args.timeout, "the groups meeting")
             met = time.time()
             for round_, landing, factor in ((r, landing, f) for r in range(args.partition_rounds)
-                                            for landing in LANDINGS for f in CUT_FACTORS):
+                                            for landing, factors in LANDINGS.items() for f in factors):
                 settled = 3 * every + 2  # (steps recorded since: the step time, and the groups apart no more)
                 jobs.wait_for(lambda since=since, key=key, settled=settled: _together(jobs, since, key) and sum(
                     r["time"] > since for r in jobs.records(0)) >= settled, args.timeout, "both groups together")
@@ -370,7 +371,7 @@ def partitions(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             totals[mode] = {"split": split, "cuts": sum(r["mode"] == mode for r in rows)}
             print(f"partition {mode}: {len(split)} split step(s) {split}", flush=True)
     return {"rows": rows, "totals": totals, "every": args.partition_every, "factors": list(CUT_FACTORS),
-            "landings": list(LANDINGS)}
+            "landings": {landing: list(factors) for landing, factors in LANDINGS.items()}}
 
 
 def parity(args: argparse.Namespace) -> dict[str, Any]:
@@ -494,12 +495,14 @@ def markdown(result: dict[str, Any]) -> str:
     part = result.get("partitions")
     if part:
         lines += ["## Partitions: the link cut inside a crossing, as it ends, and as the groups meet again", "",
-                  f"The link between the nodes goes down for {', '.join(f'{f:g}' for f in part['factors'])} x the"
-                  f" heartbeat timeout ({hb:g} s), then comes back; {max(r['round'] for r in part['rows']) + 1}"
-                  " rounds. Where it lands (node 1's link counter): `crossing`, as node 1's side of a crossing gets"
-                  " under way; `after_crossing`, as its last bytes have left (the vote, the commit fence, the next"
-                  " quorum); `rejoining`, a second cut as the groups meet again after a first one of 1.1 x the"
-                  " heartbeat (the quorum that takes the cut group back, and its heal). `steps`: plain fault"
+                  "The link between the nodes goes down for a multiple of the heartbeat timeout"
+                  f" ({hb:g} s), then comes back; {max(r['round'] for r in part['rows']) + 1} rounds. Where it lands"
+                  " (node 1's link counter): `crossing`, as node 1's side of a crossing gets under way; `after_crossing`,"
+                  " as its last bytes have left (the vote, the commit fence, the next quorum); `rejoining`, a second cut"
+                  " as the groups meet again after a first one of 1.1 x the heartbeat (the quorum that takes the cut"
+                  " group back, and its heal). The multiples: "
+                  + "; ".join(f"{landing} {', '.join(f'{f:g}' for f in factors)}" for landing, factors in
+                              (part.get("landings") or {"crossing": part["factors"]}).items()) + ". `steps`: plain fault"
                   f" tolerance; `syncs`: `replica_sync` every {part['every']} steps, the crossings a sync's. The"
                   " survivor's longest wait between two recorded steps (from a window before the first cut to the"
                   " groups meeting again), against the heartbeat plus the step, or the whole window with its sync,"
