@@ -541,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parity_steps", type=int, default=30)
     parser.add_argument("--partition_rounds", type=int, default=2, help="rounds of the partition sweep")
     parser.add_argument("--partition_every", type=int, default=5, help="replica_sync's every in the partition sweep")
+    parser.add_argument("--keep_logs", action="store_true", help="keep every group's logs (printed where)")
     parser.add_argument("--only", choices=["failure", "crossing", "overhead", "parity", "partitions"], default=None,
                         help="one part (the others are kept from the last results)")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -575,7 +576,10 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         print(f"bench-fault failed; its logs are kept in {work}")
         raise
-    shutil.rmtree(work, ignore_errors=True)
+    if args.keep_logs:
+        print(f"bench-fault: its logs are kept in {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     for key in ("recovery_s", "heal_s", "steps_lost", "bit_equal"):
         result[key] = result["fault_tolerance"][key]
     result["overhead_ratio"] = result["overhead"]["overhead_ratio"]
