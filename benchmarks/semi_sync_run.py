@@ -65,6 +65,10 @@ class Timeline(L.Callback):
         self.validations: list[dict[str, Any]] = []
         self.validating = 0.0
         self.validation_bytes = 0
+        #: the seconds the syncs held this rank's training (each sync's report: its start, and what was left to
+        #: wait when it landed), and how many
+        self.sync_held = 0.0
+        self.syncs = 0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         dist.barrier()  # (every rank starts the clock together; nothing else crosses the groups until the end)
@@ -73,6 +77,10 @@ class Timeline(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.marks.append((time.perf_counter(), link_tx_bytes()))
+        outer = trainer.strategy.outer_sync
+        report = outer.report if outer is not None else None
+        if report is not None and report.syncs > self.syncs:
+            self.syncs, self.sync_held = report.syncs, self.sync_held + report.seconds
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._started = (time.perf_counter(), link_tx_bytes())
@@ -146,6 +154,7 @@ def main() -> None:
     outer = strategy.outer_sync
     record = {"marks": timeline.marks, "validations": timeline.validations, "validating_s": timeline.validating,
               "validation_bytes": timeline.validation_bytes, "node": int(os.environ["GROUP_RANK"]),
+              "sync_held_s": timeline.sync_held, "syncs": timeline.syncs,
               # (what "auto" chose, and why)
               "schedule": outer.schedule() if outer is not None else None,
               "chosen": outer.chosen.why if outer is not None and outer.chosen is not None else None}

@@ -441,11 +441,12 @@ def test_the_semi_sync_benchmark_reports_every_figure_it_names(tmp_path, monkeyp
     (linear between validations), the targets, the plot; without the cluster harness it says why."""
     from benchmarks import semi_sync as bench
 
-    def record(step_s: float, sent_per_step: int, losses: list[float], every: int) -> dict:
+    def record(step_s: float, sent_per_step: int, losses: list[float], every: int, held: float = 0.0) -> dict:
         marks = [(i * step_s, i * sent_per_step) for i in range(len(losses) * every + 1)]
         validations = [{"step": (i + 1) * every, "train_s": (i + 1) * every * step_s, "val_loss": loss}
                        for i, loss in enumerate(losses)]
-        rank = {"marks": marks, "validations": validations, "validating_s": 0.0, "validation_bytes": 0, "node": 0}
+        rank = {"marks": marks, "validations": validations, "validating_s": 0.0, "validation_bytes": 0, "node": 0,
+                "sync_held_s": held, "syncs": 2}
         return {"ranks": [rank, {**rank, "node": 1}], "local_params": 1000}
 
     sync = bench.summarize(bench.Row("sync", None), record(1.0, 1000, [3.0, 2.0], 10), 8, "100mbit")
@@ -454,7 +455,7 @@ def test_the_semi_sync_benchmark_reports_every_figure_it_names(tmp_path, monkeyp
     overlapped = bench.summarize(bench.Row("H=20 overlapped", 20, keys={"delay": 4}),
                                  record(0.21, 50, [3.5, 2.5, 1.5, 1.0], 10), 8, "100mbit")
     int8 = bench.summarize(bench.Row("H=20 int8", 20, keys={"delay": 4, "compress": "int8"}),
-                           record(0.21, 10, [3.5, 2.51, 1.5, 1.0], 10), 8, "100mbit")
+                           record(0.21, 10, [3.5, 2.51, 1.5, 1.0], 10, held=0.4), 8, "100mbit")
     auto = bench.summarize(bench.Row("auto", "auto", keys={"delay": "auto"}), record(0.2, 20, [3.0, 2.02], 10), 8,
                            "100mbit")
     auto["schedule"] = {"every": 8, "delay": 3, "origin": 10}
@@ -495,9 +496,10 @@ def test_the_semi_sync_benchmark_reports_every_figure_it_names(tmp_path, monkeyp
               "params": 1000, "steps": 20, "sync_final_loss": 2.0, "compute_bound_step_s": 0.2, "rows": rows,
               "seconds": 60.0, "checks": list(checks.values())}
     text = bench.markdown(result)
-    assert "| H=20 | 0.250 | 1.25 x | 0.000 | 2.5000 | +25.00 % | 2: 0.3000 | 6.2 |" in text
-    assert "| sync | 1.000 | 5.00 x | 0.002 | 2.0000 | +0.00 % | 2: 0.0100 | 20.0 |" in text
-    assert "| never | 0.200 | 1.00 x | 0.000 | n/a | n/a | 1 | n/a |" in text
+    assert "| H=20 | 0.250 | 1.25 x | 0.0 | 0.000 | 2.5000 | +25.00 % | 2: 0.3000 | 6.2 |" in text
+    assert "| sync | 1.000 | 5.00 x | 0.0 | 0.002 | 2.0000 | +0.00 % | 2: 0.0100 | 20.0 |" in text
+    assert "| never | 0.200 | 1.00 x | 0.0 | 0.000 | n/a | n/a | 1 | n/a |" in text
+    assert "| H=20 int8 | 0.210 | 1.05 x | 10.0 | 0.000 |" in text  # (0.4 s held over 40 steps)
     bench.write(result, tmp_path)
     assert (tmp_path / "semi_sync.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "semi_sync.json").read_text())["compute_bound_step_s"] == 0.2

@@ -15,7 +15,13 @@ from torch import nn
 from lightning_smp import HybridShardConfigError
 from lightning_smp.config.replica_sync import ReplicaSync
 from lightning_smp.replica_sync import OuterSync
-from lightning_smp.replica_sync.auto import CALIBRATION_STEPS, EXPOSED_SHARE, HIDE_MARGIN, choose_schedule
+from lightning_smp.replica_sync.auto import (
+    CALIBRATION_STEPS,
+    EXPOSED_SHARE,
+    HIDE_MARGIN,
+    LINK_SHARE,
+    choose_schedule,
+)
 from lightning_smp.testing import run_distributed
 
 WORLD = 4
@@ -166,12 +172,14 @@ def test_compressed_syncs_leave_every_group_bit_equal_near_the_float32_average(c
 def test_auto_chooses_the_smallest_window_that_hides_the_crossing():
     # no overlap: the crossing (x the margin) may show 5 % of the window's compute
     assert choose_schedule(0.5, 0.1, 1, "auto", 0).every == -(-0.5 * HIDE_MARGIN // (EXPOSED_SHARE * 0.1))
-    # overlap chosen too: the steps that cover the crossing, the window one step longer
+    # overlap chosen too: the steps that cover the crossing (x the margin), the window long enough that the link is
+    # busy at most half of it
     chosen = choose_schedule(0.5, 0.1, 1, "auto", "auto")
-    assert (chosen.delay, chosen.every, chosen.shown_s) == (7, 8, 0.0)
+    assert (chosen.delay, chosen.every, chosen.shown_s) == (8, 15, 0.0)
+    assert 0.5 * HIDE_MARGIN <= LINK_SHARE * chosen.every * 0.1
     # fragments: each carries a quarter; the window a multiple of the fragments, each turn longer than the delay
     chosen = choose_schedule(0.5, 0.1, 4, "auto", "auto")
-    assert (chosen.delay, chosen.every) == (2, 12)
+    assert (chosen.delay, chosen.every) == (2, 16)
     # a given window caps the delay below a fragment's turn, and the rest shows
     chosen = choose_schedule(2.0, 0.1, 1, 10, "auto")
     assert chosen.delay == 9 and chosen.shown_s == pytest.approx(2.0 - 0.9)

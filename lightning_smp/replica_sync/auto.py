@@ -6,7 +6,7 @@ steps, a fragment's crossing is hidden where ``c / fragments <= delay * s``; wha
 sync. ``delay="auto"`` takes the steps the crossing needs, times :data:`HIDE_MARGIN` (a crossing shares the host's
 cores and the link with the step it runs under), and ``every="auto"`` the smallest window (a multiple of the
 fragments, each fragment's turn longer than the delay) whose shown crossing costs at most :data:`EXPOSED_SHARE` of
-its compute. Shorter windows keep the groups closer (the benchmark's quality is best at the shortest ``every``),
+its compute and whose crossings keep the link busy at most :data:`LINK_SHARE` of the time. Shorter windows keep the groups closer (the benchmark's quality is best at the shortest ``every``),
 so the smallest that meets the cost is the choice.
 
 At run time the outer loop measures both once (:class:`Calibration`): the first :data:`CALIBRATION_STEPS` steps
@@ -31,8 +31,12 @@ from lightning_smp.names import AUTO
 CALIBRATION_STEPS = 10
 #: the largest share of a window's compute that a crossing may show (1.05 x the compute bound)
 EXPOSED_SHARE = 0.05
-#: how much longer than its measured time a crossing is given to hide under compute
-HIDE_MARGIN = 1.25
+#: how much longer than its measured time (blocking, the cores idle) a crossing is given to hide under compute (it
+#: shares the host's cores and the link with the steps it runs under)
+HIDE_MARGIN = 1.5
+#: the largest share of a fragment's turn its crossing may keep the link busy (measured on ``make bench-semi-sync``:
+#: a window with the link busy 63 % of the time cost 1.19x the compute bound, windows at 20-25 % 1.06-1.11x)
+LINK_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -63,9 +67,10 @@ def choose_schedule(crossing_s: float, step_s: float, fragments: int, every: int
         if every != AUTO:  # (a given window caps it: the crossing lands before the next fragment's turn)
             delay = min(delay, int(every) // fragments - 1)
     delay = int(delay)
-    if every == AUTO:  # (with the margin: what may show)
+    if every == AUTO:  # (with the margin: what may show, and how long the link is busy)
         margined = max(0.0, per_fragment * HIDE_MARGIN - delay * step_s) * fragments
-        every = max(delay + 1, math.ceil(margined / (EXPOSED_SHARE * step_s * fragments)), 1) * fragments
+        every = max(delay + 1, math.ceil(margined / (EXPOSED_SHARE * step_s * fragments)),
+                    math.ceil(per_fragment * HIDE_MARGIN / (LINK_SHARE * step_s)), 1) * fragments
     every = int(every)
     shown = max(0.0, per_fragment - delay * step_s) * fragments  # (per window, as measured)
     compute = f"the window's {every * step_s:.3g} s of compute"
@@ -107,4 +112,4 @@ class Calibration:
         return self.chosen
 
 
-__all__ = ["CALIBRATION_STEPS", "EXPOSED_SHARE", "HIDE_MARGIN", "Calibration", "Schedule", "choose_schedule"]
+__all__ = ["CALIBRATION_STEPS", "EXPOSED_SHARE", "HIDE_MARGIN", "LINK_SHARE", "Calibration", "Schedule", "choose_schedule"]
