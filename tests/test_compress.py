@@ -13,6 +13,7 @@ import torch.distributed as dist
 from lightning_smp import HybridShardConfigError
 from lightning_smp.replica_sync.compress import BLOCK, FORMATS, Exchange, decode, encode, encoded_bytes
 from lightning_smp.testing import run_distributed
+from tests.helpers import BACKENDS, require_devices
 
 EPS = torch.finfo(torch.float32).eps  # 2**-23; the unit roundoff of float32 is EPS / 2
 LEVELS = {"int8": 127, "int4": 7}
@@ -180,3 +181,32 @@ def test_the_exchange_is_bit_equal_everywhere_and_the_average_written_out(world)
     assert runs[0]["bf16", whole][2] * 2 == runs[0]["none", whole][2]
     assert all(run["alone", fmt] == (True, 0) for run in runs for fmt in FORMATS)
     assert all(run["float64"] for run in runs)
+
+
+def _on_device(rank: int, world: int, backend: str, numel: int) -> dict:
+    """The exchange on the backend's device (a CUDA rank: its own GPU, every stage queued on a side stream), each
+    format's average brought back to the CPU."""
+    device = torch.device("cpu")
+    if backend != "gloo":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    x = _values(numel, _seed(world, rank, numel)).to(device)
+    averages = {}
+    for fmt in FORMATS:
+        flat = x.clone()
+        averages[fmt] = Exchange(flat, None, fmt).wait().cpu()
+    return averages
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_exchange_is_the_average_written_out_on_every_backend(backend):
+    require_devices(backend, 2)
+    numel = 1234
+    runs = run_distributed(_on_device, 2, backend, numel, backend=backend)
+    inputs = [_values(numel, _seed(2, rank, numel)) for rank in range(2)]
+    for fmt in FORMATS:
+        assert torch.equal(runs[0][fmt], runs[1][fmt]), fmt  # bit-equal on both ranks
+        if fmt != "none":
+            assert torch.equal(runs[0][fmt], _reference(inputs, fmt)), fmt
+        else:  # (one addition of two terms, then / 2: exact whatever the order)
+            assert torch.equal(runs[0][fmt], (inputs[0] + inputs[1]) / 2)
