@@ -39,6 +39,8 @@ class DegreePlan:
         compute_seconds, exposed_seconds, engine_seconds, step_seconds: one optimizer step's predicted compute,
             the communication not hidden behind it, the engine's own work where it adds to the compute (CPU), and
             their sum (:mod:`.timing`).
+        sync_every, sync_delay, sync_why: ``replica_sync``'s window and overlap at this degree (what ``"auto"``
+            chooses from the row's crossing and step, or as given), and why (0 and empty without it).
     """
 
     degree: int
@@ -62,8 +64,6 @@ class DegreePlan:
     step_seconds: float = 0.0
     engine_seconds: float = 0.0
     outer_bytes: int = 0
-    #: ``replica_sync``: the window and the overlap planned (what ``"auto"`` chose for this degree, or as given),
-    #: and why
     sync_every: int = 0
     sync_delay: int = 0
     sync_why: str = ""
