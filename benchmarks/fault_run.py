@@ -87,6 +87,42 @@ def vanish_inside_the_crossing(replicas: Any, after: int, how: str, marker: Path
     process_group.allreduce = allreduce
 
 
+def watch_heals(replicas: Any, out: Path, group: int, rank: int, *, freeze: float | None = None,
+                fail: bool = False, slow_serving: float | None = None) -> None:
+    """Each heal this rank begins is written to ``out``/heals<group>.jsonl (its time; the group's rank 0 alone), and
+    forced races: ``freeze``, this rank freezes (SIGSTOP, heartbeats too, no connection closed) as its first heal
+    begins, for that many seconds (a partition as a group heals); ``fail``, this rank's first heal fails (its transfer
+    raises, the group's other ranks receive theirs); ``slow_serving``, this rank's healing server answers its first
+    request that many seconds late (a transfer that a partition stalled: TCP's retransmission backoff)."""
+    transport = replicas._transport
+    receive, begun = transport.recv_checkpoint, []
+
+    def recv_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        begun.append(time.time())
+        if rank == 0:
+            with (out / f"heals{group}.jsonl").open("a") as f:
+                f.write(json.dumps({"time": begun[-1], "step": replicas.step}) + "\n")
+        if len(begun) == 1 and fail:
+            raise RuntimeError("injected: this rank's heal failed")
+        if len(begun) == 1 and freeze is not None:
+            subprocess.Popen(["sh", "-c", f"sleep {freeze}; kill -CONT {os.getpid()}"], start_new_session=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return receive(*args, **kwargs)
+
+    transport.recv_checkpoint = recv_checkpoint
+    if slow_serving is not None:
+        handler, served = transport._server.RequestHandlerClass, []
+
+        class Slow(handler):
+            def do_GET(self) -> None:  # noqa: N802  (the base class's name)
+                if not served:
+                    served.append(True)
+                    time.sleep(slow_serving)
+                super().do_GET()
+
+        transport._server.RequestHandlerClass = Slow
+
+
 def refuse_once(replicas: Any, at: int) -> None:
     """Report an error to torchft in committed step ``at``'s vote (after its crossing completed), once: the step is
     refused, as a failed fence would refuse it."""
@@ -137,6 +173,11 @@ def main() -> None:
     parser.add_argument("--perturb_at", type=int, default=None,
                         help="after this committed step, this group's weights move (its state differs from its peers')")
     parser.add_argument("--refuse_at", type=int, default=None, help="this committed step is refused after its crossing")
+    parser.add_argument("--freeze_in_heal", type=float, default=None,
+                        help="this group freezes as its first heal begins, for this many seconds")
+    parser.add_argument("--fail_heal_rank", type=int, default=None, help="this rank's first heal fails")
+    parser.add_argument("--slow_serving", type=float, default=None,
+                        help="this group's healing server answers its first request this many seconds late")
     args = parser.parse_args()
 
     fault_tolerance = None if args.no_ft else {"lighthouse": args.lighthouse, "group": args.group,
@@ -174,6 +215,9 @@ def main() -> None:
                                    out / f"vanished{args.group}" if fabric.global_rank == 0 else None, args.thaw_after)
     if args.refuse_at is not None and replicas is not None:
         refuse_once(replicas, args.refuse_at)
+    if replicas is not None:
+        watch_heals(replicas, out, args.group, fabric.global_rank, freeze=args.freeze_in_heal,
+                    fail=args.fail_heal_rank == fabric.global_rank, slow_serving=args.slow_serving)
     loop_start = time.time()  # (the first step's time after it: what the start costs)
 
     while step() < args.steps:

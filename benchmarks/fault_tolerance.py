@@ -273,9 +273,15 @@ def in_crossing(args: argparse.Namespace, work: Path, how: str) -> list[dict[str
 #: the partition sweep's cuts, as multiples of the heartbeat timeout: from just under it to well over it
 CUT_FACTORS = (0.9, 1.1, 1.3, 1.5, 2.5)
 #: where a cut lands, and the cut lengths swept there: as a crossing starts (every factor); as it ends (the vote,
-#: the commit fence, the next quorum); as the groups meet again after a first cut of 1.1 x the heartbeat (the
-#: quorum that takes the cut group back, and its heal)
-LANDINGS = {"crossing": CUT_FACTORS, "after_crossing": (0.9, 1.5, 2.5), "rejoining": (1.1, 2.5)}
+#: the commit fence, the next quorum); as the cut group heals, after a first cut of 1.1 x the heartbeat (the
+#: quorum that takes it back formed, its transfer from the survivor begun)
+LANDINGS = {"crossing": CUT_FACTORS, "after_crossing": (0.9, 1.5, 2.5), "heal": (1.1, 2.5)}
+
+
+def _heals(out: Path) -> int:
+    """How many heals node 1's group has begun (its rank 0's lines in ``heals1.jsonl``, written by the script)."""
+    path = out / "heals1.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def _together(jobs: Any, since: float, key: str) -> bool:
@@ -324,7 +330,8 @@ def partitions(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             jobs.wait_for(lambda key=key: _together(jobs, 0.0, key), args.timeout, "the groups meeting")
             met = time.time()
             for round_, landing, factor in ((r, landing, f) for r in range(args.partition_rounds)
-                                            for landing, factors in LANDINGS.items() for f in factors):
+                                            for landing, factors in LANDINGS.items() for f in factors
+                                            if landing in args.landings):
                 settled = 3 * every + 2  # (steps recorded since: the step time, and the groups apart no more)
                 jobs.wait_for(lambda since=since, key=key, settled=settled: _together(jobs, since, key) and sum(
                     r["time"] > since for r in jobs.records(0)) >= settled, args.timeout, "both groups together")
@@ -333,13 +340,18 @@ def partitions(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 # (one sync: a whole window, its inner steps and the sync's own crossing, as the survivor took it)
                 window_s = statistics.median(b - a for a, b in zip(times, times[every:]))
                 first = None
-                if landing == "rejoining":  # (a first cut the survivor abandons, then the second as it mends)
+                if landing == "heal":  # (a first cut the survivor leaves, then the second as the cut group heals)
+                    healed = _heals(out)
                     _crossing_started(cluster, 1, 64 * 1024, args.timeout)
                     first = time.time()
                     cluster.cut("down")
                     time.sleep(1.1 * hb)
                     cluster.mend()
-                begun = _crossing_started(cluster, 1, 64 * 1024, args.timeout)
+                    jobs.wait_for(lambda healed=healed, out=out: _heals(out) > healed, args.timeout,
+                                  "node 1's group healing")
+                    begun = time.time()
+                else:
+                    begun = _crossing_started(cluster, 1, 64 * 1024, args.timeout)
                 if landing == "after_crossing":
                     begun = _crossing_ended(cluster, 1, args.timeout)
                 cluster.cut("down")
@@ -371,7 +383,7 @@ def partitions(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             totals[mode] = {"split": split, "cuts": sum(r["mode"] == mode for r in rows)}
             print(f"partition {mode}: {len(split)} split step(s) {split}", flush=True)
     return {"rows": rows, "totals": totals, "every": args.partition_every, "factors": list(CUT_FACTORS),
-            "landings": {landing: list(factors) for landing, factors in LANDINGS.items()}}
+            "landings": {landing: list(factors) for landing, factors in LANDINGS.items() if landing in args.landings}}
 
 
 def parity(args: argparse.Namespace) -> dict[str, Any]:
@@ -494,13 +506,13 @@ def markdown(result: dict[str, Any]) -> str:
              "![step timeline](fault_tolerance.png)", ""]
     part = result.get("partitions")
     if part:
-        lines += ["## Partitions: the link cut inside a crossing, as it ends, and as the groups meet again", "",
+        lines += ["## Partitions: the link cut inside a crossing, as it ends, and as the cut group heals", "",
                   "The link between the nodes goes down for a multiple of the heartbeat timeout"
                   f" ({hb:g} s), then comes back; {max(r['round'] for r in part['rows']) + 1} rounds. Where it lands"
                   " (node 1's link counter): `crossing`, as node 1's side of a crossing gets under way; `after_crossing`,"
-                  " as its last bytes have left (the vote, the commit fence, the next quorum); `rejoining`, a second cut"
-                  " as the groups meet again after a first one of 1.1 x the heartbeat (the quorum that takes the cut"
-                  " group back, and its heal). The multiples: "
+                  " as its last bytes have left (the vote, the commit fence, the next quorum); `heal`, a second cut"
+                  " as the cut group begins to heal from the survivor after a first cut of 1.1 x the heartbeat (the"
+                  " quorum that takes it back formed; found by the group's own mark of a heal). The multiples: "
                   + "; ".join(f"{landing} {', '.join(f'{f:g}' for f in factors)}" for landing, factors in
                               (part.get("landings") or {"crossing": part["factors"]}).items()) + ". `steps`: plain fault"
                   f" tolerance; `syncs`: `replica_sync` every {part['every']} steps, the crossings a sync's. The"
@@ -541,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parity_steps", type=int, default=30)
     parser.add_argument("--partition_rounds", type=int, default=2, help="rounds of the partition sweep")
     parser.add_argument("--partition_every", type=int, default=5, help="replica_sync's every in the partition sweep")
+    parser.add_argument("--landings", nargs="+", choices=list(LANDINGS), default=list(LANDINGS),
+                        help="where the partition sweep's cuts land (default: everywhere)")
     parser.add_argument("--keep_logs", action="store_true", help="keep every group's logs (printed where)")
     parser.add_argument("--only", choices=["failure", "crossing", "overhead", "parity", "partitions"], default=None,
                         help="one part (the others are kept from the last results)")

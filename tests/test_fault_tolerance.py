@@ -168,11 +168,13 @@ def test_what_healing_copies_is_each_rank_s_shards_and_optimizer_state(tmp_path)
     assert results == [True, True]
 
 
-def test_a_semi_synchronous_heal_is_taken_only_from_a_peer_at_the_same_point_of_its_step():
-    """replica_sync on torchft: the state a group serves records the kind of round it was taken in; a group healing
-    in a sync after an optimizer step takes a peer's state only from the same kind (one from a checkpoint's or the
-    end's sync would count a step twice in the loop's counters and schedulers): otherwise nothing is loaded and
-    torchft's step goes back to this group's, so that it is still behind and heals at a later sync."""
+def test_a_heal_is_taken_whole_by_the_group_and_only_from_a_peer_at_the_same_point_of_its_step():
+    """A peer's state a rank received is taken only once every rank of its group received its own (a group half
+    healed would train a mosaic of two states): where some rank lacks it, no rank takes it, and torchft's step and
+    batch count go back to the group's own, so that it is still behind and heals at a later quorum. Under
+    replica_sync, the state a group serves records the kind of round it was taken in; a group healing in a sync after
+    an optimizer step takes a peer's state only from the same kind (one from a checkpoint's or the end's sync would
+    count a step twice in the loop's counters and schedulers)."""
     from types import SimpleNamespace
 
     from lightning_smp.fault_tolerance.rounds import AFTER_STEP, BETWEEN_STEPS
@@ -180,17 +182,31 @@ def test_a_semi_synchronous_heal_is_taken_only_from_a_peer_at_the_same_point_of_
 
     loaded: list[dict] = []
     groups = object.__new__(ReplicaGroups)  # (the decision alone: torchft's Manager as far as it is read)
-    manager = SimpleNamespace(_step=9)
+    manager = SimpleNamespace(_step=3, _batches_committed=6)
     manager.current_step = lambda: manager._step
-    groups.manager, groups.settings, groups._vote = manager, SimpleNamespace(group=1), SimpleNamespace(quorum=None)
+    quorum = SimpleNamespace(heal=True, recover_src_replica_rank=0, replica_ids=["group0000:a", "group0001:b"])
+    groups.manager, groups.settings, groups._vote = manager, SimpleNamespace(group=1), SimpleNamespace(quorum=quorum)
     groups._tracked = SimpleNamespace(load_state_dict=loaded.append, state_dict=lambda: {"tensors": {}})
     groups._healed_in_round, groups.healed_at, groups._healed_from = False, None, None
-    groups._round_kind, groups._step_before_round = AFTER_STEP, 3  # (torchft moved its step to the peer's, 9)
-    groups._load_tracked({"tensors": {}, ROUND_KEY: BETWEEN_STEPS})
+
+    def heal(state: dict | None, kind: str, missing_anywhere: bool) -> None:
+        groups._round_kind = kind
+        groups._ask_quorum(lambda: None)  # (before the quorum: step 3, 6 batches)
+        manager._step, manager._batches_committed = 9, 18  # (torchft moved a rank that received to the peer's)
+        if state is not None:
+            groups._load_tracked(state)
+        assert groups._heal_missing() is (state is None)
+        groups._settle_heal(missing_anywhere, at=9)
+
+    heal({"tensors": {}, ROUND_KEY: AFTER_STEP}, AFTER_STEP, missing_anywhere=True)  # (another rank lacks its own)
+    assert loaded == [] and (manager._step, manager._batches_committed) == (3, 6) and groups.healed_at is None
+    heal(None, AFTER_STEP, missing_anywhere=True)  # (this rank lacks it)
+    assert loaded == [] and (manager._step, manager._batches_committed) == (3, 6)
+    heal({"tensors": {}, ROUND_KEY: BETWEEN_STEPS}, AFTER_STEP, missing_anywhere=False)
     assert loaded == [] and manager._step == 3 and not groups.healed_in_round and groups.healed_at is None
-    manager._step = 9
-    groups._load_tracked({"tensors": {}, ROUND_KEY: AFTER_STEP})
-    assert len(loaded) == 1 and groups.healed_in_round and groups.healed_at == 9
+    heal({"tensors": {}, ROUND_KEY: AFTER_STEP}, AFTER_STEP, missing_anywhere=False)
+    assert len(loaded) == 1 and groups.healed_in_round and groups.healed_at == 9 and manager._step == 9
+    assert groups._healed_from == 0 and groups._received is None and not groups._heal_missing()
     groups._round_kind = BETWEEN_STEPS
     assert groups._tracked_state() == {"tensors": {}, ROUND_KEY: BETWEEN_STEPS}
 

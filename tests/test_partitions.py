@@ -165,6 +165,85 @@ def test_the_watch_reads_the_last_quorum_and_who_asks_for_the_next():
     assert run_distributed(_watch_a_quorum, 1)[0] == [(0, 0, []), (0, 1, []), (1, 0, [])]
 
 
+def _heal_held_by_the_peer(rank: int, world: int, leave: bool) -> list:
+    """A heal from a peer whose healing server holds the request (torchft's transport serves nothing until the peer
+    stages its state): with a verdict that says the peers moved on at its second read, the heal is left, the
+    transfer still held; with one that never does, and the peer staging its state at the verdict's first read, the
+    state arrives."""
+    from datetime import timedelta
+
+    from lightning_smp.errors import FaultToleranceError
+    from lightning_smp.fault_tolerance.transport import bound_http_transport
+
+    peer = bound_http_transport(timedelta(seconds=30), "127.0.0.1", grace=0.0, every=0.01)
+    ours = bound_http_transport(timedelta(seconds=30), "127.0.0.1", grace=0.0, every=0.01)
+    reads: list[int] = []
+
+    def verdict() -> str | None:
+        reads.append(len(reads))
+        if not leave and len(reads) == 1:
+            peer.send_checkpoint(dst_ranks=[1], step=7, state_dict={"w": torch.arange(4.0)},
+                                 timeout=timedelta(seconds=30))
+        return "the peers moved on" if leave and len(reads) == 2 else None
+
+    ours.verdict = lambda: verdict
+    try:
+        received = ours.recv_checkpoint(src_rank=0, metadata=peer.metadata(), step=7, timeout=timedelta(seconds=30))
+        outcome = ["received", received["w"].tolist(), ours.received_seconds is not None]
+    except FaultToleranceError as err:
+        outcome = ["left", str(err).split(", ", 1)[1], ours.received_seconds]
+    finally:
+        peer.allow_checkpoint(7)  # (the held request is answered: the left transfer ends in the background)
+    return [*outcome, len(reads)]
+
+
+@pytest.mark.timeout(60)
+def test_a_heal_is_left_when_the_peers_moved_on_and_received_otherwise():
+    left = run_distributed(_heal_held_by_the_peer, 1, True)[0]
+    assert left == ["left", "the peers moved on", None, 2]
+    received = run_distributed(_heal_held_by_the_peer, 1, False)[0]
+    assert received[:3] == ["received", [0.0, 1.0, 2.0, 3.0], True] and received[3] >= 1
+
+
+def _serve_through_a_stalled_transfer(rank: int, world: int) -> list:
+    """A peer's healing transfer stalls (it reads the first kilobyte of a 64 MB state and no more, as across a cut
+    link): the serving rank's next commit (torchft's ``disallow_checkpoint``) does not wait for it, training writes
+    its parameters, and the stalled transfer, once read on, brings the state as it was staged."""
+    import http.client
+    import io
+    from datetime import timedelta
+
+    from torchft.checkpointing._serialization import _streaming_load
+
+    from lightning_smp.fault_tolerance.transport import bound_http_transport
+
+    source = bound_http_transport(timedelta(seconds=3), "127.0.0.1")
+    live = torch.arange(16 * 1024 * 1024, dtype=torch.float32)
+    source.send_checkpoint(dst_ranks=[1], step=4, state_dict={"w": live}, timeout=timedelta(seconds=3))
+    live.add_(1.0)  # (training moves on after staging: the state served is the one staged)
+    port = source._server.socket.getsockname()[1]
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request("GET", "/checkpoint/4/full")
+    response = connection.getresponse()
+    head = response.read(1024)  # (then nothing: the server's writes fill the socket's buffers and block)
+    try:
+        source.disallow_checkpoint()  # (torchft's lock: before, this waited for the stalled transfer, then failed)
+        committed = "committed"
+    except TimeoutError as err:
+        committed = f"waited: {err}"
+    live.add_(1.0)  # (the optimizer step)
+    try:
+        received = _streaming_load(io.BytesIO(head + response.read()), weights_only=False)["w"]
+    except Exception as err:  # noqa: BLE001  # (a transfer cut short)
+        return [committed, f"not received: {err}"]
+    return [committed, bool(torch.equal(received, torch.arange(16 * 1024 * 1024, dtype=torch.float32)))]
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_healing_transfer_never_holds_the_serving_group_back():
+    assert run_distributed(_serve_through_a_stalled_transfer, 1)[0] == ["committed", True]
+
+
 # ------------------------------------------------------------------------------------ the races, forced
 
 
@@ -262,3 +341,60 @@ def test_groups_that_meet_at_the_same_step_holding_different_states_heal_from_on
             path = next((jobs.out / "metrics" / f"group{group}").glob("version_*/metrics.csv"))
             with path.open() as f:
                 assert any(row.get("fault_tolerance/diverged") == "1.0" for row in csv.DictReader(f))
+
+
+def _heals(jobs, group: int) -> list[dict]:
+    path = jobs.out / f"heals{group}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_group_cut_off_as_it_heals_leaves_the_heal_and_never_stalls_the_survivor(tmp_path):
+    """Group 1 joins a running group 0 and, as its heal begins, freezes (heartbeats too) for 1.5 x the heartbeat
+    timeout, while group 0's healing server holds that first transfer for 6 x (a transfer stalled as TCP's
+    retransmission backoff stalls it after a cut). The survivor leaves the meeting after the heartbeat and trains on
+    alone; once group 1 is heard again the survivor's next quorum waits for it, and group 1, seeing that its peers
+    moved on, leaves its heal at once instead of waiting out the stalled transfer (before, the survivor waited for
+    it: 6 x the heartbeat). Group 1 then heals at its next quorum, and every step both groups record from then on
+    is the same state in both, on every rank."""
+    with _jobs(tmp_path, FABRIC_SCRIPT) as jobs:
+        jobs.start(0, "--steps", "60", "--pause", "0.2", "--slow_serving", str(6 * HEARTBEAT))
+        jobs.wait_for(lambda: len(jobs.records(0)) >= 3, 120, "group 0 training")
+        jobs.start(1, "--steps", "60", "--pause", "0.2", "--freeze_in_heal", str(1.5 * HEARTBEAT))
+        assert jobs.wait(240) == {0: 0, 1: 0}, jobs.logs()
+        heals = _heals(jobs, 1)
+        assert len(heals) >= 2, heals  # (the heal left, and the one after it)
+        frozen = heals[0]["time"]
+        log1 = (jobs.out / "log1.txt").read_text()
+        assert "the heal from a peer was left" in log1, jobs.logs()
+        for rank in range(jobs.degree):
+            times = [r["time"] for r in jobs.records(0, rank) if r["time"] > frozen - 5]
+            assert max(b - a for a, b in zip(times, times[1:])) <= HEARTBEAT + 3, times
+            healed = min(r["step"] for r in jobs.records(1, rank) if r["healed_at"] is not None)
+            ours, theirs = (_digests(jobs, group, rank, "model", since=healed) for group in (0, 1))
+            both = sorted(set(ours) & set(theirs))
+            assert len(both) >= 10, (rank, both)
+            assert [s for s in both if ours[s] != theirs[s]] == [], (rank, both, jobs.logs())
+        assert "ran past its timeout" not in log1 + (jobs.out / "log0.txt").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_heal_that_reaches_only_some_ranks_of_a_group_is_taken_by_none(tmp_path):
+    """Group 1 joins a running group 0, and its rank 1's first heal fails while its rank 0 receives its own: no rank
+    takes its peer's state (a group half healed would train a mosaic of two states), the step is dropped, every rank
+    stays behind, says so, and the group heals whole at its next quorum: every step both groups record is the same
+    state in both, on every rank."""
+    with _jobs(tmp_path, FABRIC_SCRIPT) as jobs:
+        jobs.start(0, "--steps", "40", "--pause", "0.2")
+        jobs.wait_for(lambda: len(jobs.records(0)) >= 3, 120, "group 0 training")
+        jobs.start(1, "--steps", "40", "--pause", "0.2", "--fail_heal_rank", "1")
+        assert jobs.wait(240) == {0: 0, 1: 0}, jobs.logs()
+        assert "a peer's state did not reach every rank of the group; none takes it" in (
+            jobs.out / "log1.txt").read_text(), jobs.logs()
+        assert len(_heals(jobs, 1)) >= 2
+        for rank in range(jobs.degree):
+            ours, theirs = (_digests(jobs, group, rank, "model") for group in (0, 1))
+            both = sorted(set(ours) & set(theirs))
+            assert len(both) >= 10 and [s for s in both if ours[s] != theirs[s]] == [], (rank, both, jobs.logs())

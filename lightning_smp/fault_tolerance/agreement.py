@@ -12,7 +12,8 @@ what decides who is alive, so the decisions below are taken against it (its stat
   (the peers moved on without this group), or when a group asks for the next quorum while this rank still waits: a
   group asks only once it has left the crossing, and one that completed it has sent everything this rank waits for,
   so a request still there :data:`ASKED_FOR` seconds later (or at once, if this rank lost the lighthouse while waiting:
-  it was cut off) is a peer that abandoned it. Without this, a group that returns to a crossing its peers left would
+  it was cut off) is a peer that abandoned it. A rank receiving a peer's state (a heal, inside a quorum the peers are
+  in) leaves it on the same signs. Without this, a group that returns to a crossing its peers left would
   wait for its collective's timeout while the lighthouse, hearing it again, made the survivors' next quorum wait for
   it. A left crossing is a dropped step: dropping is always safe, a group behind heals from a peer ahead.
 - **fence** (:func:`fence_reason`): after its crossing completed, and before its commit vote, a group asks the

@@ -109,7 +109,11 @@ class ReplicaGroups:
         self.store_port = store_port
         self._tracked: TrackedState | None = None
         self.process_group = crossing_process_group(device, timeout, self.host)
-        self._transport = bound_http_transport(timeout, self.host)
+        self._transport = bound_http_transport(timeout, self.host, grace=WATCH_GRACE, every=WATCH_EVERY)
+        # (a heal is left as a crossing is, when its peers moved on: read in torchft's quorum thread, with a watch of
+        # its own)
+        self._heal_watch = LighthouseWatch(settings.lighthouse_url)
+        self._transport.verdict = lambda: self._leave_when_peers_left(self._heal_watch, time.monotonic())
         self.manager = Manager(
             pg=self.process_group, load_state_dict=None, state_dict=None,
             min_replica_size=settings.min_groups, use_async_quorum=not semi_sync, timeout=timeout,
@@ -128,8 +132,15 @@ class ReplicaGroups:
         self._vote = GroupVote(self.manager._client, device, group=settings.group,
                                 wait=timedelta(seconds=settings.quorum_timeout + 3 * settings.timeout))
         self.manager._client = self._vote
+        self._vote.missing = self._heal_missing
         self.manager.register_state_dict_fn("lightning_smp", self._load_tracked, self._tracked_state)
         self._watch = LighthouseWatch(settings.lighthouse_url)
+        #: a peer's state this rank received in the current quorum, taken only once every rank of the group has its
+        #: own (:meth:`_settle_heal`), and the step and batch count before that quorum
+        self._received: dict[str, Any] | None = None
+        self._before_quorum: tuple[int, int] = (0, 0)
+        #: whether the current quorum may heal this group and its heal is not settled yet
+        self._heal_open = False
         self._in_step = False
         self._reduced = False
         self._notes: UnusedNotes | None = None
@@ -152,9 +163,8 @@ class ReplicaGroups:
         self._diverged: Meeting | None = None
         #: semi_sync: when the current round began (the commit fence asks whether this rank lost the lighthouse since)
         self._round_started = time.monotonic()
-        #: semi_sync: the kind of the current round (what a peer's served state records), the step before its quorum
+        #: semi_sync: the kind of the current round (what a peer's served state records)
         self._round_kind: str | None = None
-        self._step_before_round = 0
         #: semi_sync: whether the current round compared the groups' states (every group at step 0)
         self.compared_in_round = False
         #: whether the last vote committed (``None`` before the first)
@@ -178,18 +188,51 @@ class ReplicaGroups:
         return {**self._tracked.state_dict(), ROUND_KEY: self._round_kind}
 
     def _load_tracked(self, state: dict[str, Any]) -> None:
+        # (torchft applies a peer's state rank by rank; this rank's is kept until every rank of the group has its own)
         if self._tracked is None:
             raise FaultToleranceError("a peer's state arrived before the model was set up.")
-        if state.get(ROUND_KEY) != self._round_kind:
+        self._received = state
+
+    def _ask_quorum(self, start: Callable[[], None], allow_heal: bool = True) -> None:
+        """``start`` (torchft's ``start_quorum``), the step and batch count noted before it."""
+        manager = self.manager
+        self._received, self._heal_open = None, allow_heal
+        self._before_quorum = (int(manager._step), int(manager._batches_committed))
+        start()
+
+    def _heal_missing(self) -> bool:
+        """Whether the current quorum heals this group and this rank holds no peer's state from it (the transfer
+        failed, or was left). (torchft decides a heal per group: every rank of the group is told alike.)"""
+        quorum = self._vote.quorum
+        return self._heal_open and quorum is not None and bool(quorum.heal) and self._received is None
+
+    def _settle_heal(self, missing_anywhere: bool, at: int) -> None:
+        """A peer's state is taken only where every rank of the group received its own (``missing_anywhere``: some
+        rank did not, the group agreed on it): a group of ranks half healed would train a mosaic of two states. Not
+        taken, every rank is back at the step it held before the quorum (torchft moved the ranks that received it to
+        the peer's), behind, and heals at a later quorum. ``at``: the step the peer's state is of."""
+        received, self._received = self._received, None
+        heal_open, self._heal_open = self._heal_open, False
+        manager = self.manager
+        if missing_anywhere:
+            if heal_open:
+                manager._step, manager._batches_committed = self._before_quorum
+                log.warning("replica group %d: a peer's state did not reach every rank of the group; none takes it"
+                            " (the group stays at step %d, and heals at a later quorum)", self.settings.group,
+                            manager._step)
+            return
+        if received is None or self._tracked is None:
+            return
+        if received.get(ROUND_KEY) != self._round_kind:
             # (semi_sync: the peer took its state in another kind of round, at another point of a step, whose loop
             # counters and schedulers this group's step would then count twice or not at all: not taken; this group
             # stays behind, sends nothing of its own in this round, and heals at a later one)
-            self.manager._step = self._step_before_round  # torchft 0.2.0 moved it to the peer's in the quorum
+            manager._step, manager._batches_committed = self._before_quorum  # (torchft moved it to the peer's)
             log.info("replica group %d: a peer's state from a %s round not taken in a %s round",
-                     self.settings.group, state.get(ROUND_KEY), self._round_kind)
+                     self.settings.group, received.get(ROUND_KEY), self._round_kind)
             return
-        self._tracked.load_state_dict(state)
-        self.healed_at = self.manager.current_step()
+        self._tracked.load_state_dict(received)
+        self.healed_at = at
         self._healed_in_round = True
         quorum = self._vote.quorum
         source = quorum.recover_src_replica_rank if quorum is not None else None
@@ -209,7 +252,7 @@ class ReplicaGroups:
             self._crossed = []
             self._healed_from = None
             self._crossed_in, self._diverged = None, None
-            self.manager.start_quorum()
+            self._ask_quorum(self.manager.start_quorum)
 
     def reduce(self, parameters: Sequence[Tensor], notes: UnusedNotes | None = None) -> None:
         """Average every parameter's gradient (this rank's part of it) across the participating groups, in one
@@ -277,10 +320,13 @@ class ReplicaGroups:
         self._crossed_in, self._diverged = None, None
         self._round_started = time.monotonic()
         self._in_step = True
-        self._round_kind, self._step_before_round = kind, self.manager.current_step()
+        self._round_kind = kind
         compared = len(self._agreed)
-        # (synchronous: a heal is applied before it returns)
-        self._wait_quorum(lambda: self.manager.start_quorum(allow_heal=allow_heal))
+        # (synchronous: a heal is received before it returns, and taken here once every rank of the group has its own)
+        self._wait_quorum(lambda: self._ask_quorum(lambda: self.manager.start_quorum(allow_heal=allow_heal),
+                                                   allow_heal))
+        (missing,) = agree([int(self._heal_missing())], self.device)
+        self._settle_heal(bool(missing), at=self.manager.current_step())
         self._check_first_quorum()
         usable = self._agree_on_start()
         self.compared_in_round = len(self._agreed) > compared
@@ -336,20 +382,7 @@ class ReplicaGroups:
             return None
 
     def _wait(self, operation: str, work: Any) -> bool:
-        started, asked = time.monotonic(), [0.0]  # (since when the reads have seen a group ask for the next quorum)
-
-        def verdict() -> str | None:
-            # (why this rank leaves the crossing it has waited in since `started`: agreement.abandon_reason)
-            quorum = self._vote.quorum
-            if quorum is None:
-                return None
-            view, now = self._watch.view(), time.monotonic()
-            lost = self._watch.lost_since is not None and self._watch.lost_since >= started
-            asking = view is not None and view.pending > 0
-            asked[0] = (asked[0] or now) if asking else 0.0
-            return abandon_reason(view, InCrossing(quorum.quorum_id, tuple(quorum.replica_ids), lost,
-                                                   now - asked[0] if asking else 0.0))
-
+        verdict = self._leave_when_peers_left(self._watch, time.monotonic())
         crossing = wait_for_crossing(work, self.process_group, verdict=verdict, grace=WATCH_GRACE, every=WATCH_EVERY,
                                      timeout=self.settings.timeout + WATCH_GRACE)
         if crossing.completed:
@@ -357,6 +390,24 @@ class ReplicaGroups:
         self._fail(operation, FaultToleranceError(crossing.abandoned) if crossing.abandoned
                    else crossing.error or RuntimeError("failed"))
         return False
+
+    def _leave_when_peers_left(self, watch: LighthouseWatch, started: float) -> Callable[[], str | None]:
+        """Why this rank leaves what it has waited in since ``started`` (a crossing, a heal) in the current quorum,
+        read from ``watch`` at each call (:func:`.agreement.abandon_reason`); ``None``: it waits on."""
+        asked = [0.0]  # (since when the reads have seen a group ask for the next quorum)
+
+        def verdict() -> str | None:
+            quorum = self._vote.quorum
+            if quorum is None:
+                return None
+            view, now = watch.view(), time.monotonic()
+            lost = watch.lost_since is not None and watch.lost_since >= started
+            asking = view is not None and view.pending > 0
+            asked[0] = (asked[0] or now) if asking else 0.0
+            return abandon_reason(view, InCrossing(quorum.quorum_id, tuple(quorum.replica_ids), lost,
+                                                   now - asked[0] if asking else 0.0))
+
+        return verdict
 
     def meet(self, tensors: Sequence[Tensor], counters: Sequence[str] = ()) -> bool:
         """Groups that meet at the same step compare what they hold (:func:`.agreement.compare_at_meeting`): this
@@ -518,6 +569,9 @@ class ReplicaGroups:
         self._vote.give_up = (self._uncommitted + 1 >= GIVE_UP_AFTER and self._failing_since is not None
                               and time.monotonic() - self._failing_since >= self.settings.quorum_timeout)
         committed = bool(self.manager.should_commit())
+        # (torchft handed a peer's state over inside it, before the vote, which also agreed on whether every rank of
+        # the group received its own)
+        self._settle_heal(self._vote.heal_missing, at=self.manager.current_step() - int(committed))
         self._in_step = False
         self.last_committed = committed
         if notes is not None:

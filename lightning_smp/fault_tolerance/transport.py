@@ -8,20 +8,34 @@ group across groups (:mod:`.crossing`) and its healing server. torchft's ``HTTPT
 network namespaces (or any host whose name does not resolve to the address its peers reach) is the wrong address,
 and on every interface is more than it needs. Here each rank serves on the one address its peers reach it at, and
 advertises that address.
+
+A heal (:meth:`recv_checkpoint`, run in torchft's quorum thread) is leavable as a crossing is: the transfer runs in a
+thread of its own and is waited for in slices; from ``grace`` seconds on, the transport's ``verdict`` (set by the
+session: :func:`.agreement.abandon_reason` against the lighthouse) is asked whether the peers moved on, and the heal
+is left (raised: torchft reports it, the step is dropped) instead of waiting out a transfer that a partition stalled
+(TCP's retransmission backoff after a cut lasts seconds, and the group asks for its next quorum only after its heal,
+while the survivors' quorum waits for it).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from http.server import ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlparse
 
+import torch
+from torch.utils._pytree import tree_map
+
 from lightning_smp.errors import FaultToleranceError
+
+log = logging.getLogger(__name__)
 
 
 def _transport_class() -> type:
@@ -40,42 +54,103 @@ def _server_for(host: str, handler: Any) -> ThreadingHTTPServer:
     return Server((host, 0), handler)
 
 
-def _quiet(handler: Any) -> Any:
-    """torchft's request handler without its per-request line on stderr (``BaseHTTPRequestHandler.log_message``)."""
+def _serving_handler(transport: Any, timeout: float) -> type:
+    """The healing server's requests: ``/checkpoint/<step>/full``, the state a peer staged for that step. torchft's own
+    handler holds the transport's lock while it streams, and the peer's next commit (``disallow_checkpoint``) waits for
+    that lock: a transfer that a partition stalls would stall the serving group's training for up to the transport's
+    timeout. Here the lock is held only while the staged state is looked up (waiting, as torchft's, while nothing is
+    staged), and the state streamed is a copy taken when it was staged (:meth:`send_checkpoint`), which training
+    never writes to."""
+    from http.server import BaseHTTPRequestHandler
 
-    class Quiet(handler):
+    from torchft.checkpointing._serialization import _streaming_save
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802  (BaseHTTPRequestHandler dispatches by this name)
+            try:
+                with transport._checkpoint_lock.r_lock():  # (a request that comes before the state is staged waits)
+                    step, state = transport._step, getattr(transport, "_state_dict", None)
+                parts = self.path.split("/")
+                if len(parts) != 4 or parts[1] != "checkpoint" or parts[3] != "full" or parts[2] != str(step):
+                    self.send_error(400, f"this server serves /checkpoint/{step}/full, not {self.path}")
+                    return
+                self.send_response(200)
+                self.send_header("Content-type", "application/octet-stream")
+                self.end_headers()
+                _streaming_save(state, self.wfile)
+            except Exception as err:  # noqa: BLE001  # (a peer gone mid-transfer, a lock's timeout: that request fails)
+                log.info("a healing transfer from this rank failed: %s", err)
+
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (the base class's name)
-            pass
+            pass  # (no line on stderr per request)
 
-    return Quiet
+    Handler.timeout = timeout  # (each request's socket: a peer gone mid-transfer ends it)
+    return Handler
 
 
-def bound_http_transport(timeout: timedelta, host: str) -> Any:
+def bound_http_transport(timeout: timedelta, host: str, *, grace: float = 1.0, every: float = 0.25) -> Any:
     """torchft's ``HTTPTransport`` serving on ``host`` (an IP address) only and advertising it; its
-    ``received_seconds`` is how long the last healing transfer into this rank took."""
+    ``received_seconds`` is how long the last healing transfer into this rank took. A heal is left when ``verdict``
+    (an attribute, ``None``: never) gives a reason, asked from ``grace`` seconds into the transfer, every ``every``
+    seconds."""
     base: Any = _transport_class()
 
     class BoundHTTPTransport(base):  # torchft's class, known at run time only
         _server: Any
         _thread: Any
         received_seconds: float | None = None
+        #: a fresh verdict per heal: called once as a heal starts, it returns what is asked while the heal waits
+        #: (a reason to leave it, or ``None``)
+        verdict: Callable[[], Callable[[], str | None]] | None = None
 
         def __init__(self) -> None:
             super().__init__(timeout=timeout, num_chunks=0)
-            handler = self._server.RequestHandlerClass
             # torchft's server, on every interface, is replaced before anyone could have learnt its address
             self._server.shutdown()
             self._thread.join()
             self._server.server_close()
-            self._server = _server_for(host, _quiet(handler))
+            self._server = _server_for(host, _serving_handler(self, timeout.total_seconds()))
             self._thread = threading.Thread(target=self._serve, daemon=True, name="lightning_smp-heal-server")
             self._thread.start()
 
+        def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+            # (torchft keeps a tensor already in host memory as it is, the live parameter or optimizer state: a copy,
+            # so that a transfer in flight never holds training back nor sends a state that training moved; a
+            # device's tensors torchft copies to host memory itself)
+            def copied(value: Any) -> Any:
+                return value.detach().clone() if isinstance(value, torch.Tensor) and value.device.type == "cpu" else value
+
+            super().send_checkpoint(dst_ranks, step, tree_map(copied, state_dict), timeout)
+
         def recv_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
             start = time.monotonic()
-            received = super().recv_checkpoint(*args, **kwargs)
+            self.received_seconds = None
+            verdict = self.verdict() if self.verdict is not None else None
+            fetched: dict[str, Any] = {}
+            done = threading.Event()
+            receive = super().recv_checkpoint
+
+            def fetch() -> None:
+                try:
+                    fetched["state"] = receive(*args, **kwargs)
+                except BaseException as err:  # noqa: BLE001  # (raised in the waiting thread)
+                    fetched["error"] = err
+                finally:
+                    done.set()
+
+            # (a left transfer ends in the background, within the transport's timeout; what it brings is dropped)
+            threading.Thread(target=fetch, daemon=True, name="lightning_smp-heal").start()
+            look_at = start + grace
+            while not done.wait(max(0.0, look_at - time.monotonic())):
+                reason = verdict() if verdict is not None else None
+                if reason:
+                    raise FaultToleranceError(f"the heal from a peer was left after {time.monotonic() - start:.2f} s,"
+                                              f" {reason}")
+                look_at = time.monotonic() + every
+            if "error" in fetched:
+                raise fetched["error"]
             self.received_seconds = time.monotonic() - start
-            return received
+            return fetched["state"]
 
         def address(self) -> str:
             port = self._server.socket.getsockname()[1]

@@ -3,6 +3,7 @@ notes it carries; :class:`~lightning_smp.fault_tolerance.session.ReplicaGroups` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar, Protocol
 
@@ -54,6 +55,10 @@ class GroupVote:
         #: whether this rank asks its group to give up (set before the vote), and whether some rank did (after it)
         self.give_up = False
         self.gave_up = False
+        #: whether this rank lacks its part of a heal begun in this step (asked inside the vote, after torchft handed
+        #: the peer's state over), and whether some rank of the group did (after it)
+        self.missing: Callable[[], bool] | None = None
+        self.heal_missing = False
         #: the last quorum torchft received (its participants, the step-0 state, the healing source)
         self.quorum: Any = None
 
@@ -64,7 +69,9 @@ class GroupVote:
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> bool:
         notes = self.notes
-        votes = torch.tensor([int(self.give_up), 0 if should_commit else 1], dtype=torch.uint8, device=self._device)
+        missing = self.missing is not None and self.missing()
+        votes = torch.tensor([int(missing), int(self.give_up), 0 if should_commit else 1], dtype=torch.uint8,
+                             device=self._device)
         if notes is not None:
             votes = torch.cat([notes.levels.to(votes.device, torch.uint8), votes])
         if dist.get_world_size() > 1:
@@ -78,9 +85,11 @@ class GroupVote:
                     " process group across groups, its crossing and its heal each end within their timeout). Fix:"
                     " look at that rank's log; restart the group (it heals from a live peer)."
                 ) from err
-        self.levels = votes[:-2] if notes is not None else None
-        self.refused = notes is not None and notes.refuses(votes[:-2])
-        committed = int(votes[-1]) == 0 and not self.refused
+        self.levels = votes[:-3] if notes is not None else None
+        self.refused = notes is not None and notes.refuses(votes[:-3])
+        # (a rank that lacks its part of a heal reported it to torchft, and votes not to commit)
+        self.heal_missing = int(votes[-3]) > 0
+        committed = int(votes[-1]) == 0 and not self.refused and not self.heal_missing
         self.gave_up = int(votes[-2]) > 0 and not committed
         return committed
 
