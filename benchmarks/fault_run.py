@@ -240,6 +240,8 @@ def main() -> None:
             line = {"step": step(), "time": time.time(), "loop_start": loop_start, "model": digest(tensors),
                     "optimizer": digest(optimizer_tensors(optimizer)), "iteration": state["iteration"],
                     "lr": scheduler.get_last_lr()[0], "healed_at": replicas.healed_at if replicas else None,
+                    # (the last heal's transfer into this rank, as the last vote reported it)
+                    "heal_s": replicas.report.heal_seconds if replicas and replicas.report else None,
                     "groups": replicas.manager.num_participants() if replicas else args.nodes,
                     # (--every) the outer loop's state (its synced copies and momentum) and the syncs committed
                     "outer": digest([t for f in strategy.outer_sync.fragments for t in (*f.synced, *f.momentum())])

@@ -273,8 +273,8 @@ def in_crossing(args: argparse.Namespace, work: Path, how: str) -> list[dict[str
 #: the partition sweep's cuts, as multiples of the heartbeat timeout: from just under it to well over it
 CUT_FACTORS = (0.9, 1.1, 1.3, 1.5, 2.5)
 #: where a cut lands, and the cut lengths swept there: as a crossing starts (every factor); as it ends (the vote,
-#: the commit fence, the next quorum); as the cut group heals, after a first cut of 1.1 x the heartbeat (the
-#: quorum that takes it back formed, its transfer from the survivor begun)
+#: the commit fence, the next quorum); as the cut group heals, after a first cut that lasted until the survivor went
+#: on alone (the quorum that takes the cut group back formed, its transfer from the survivor begun)
 LANDINGS = {"crossing": CUT_FACTORS, "after_crossing": (0.9, 1.5, 2.5), "heal": (1.1, 2.5)}
 
 
@@ -293,15 +293,16 @@ def _together(jobs: Any, since: float, key: str) -> bool:
     return any(late[0][i] == late[1][i] for i in set(late[0]) & set(late[1]))
 
 
-def _splits(jobs: Any, key: str, by: str, since: float) -> list[int]:
-    """The steps (``by``) that both groups recorded after ``since`` (once they had first met: with ``min_groups=1``
-    a group that starts first trains alone, and the other joins it) with different ``key`` digests, on any rank: one
-    step, two states. A group's records of a step it recorded twice (after a heal took it back) count with the
-    last."""
+def _splits(jobs: Any, key: str, by: tuple[str, ...], since: float) -> list[int]:
+    """The steps (the first of ``by``, the fields that identify one) that both groups recorded after ``since`` (once
+    they had first met: with ``min_groups=1`` a group that starts first trains alone, and the other joins it) with
+    different ``key`` digests, on any rank: one step, two states. A group's records of a step it recorded twice (after
+    a heal took it back) count with the last."""
     split: set[int] = set()
     for rank in range(DEGREE):
-        ours, theirs = ({r[by]: r[key] for r in jobs.records(g, rank) if r["time"] > since} for g in (0, 1))
-        split |= {step for step in set(ours) & set(theirs) if ours[step] != theirs[step]}
+        ours, theirs = ({tuple(r[f] for f in by): r[key] for r in jobs.records(g, rank) if r["time"] > since}
+                        for g in (0, 1))
+        split |= {step[0] for step in set(ours) & set(theirs) if ours[step] != theirs[step]}
     return sorted(split)
 
 
@@ -319,7 +320,10 @@ def partitions(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     totals: dict[str, Any] = {}
     for mode in ("steps", "syncs"):
         every = args.partition_every if mode == "syncs" else 1
-        key, by = ("model", "step") if mode == "steps" else ("outer", "iteration")
+        # (a step: torchft's committed steps; a sync: the inner iteration and the syncs committed, at which two groups
+        # must hold the same outer state. Not the iteration alone: a group whose sync was refused while the survivor
+        # committed it alone trains its next window from the last synced state, one sync behind, until it heals)
+        key, by = ("model", ("step",)) if mode == "steps" else ("outer", ("iteration", "syncs"))
         extra = ["--width", str(args.crossing_width), "--pause", str(args.pause),
                  *(["--every", str(every)] if mode == "syncs" else [])]
         out = work / f"partition_{mode}"
@@ -340,12 +344,17 @@ def partitions(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 # (one sync: a whole window, its inner steps and the sync's own crossing, as the survivor took it)
                 window_s = statistics.median(b - a for a, b in zip(times, times[every:]))
                 first = None
-                if landing == "heal":  # (a first cut the survivor leaves, then the second as the cut group heals)
+                if landing == "heal":
+                    # (a first cut in a crossing that lasts until the survivor has gone on alone, so that the cut
+                    # group is behind when it returns; then the second as it begins to heal from the survivor)
                     healed = _heals(out)
                     _crossing_started(cluster, 1, 64 * 1024, args.timeout)
                     first = time.time()
                     cluster.cut("down")
                     time.sleep(1.1 * hb)
+                    jobs.wait_for(lambda first=first: any(r["time"] > first and r["groups"] == 1
+                                                          for r in jobs.records(0)), args.timeout,
+                                  "the survivor going on alone")
                     cluster.mend()
                     jobs.wait_for(lambda healed=healed, out=out: _heals(out) > healed, args.timeout,
                                   "node 1's group healing")
@@ -367,12 +376,15 @@ def partitions(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 survivor = [r["time"] for r in jobs.records(0) if start <= r["time"] <= together]
                 gap = max(b - a for a, b in zip(survivor, survivor[1:]))
                 heals = {r["healed_at"] for r in jobs.records(1) if r["time"] > cut and r["healed_at"] is not None}
-                # (the wait a cut may cost the survivor: the heartbeat, and the step, or the window with the sync,
-                # it lands in)
-                bound = hb + window_s
+                # (the transfer of the heal that brought node 1's group back: the survivor's step in that quorum
+                # waits for it, torchft's live recovery, as after any restart)
+                heal_s = max((r["heal_s"] for r in jobs.records(1) if r["time"] > cut and r.get("heal_s")), default=0.0)
+                # (the wait a cut may cost the survivor: the heartbeat, or the returning group's heal where it takes
+                # longer, and the step, or the window with the sync, it lands in)
+                bound = max(hb, heal_s) + window_s
                 row = {"mode": mode, "landing": landing, "round": round_, "factor": factor, "cut_s": mended - cut,
                        "landed_s": cut - begun, "survivor_gap_s": gap, "bound_s": bound, "within": gap <= bound,
-                       "step_s": step_s, "window_s": window_s, "heals": len(heals),
+                       "step_s": step_s, "window_s": window_s, "heals": len(heals), "heal_s": heal_s,
                        "rejoined_s": together - mended}
                 rows.append(row)
                 print(f"partition {mode} {landing} x{factor} (cut {row['cut_s']:.2f} s, {row['landed_s']:.2f} s"
@@ -511,20 +523,23 @@ def markdown(result: dict[str, Any]) -> str:
                   f" ({hb:g} s), then comes back; {max(r['round'] for r in part['rows']) + 1} rounds. Where it lands"
                   " (node 1's link counter): `crossing`, as node 1's side of a crossing gets under way; `after_crossing`,"
                   " as its last bytes have left (the vote, the commit fence, the next quorum); `heal`, a second cut"
-                  " as the cut group begins to heal from the survivor after a first cut of 1.1 x the heartbeat (the"
-                  " quorum that takes it back formed; found by the group's own mark of a heal). The multiples: "
+                  " as the cut group begins to heal from the survivor, after a first cut that lasted until the survivor"
+                  " went on alone (the quorum that takes it back formed; found by the group's own mark of a heal). The"
+                  " multiples: "
                   + "; ".join(f"{landing} {', '.join(f'{f:g}' for f in factors)}" for landing, factors in
                               (part.get("landings") or {"crossing": part["factors"]}).items()) + ". `steps`: plain fault"
                   f" tolerance; `syncs`: `replica_sync` every {part['every']} steps, the crossings a sync's. The"
                   " survivor's longest wait between two recorded steps (from a window before the first cut to the"
-                  " groups meeting again), against the heartbeat plus the step, or the whole window with its sync,"
-                  " as the survivor took them just before.", "",
+                  " groups meeting again), against the heartbeat (or the returning group's heal transfer, where"
+                  " longer: the survivor's step in the quorum that takes the group back waits for it, torchft's live"
+                  " recovery, as after any restart) plus the step, or the whole window with its sync, as the survivor"
+                  " took them just before.", "",
                   "| mode | landing | cut (x heartbeat) | cut | after the mark | survivor's longest gap (bound) |"
-                  " heals | together again after |", "|---|---|---|---|---|---|---|---|",
+                  " heals (transfer) | together again after |", "|---|---|---|---|---|---|---|---|",
                   *(f"| {r['mode']} | {r.get('landing', 'crossing')} | {r['factor']:g} | {r['cut_s']:.2f} s |"
                     f" {r['landed_s']:.2f} s |"
                     f" {r['survivor_gap_s']:.2f} s ({r['bound_s']:.2f}){'' if r['within'] else ' **over**'} |"
-                    f" {r['heals']} | {r['rejoined_s']:.2f} s |" for r in part["rows"]), "",
+                    f" {r['heals']} ({r.get('heal_s', 0.0):.2f} s) | {r['rejoined_s']:.2f} s |" for r in part["rows"]), "",
                   f"Split steps (both groups recorded a step with different states, any rank): "
                   f"**{len(part['totals']['steps']['split'])}** over {part['totals']['steps']['cuts']} cuts"
                   f" (target 0); divergent syncs: **{len(part['totals']['syncs']['split'])}** over"

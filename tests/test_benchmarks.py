@@ -421,12 +421,12 @@ def test_the_fault_benchmark_reports_every_figure_it_names(tmp_path, monkeypatch
     assert "| a node killed inside the crossing: to the next committed step | 2.00, 2.10 s (target <= 7 s) |" in text
     assert "| 6.0e-08 after 30 steps (parity bound 7.2e-05); groups bit-equal: True |" in text
     rows = [{"mode": "syncs", "landing": "heal", "round": 0, "factor": 1.3, "cut_s": 2.6, "landed_s": 0.01,
-             "survivor_gap_s": 3.5, "bound_s": 3.4, "within": False, "step_s": 0.25, "window_s": 1.4, "heals": 1,
+             "survivor_gap_s": 3.5, "bound_s": 3.4, "within": False, "step_s": 0.25, "window_s": 1.4, "heals": 1, "heal_s": 1.2,
              "rejoined_s": 0.9}]
     result["partitions"] = {"rows": rows, "every": 5, "factors": [1.3], "landings": {"heal": [1.3]},
                             "totals": {"steps": {"split": [], "cuts": 0}, "syncs": {"split": [], "cuts": 1}}}
     text = bench.markdown(result)
-    assert "| syncs | heal | 1.3 | 2.60 s | 0.01 s | 3.50 s (3.40) **over** | 1 | 0.90 s |" in text
+    assert "| syncs | heal | 1.3 | 2.60 s | 0.01 s | 3.50 s (3.40) **over** | 1 (1.20 s) | 0.90 s |" in text
     assert "divergent syncs: **0** over 1 cuts (target 0)" in text
     bench.plot(result, tmp_path / "fault.png")
     assert (tmp_path / "fault.png").stat().st_size > 10_000

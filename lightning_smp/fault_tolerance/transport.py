@@ -19,6 +19,7 @@ while the survivors' quorum waits for it).
 
 from __future__ import annotations
 
+import http.client
 import ipaddress
 import logging
 import socket
@@ -105,6 +106,8 @@ def bound_http_transport(timeout: timedelta, host: str, *, grace: float = 1.0, e
 
         def __init__(self) -> None:
             super().__init__(timeout=timeout, num_chunks=0)
+            self._lock = threading.Lock()
+            self._open: set[http.client.HTTPConnection] = set()  # (transfers into this rank in flight)
             # torchft's server, on every interface, is replaced before anyone could have learnt its address
             self._server.shutdown()
             self._thread.join()
@@ -112,6 +115,37 @@ def bound_http_transport(timeout: timedelta, host: str, *, grace: float = 1.0, e
             self._server = _server_for(host, _serving_handler(self, timeout.total_seconds()))
             self._thread = threading.Thread(target=self._serve, daemon=True, name="lightning_smp-heal-server")
             self._thread.start()
+
+        def _load_from_address(self, address: str, timeout: timedelta) -> Any:
+            # (torchft's, through a connection that a heal left can cut short: its bytes then stop crossing the link,
+            # where a stalled transfer left to itself would resume when the link comes back and compete with the next)
+            from torchft.checkpointing._serialization import _streaming_load
+
+            url = urlparse(address)
+            connection = http.client.HTTPConnection(url.hostname or "", url.port, timeout=timeout.total_seconds())
+            with self._lock:
+                self._open.add(connection)
+            try:
+                connection.request("GET", url.path)
+                response = connection.getresponse()
+                if response.status != 200:
+                    raise FaultToleranceError(f"the peer's healing server answered {response.status}"
+                                              f" ({response.reason}) for {address}")
+                return _streaming_load(response, weights_only=False)
+            finally:
+                with self._lock:
+                    self._open.discard(connection)
+                connection.close()
+
+        def _cut_short(self) -> None:
+            """Every transfer in flight into this rank ends now (its connection shut: the reading thread fails)."""
+            with self._lock:
+                sockets = [connection.sock for connection in self._open if connection.sock is not None]
+            for sock in sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # (already closed)
 
         def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
             # (torchft keeps a tensor already in host memory as it is, the live parameter or optimizer state: a copy,
@@ -138,12 +172,13 @@ def bound_http_transport(timeout: timedelta, host: str, *, grace: float = 1.0, e
                 finally:
                     done.set()
 
-            # (a left transfer ends in the background, within the transport's timeout; what it brings is dropped)
+            # (a left transfer is cut short; what it brought is dropped)
             threading.Thread(target=fetch, daemon=True, name="lightning_smp-heal").start()
             look_at = start + grace
             while not done.wait(max(0.0, look_at - time.monotonic())):
                 reason = verdict() if verdict is not None else None
                 if reason:
+                    self._cut_short()
                     raise FaultToleranceError(f"the heal from a peer was left after {time.monotonic() - start:.2f} s,"
                                               f" {reason}")
                 look_at = time.monotonic() + every
