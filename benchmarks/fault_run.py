@@ -5,7 +5,8 @@ that ``make bench-fault`` and the tests compare groups step by step; the strateg
 logger (``--out``/metrics/group<g>). ``--steps``: committed steps to reach; ``--pause``: seconds per step (a slow step,
 for kills); ``--vanish_at``: this group vanishes inside the crossing after that committed step (``--vanish stop``: its
 processes freeze, as a node that lost power, no connection closed; ``kill``: they die, the connections close), having
-written the time to ``--out``/vanished<g>; ``--no_ft``: the same loop without fault tolerance, one world of ``--nodes``
+written the time to ``--out``/vanished<g>; every heal a group begins goes to ``--out``/heals<g>.jsonl, and
+``--freeze_in_heal``, ``--fail_heal_rank`` and ``--slow_serving`` force the races of a heal; ``--no_ft``: the same loop without fault tolerance, one world of ``--nodes``
 nodes (the comparison: today's behaviour)."""
 
 from __future__ import annotations

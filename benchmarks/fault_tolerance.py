@@ -278,10 +278,28 @@ CUT_FACTORS = (0.9, 1.1, 1.3, 1.5, 2.5)
 LANDINGS = {"crossing": CUT_FACTORS, "after_crossing": (0.9, 1.5, 2.5), "heal": (1.1, 2.5)}
 
 
-def _heals(out: Path) -> int:
-    """How many heals node 1's group has begun (its rank 0's lines in ``heals1.jsonl``, written by the script)."""
+def _heal_marks(out: Path) -> list[dict[str, Any]]:
+    """The heals node 1's group has begun (its rank 0's lines in ``heals1.jsonl``, written by the script)."""
     path = out / "heals1.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _heals(out: Path) -> int:
+    return len(_heal_marks(out))
+
+
+def _survivor_waits(times: list[float], cut: float, mended: float, healed: float | None) -> tuple[float, float]:
+    """The survivor's longest wait between two recorded steps (``times``) around a cut from ``cut`` to ``mended``,
+    and, apart from it, the wait of its step in which the cut group's heal began after the link came back
+    (``healed``, its last heal: the one that brought it back), 0 if none. That step waits for the heal's transfer
+    (torchft's live recovery, as after any restart: the state's size over the link), not for the partition; it is
+    set apart only where the survivor recorded a step between the cut and that heal (the partition's own wait is
+    another gap)."""
+    gaps = list(zip(times, times[1:]))
+    if healed is None or healed < mended or not any(cut < t < healed for t in times):
+        return max(b - a for a, b in gaps), 0.0
+    heal = [(a, b) for a, b in gaps if a <= healed < b]
+    return max(b - a for a, b in gaps if (a, b) not in heal), max((b - a for a, b in heal), default=0.0)
 
 
 def _together(jobs: Any, since: float, key: str) -> bool:
@@ -374,17 +392,18 @@ def partitions(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 # (from a window before the cut, or before the first cut of two)
                 start = (first if first is not None else cut) - 2 * window_s
                 survivor = [r["time"] for r in jobs.records(0) if start <= r["time"] <= together]
-                gap = max(b - a for a, b in zip(survivor, survivor[1:]))
+                begun_heals = [h["time"] for h in _heal_marks(out) if cut <= h["time"] <= together]
+                gap, heal_gap = _survivor_waits(survivor, cut, mended, begun_heals[-1] if begun_heals else None)
                 heals = {r["healed_at"] for r in jobs.records(1) if r["time"] > cut and r["healed_at"] is not None}
-                # (the transfer of the heal that brought node 1's group back: the survivor's step in that quorum
-                # waits for it, torchft's live recovery, as after any restart)
+                # (the transfer of the heal that brought node 1's group back, as its rank 0 measured it)
                 heal_s = max((r["heal_s"] for r in jobs.records(1) if r["time"] > cut and r.get("heal_s")), default=0.0)
-                # (the wait a cut may cost the survivor: the heartbeat, or the returning group's heal where it takes
-                # longer, and the step, or the window with the sync, it lands in)
-                bound = max(hb, heal_s) + window_s
+                # (the wait a cut may cost the survivor: the heartbeat, and the step, or the window with the sync,
+                # it lands in)
+                bound = hb + window_s
                 row = {"mode": mode, "landing": landing, "round": round_, "factor": factor, "cut_s": mended - cut,
                        "landed_s": cut - begun, "survivor_gap_s": gap, "bound_s": bound, "within": gap <= bound,
                        "step_s": step_s, "window_s": window_s, "heals": len(heals), "heal_s": heal_s,
+                       "heal_gap_s": heal_gap,
                        "rejoined_s": together - mended}
                 rows.append(row)
                 print(f"partition {mode} {landing} x{factor} (cut {row['cut_s']:.2f} s, {row['landed_s']:.2f} s"
@@ -530,16 +549,19 @@ def markdown(result: dict[str, Any]) -> str:
                               (part.get("landings") or {"crossing": part["factors"]}).items()) + ". `steps`: plain fault"
                   f" tolerance; `syncs`: `replica_sync` every {part['every']} steps, the crossings a sync's. The"
                   " survivor's longest wait between two recorded steps (from a window before the first cut to the"
-                  " groups meeting again), against the heartbeat (or the returning group's heal transfer, where"
-                  " longer: the survivor's step in the quorum that takes the group back waits for it, torchft's live"
-                  " recovery, as after any restart) plus the step, or the whole window with its sync, as the survivor"
-                  " took them just before.", "",
+                  " groups meeting again), against the heartbeat plus the step, or the whole window with its sync,"
+                  " as the survivor took them just before; set apart, the survivor's step in which the returning"
+                  " group healed after the link came back, which waits for that heal's transfer (torchft's live"
+                  " recovery, as after any restart: the state's size over the link), with the transfer as the"
+                  " group's rank 0 measured it.", "",
                   "| mode | landing | cut (x heartbeat) | cut | after the mark | survivor's longest gap (bound) |"
-                  " heals (transfer) | together again after |", "|---|---|---|---|---|---|---|---|",
+                  " its step with the heal (transfer) | heals | together again after |",
+                  "|---|---|---|---|---|---|---|---|---|",
                   *(f"| {r['mode']} | {r.get('landing', 'crossing')} | {r['factor']:g} | {r['cut_s']:.2f} s |"
                     f" {r['landed_s']:.2f} s |"
                     f" {r['survivor_gap_s']:.2f} s ({r['bound_s']:.2f}){'' if r['within'] else ' **over**'} |"
-                    f" {r['heals']} ({r.get('heal_s', 0.0):.2f} s) | {r['rejoined_s']:.2f} s |" for r in part["rows"]), "",
+                    f" {r.get('heal_gap_s', 0.0):.2f} s ({r.get('heal_s', 0.0):.2f} s) | {r['heals']} |"
+                    f" {r['rejoined_s']:.2f} s |" for r in part["rows"]), "",
                   f"Split steps (both groups recorded a step with different states, any rank): "
                   f"**{len(part['totals']['steps']['split'])}** over {part['totals']['steps']['cuts']} cuts"
                   f" (target 0); divergent syncs: **{len(part['totals']['syncs']['split'])}** over"

@@ -393,6 +393,19 @@ def test_guard_sync_benchmark_runs_and_reports(tmp_path: Path) -> None:
     assert "world / per axis" in (tmp_path / "guard.md").read_text()
 
 
+@pytest.mark.parametrize(("cut", "mended", "healed", "expected"), [
+    (1.5, 3.0, 5.5, (3.0, 3.0)),  # (the partition's wait 1 -> 4, the heal's step 5 -> 8, apart)
+    (1.5, 3.0, 2.5, (3.0, 0.0)),  # (a heal begun before the link came back: the partition's, not set apart)
+    (5.5, 6.0, 6.5, (3.0, 0.0)),  # (no step recorded between the cut and the heal: one wait, not set apart)
+    (1.5, 3.0, None, (3.0, 0.0)),
+])
+def test_the_partition_sweep_sets_the_heal_s_step_apart_only_after_the_partition_s_own_wait(cut, mended, healed,
+                                                                                           expected):
+    from benchmarks.fault_tolerance import _survivor_waits
+
+    assert _survivor_waits([0.0, 1.0, 4.0, 5.0, 8.0, 9.0], cut, mended, healed) == expected
+
+
 def test_the_fault_benchmark_reports_every_figure_it_names(tmp_path, monkeypatch):
     """make bench-fault's report, from a result shaped as a run gives it: the table side by side, the targets, the
     plot; and without the cluster harness it says why instead of running."""
@@ -421,12 +434,12 @@ def test_the_fault_benchmark_reports_every_figure_it_names(tmp_path, monkeypatch
     assert "| a node killed inside the crossing: to the next committed step | 2.00, 2.10 s (target <= 7 s) |" in text
     assert "| 6.0e-08 after 30 steps (parity bound 7.2e-05); groups bit-equal: True |" in text
     rows = [{"mode": "syncs", "landing": "heal", "round": 0, "factor": 1.3, "cut_s": 2.6, "landed_s": 0.01,
-             "survivor_gap_s": 3.5, "bound_s": 3.4, "within": False, "step_s": 0.25, "window_s": 1.4, "heals": 1, "heal_s": 1.2,
+             "survivor_gap_s": 3.5, "bound_s": 3.4, "within": False, "step_s": 0.25, "window_s": 1.4, "heals": 1, "heal_s": 1.2, "heal_gap_s": 1.9,
              "rejoined_s": 0.9}]
     result["partitions"] = {"rows": rows, "every": 5, "factors": [1.3], "landings": {"heal": [1.3]},
                             "totals": {"steps": {"split": [], "cuts": 0}, "syncs": {"split": [], "cuts": 1}}}
     text = bench.markdown(result)
-    assert "| syncs | heal | 1.3 | 2.60 s | 0.01 s | 3.50 s (3.40) **over** | 1 (1.20 s) | 0.90 s |" in text
+    assert "| syncs | heal | 1.3 | 2.60 s | 0.01 s | 3.50 s (3.40) **over** | 1.90 s (1.20 s) | 1 | 0.90 s |" in text
     assert "divergent syncs: **0** over 1 cuts (target 0)" in text
     bench.plot(result, tmp_path / "fault.png")
     assert (tmp_path / "fault.png").stat().st_size > 10_000
