@@ -35,6 +35,16 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
+def _inner_step(model: nn.Module, inner: torch.optim.Optimizer, generator: torch.Generator,
+                dtype: torch.dtype = torch.float32) -> None:
+    """One inner step on this rank's next batch (an MSE regression): the loop every test here runs before
+    ``after_step``."""
+    x, y = torch.randn(32, 8, generator=generator), torch.randn(32, 4, generator=generator)
+    inner.zero_grad()
+    ((model(x.to(dtype)) - y.to(dtype)) ** 2).mean().backward()
+    inner.step()
+
+
 def _digest(tensors: list[torch.Tensor]) -> str:
     return hashlib.sha1(b"".join(t.detach().contiguous().view(torch.uint8).numpy().tobytes()
                                  for t in tensors)).hexdigest()
@@ -50,10 +60,7 @@ def _train(rank: int, world: int, steps: int, options: dict) -> list[dict]:
     generator = torch.Generator().manual_seed(100 + rank)
     history = []
     for _ in range(steps):
-        x, y = torch.randn(32, 8, generator=generator), torch.randn(32, 4, generator=generator)
-        inner.zero_grad()
-        ((model(x) - y) ** 2).mean().backward()
-        inner.step()
+        _inner_step(model, inner, generator)
         before = [p.detach().clone() for p in model.parameters()]
         launched = outer.after_step()
         synced = [[s.detach().clone() for s in f.synced] for f in outer.fragments]
@@ -132,10 +139,7 @@ def _no_delay_equals_blocking(rank: int, world: int) -> bool:
         outer = OuterSync(model.parameters(), None, every=2, delay=delay)
         generator = torch.Generator().manual_seed(100 + rank)
         for _ in range(6):
-            x, y = torch.randn(32, 8, generator=generator), torch.randn(32, 4, generator=generator)
-            inner.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            inner.step()
+            _inner_step(model, inner, generator)
             outer.after_step()
         in_flight = outer.pending
         assert outer.sync() == [] and not outer.pending  # (the end of fit: every group equal)
@@ -194,10 +198,7 @@ def _auto(rank: int, world: int) -> tuple:
     launched: list[list[int]] = []
     # (to the calibration, then a whole window of what it chose: every rank alike, so every rank's loop ends alike)
     while len(launched) < 2 * CALIBRATION_STEPS or len(launched) < 2 * CALIBRATION_STEPS + outer.every:
-        x, y = torch.randn(32, 8, generator=generator), torch.randn(32, 4, generator=generator)
-        inner.zero_grad()
-        ((model(x) - y) ** 2).mean().backward()
-        inner.step()
+        _inner_step(model, inner, generator)
         launched.append(outer.after_step())
     return outer.every, outer.delay, outer.chosen.why, launched, outer.schedule()
 
@@ -245,10 +246,7 @@ def _many_buckets(rank: int, world: int, dtype: torch.dtype) -> list:
     generator = torch.Generator().manual_seed(100 + rank)
     seen = []
     for _ in range(9):
-        x, y = torch.randn(32, 8, generator=generator), torch.randn(32, 4, generator=generator)
-        inner.zero_grad()
-        ((model(x.to(dtype)) - y.to(dtype)) ** 2).mean().backward()
-        inner.step()
+        _inner_step(model, inner, generator, dtype)
         outer.after_step()
         own = [p.detach().clone() for p in model.parameters()]
         outer.show_synced()  # (validation while a crossing is in flight: the synced weights, then the group's own)
@@ -282,10 +280,7 @@ def _loaded_in_flight(rank: int, world: int) -> tuple[bool, bool]:
     start = [p.detach().clone() for p in model.parameters()]
     generator = torch.Generator().manual_seed(100 + rank)
     for _ in range(3):
-        x, y = torch.randn(32, 8, generator=generator), torch.randn(32, 4, generator=generator)
-        inner.zero_grad()
-        ((model(x) - y) ** 2).mean().backward()
-        inner.step()
+        _inner_step(model, inner, generator)
         outer.after_step()
     in_flight = outer.pending
     with torch.no_grad():
