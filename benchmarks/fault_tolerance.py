@@ -290,16 +290,16 @@ def _heals(out: Path) -> int:
 
 def _survivor_waits(times: list[float], cut: float, mended: float, healed: float | None) -> tuple[float, float]:
     """The survivor's longest wait between two recorded steps (``times``) around a cut from ``cut`` to ``mended``,
-    and, apart from it, the wait of its step in which the cut group's heal began after the link came back
-    (``healed``, its last heal: the one that brought it back), 0 if none. That step waits for the heal's transfer
-    (torchft's live recovery, as after any restart: the state's size over the link), not for the partition; it is
-    set apart only where the survivor recorded a step between the cut and that heal (the partition's own wait is
-    another gap)."""
+    and, apart from it, what its step in which the cut group's heal began after the link came back (``healed``, its
+    last heal: the one that brought it back) waited from that moment on, 0 if none. From then on the step waits for
+    the heal's transfer (torchft's live recovery, as after any restart: the state's size over the link), not for the
+    partition; until then, what it waited counts as the partition's. Set apart only where the survivor recorded a
+    step between the cut and that heal (the partition's own wait is another gap)."""
     gaps = list(zip(times, times[1:]))
     if healed is None or healed < mended or not any(cut < t < healed for t in times):
         return max(b - a for a, b in gaps), 0.0
-    heal = [(a, b) for a, b in gaps if a <= healed < b]
-    return max(b - a for a, b in gaps if (a, b) not in heal), max((b - a for a, b in heal), default=0.0)
+    waits = [healed - a if a <= healed < b else b - a for a, b in gaps]
+    return max(waits), max((b - healed for a, b in gaps if a <= healed < b), default=0.0)
 
 
 def _together(jobs: Any, since: float, key: str) -> bool:
@@ -550,12 +550,12 @@ def markdown(result: dict[str, Any]) -> str:
                   f" tolerance; `syncs`: `replica_sync` every {part['every']} steps, the crossings a sync's. The"
                   " survivor's longest wait between two recorded steps (from a window before the first cut to the"
                   " groups meeting again), against the heartbeat plus the step, or the whole window with its sync,"
-                  " as the survivor took them just before; set apart, the survivor's step in which the returning"
-                  " group healed after the link came back, which waits for that heal's transfer (torchft's live"
-                  " recovery, as after any restart: the state's size over the link), with the transfer as the"
-                  " group's rank 0 measured it.", "",
+                  " as the survivor took them just before; set apart, what the survivor's step waited from the moment"
+                  " the returning group began the heal that brought it back, after the link came back: that heal's"
+                  " transfer (torchft's live recovery, as after any restart: the state's size over the link), shown"
+                  " with the transfer as the group's rank 0 measured it.", "",
                   "| mode | landing | cut (x heartbeat) | cut | after the mark | survivor's longest gap (bound) |"
-                  " its step with the heal (transfer) | heals | together again after |",
+                  " its wait from the heal on (transfer) | heals | together again after |",
                   "|---|---|---|---|---|---|---|---|---|",
                   *(f"| {r['mode']} | {r.get('landing', 'crossing')} | {r['factor']:g} | {r['cut_s']:.2f} s |"
                     f" {r['landed_s']:.2f} s |"

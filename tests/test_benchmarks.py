@@ -394,12 +394,13 @@ def test_guard_sync_benchmark_runs_and_reports(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("cut", "mended", "healed", "expected"), [
-    (1.5, 3.0, 5.5, (3.0, 3.0)),  # (the partition's wait 1 -> 4, the heal's step 5 -> 8, apart)
+    (1.5, 3.0, 6.5, (3.0, 1.5)),  # (the partition's wait 1 -> 4; the heal's step 5 -> 8 waited 1.5 s before it)
+    (1.5, 3.0, 5.5, (3.0, 2.5)),
     (1.5, 3.0, 2.5, (3.0, 0.0)),  # (a heal begun before the link came back: the partition's, not set apart)
     (5.5, 6.0, 6.5, (3.0, 0.0)),  # (no step recorded between the cut and the heal: one wait, not set apart)
     (1.5, 3.0, None, (3.0, 0.0)),
 ])
-def test_the_partition_sweep_sets_the_heal_s_step_apart_only_after_the_partition_s_own_wait(cut, mended, healed,
+def test_the_partition_sweep_sets_the_heal_s_transfer_apart_only_after_the_partition_s_own_wait(cut, mended, healed,
                                                                                            expected):
     from benchmarks.fault_tolerance import _survivor_waits
 

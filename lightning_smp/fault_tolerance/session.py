@@ -113,7 +113,7 @@ class ReplicaGroups:
         # (a heal is left as a crossing is, when its peers moved on: read in torchft's quorum thread, with a watch of
         # its own)
         self._heal_watch = LighthouseWatch(settings.lighthouse_url)
-        self._transport.verdict = lambda: self._leave_when_peers_left(self._heal_watch, time.monotonic())
+        self._transport.verdict = lambda: self._leave_when_peers_left(self._heal_watch, time.monotonic(), heal=True)
         self.manager = Manager(
             pg=self.process_group, load_state_dict=None, state_dict=None,
             min_replica_size=settings.min_groups, use_async_quorum=not semi_sync, timeout=timeout,
@@ -129,8 +129,10 @@ class ReplicaGroups:
         # the commit vote inside the group: one all-reduce over the group's own ranks instead of torchft's gRPC
         # barrier at group rank 0 (the same decision), so that it also carries the unused-parameter notes
         # (the vote waits for a rank that may still be in the step's quorum, its configuration, crossing and heal)
-        self._vote = GroupVote(self.manager._client, device, group=settings.group,
-                                wait=timedelta(seconds=settings.quorum_timeout + 3 * settings.timeout))
+        #: how long a rank waits for the group's other ranks (one of them may still be in the quorum, its process
+        #: group's setup, its crossing or its heal)
+        self._group_wait = timedelta(seconds=settings.quorum_timeout + 3 * settings.timeout)
+        self._vote = GroupVote(self.manager._client, device, group=settings.group, wait=self._group_wait)
         self.manager._client = self._vote
         self._vote.missing = self._heal_missing
         self.manager.register_state_dict_fn("lightning_smp", self._load_tracked, self._tracked_state)
@@ -196,7 +198,7 @@ class ReplicaGroups:
     def _ask_quorum(self, start: Callable[[], None], allow_heal: bool = True) -> None:
         """``start`` (torchft's ``start_quorum``), the step and batch count noted before it."""
         manager = self.manager
-        self._received, self._heal_open = None, allow_heal
+        self._received, self._heal_open, self._healed_in_round = None, allow_heal, False
         self._before_quorum = (int(manager._step), int(manager._batches_committed))
         start()
 
@@ -325,7 +327,7 @@ class ReplicaGroups:
         # (synchronous: a heal is received before it returns, and taken here once every rank of the group has its own)
         self._wait_quorum(lambda: self._ask_quorum(lambda: self.manager.start_quorum(allow_heal=allow_heal),
                                                    allow_heal))
-        (missing,) = agree([int(self._heal_missing())], self.device)
+        (missing,) = agree([int(self._heal_missing())], self.device, wait=self._group_wait)
         self._settle_heal(bool(missing), at=self.manager.current_step())
         self._check_first_quorum()
         usable = self._agree_on_start()
@@ -391,9 +393,13 @@ class ReplicaGroups:
                    else crossing.error or RuntimeError("failed"))
         return False
 
-    def _leave_when_peers_left(self, watch: LighthouseWatch, started: float) -> Callable[[], str | None]:
-        """Why this rank leaves what it has waited in since ``started`` (a crossing, a heal) in the current quorum,
-        read from ``watch`` at each call (:func:`.agreement.abandon_reason`); ``None``: it waits on."""
+    def _leave_when_peers_left(self, watch: LighthouseWatch, started: float,
+                               heal: bool = False) -> Callable[[], str | None]:
+        """Why this rank leaves what it has waited in since ``started`` (a crossing; with ``heal``, a heal) in the
+        current quorum, read from ``watch`` at each call (:func:`.agreement.abandon_reason`); ``None``: it waits on. A
+        heal takes seconds where a crossing's last bytes take a fraction of one, and a group that asks for a quorum
+        while this rank heals may be one that is not in it (a group starting): a heal is left on a request only once
+        this rank lost the lighthouse during it (it was cut off, and its peers may have gone on)."""
         asked = [0.0]  # (since when the reads have seen a group ask for the next quorum)
 
         def verdict() -> str | None:
@@ -402,7 +408,7 @@ class ReplicaGroups:
                 return None
             view, now = watch.view(), time.monotonic()
             lost = watch.lost_since is not None and watch.lost_since >= started
-            asking = view is not None and view.pending > 0
+            asking = view is not None and view.pending > 0 and not heal
             asked[0] = (asked[0] or now) if asking else 0.0
             return abandon_reason(view, InCrossing(quorum.quorum_id, tuple(quorum.replica_ids), lost,
                                                    now - asked[0] if asking else 0.0))
@@ -597,7 +603,7 @@ class ReplicaGroups:
                 log.warning("replica group %d: steps back to %d, to heal from the group that moved on last",
                             self.settings.group, self.manager.current_step())
         self._crossed = []
-        healed = self.healed_at is not None and self.healed_at == self.manager.current_step() - int(committed)
+        healed = self._healed_in_round  # (this step's quorum brought a peer's state, and the group took it)
         self.report = StepReport(
             step=self.step, committed=committed, groups=self.manager.num_participants(),
             healed_from=self._healed_from if healed else None,

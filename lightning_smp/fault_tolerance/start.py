@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from enum import Enum
 
 import torch
@@ -63,12 +64,23 @@ def fingerprints(named: Sequence[tuple[str, Tensor]]) -> tuple[int, int]:
     return values, structure
 
 
-def agree(flags: list[int], device: torch.device) -> list[int]:
+def agree(flags: list[int], device: torch.device, wait: timedelta | None = None) -> list[int]:
     """Each flag's maximum over the group's ranks (one all-reduce; every rank of the group calls it, whatever
-    happened before): its ranks decide alike."""
+    happened before): its ranks decide alike. ``wait``: how long a rank waits for the others (``None``: the process
+    group's timeout); past it, :class:`FaultToleranceError`."""
     values = torch.tensor(flags, dtype=torch.uint8, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        if wait is None:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        else:
+            try:
+                dist.all_reduce(values, op=dist.ReduceOp.MAX, async_op=True).wait(wait)
+            except RuntimeError as err:
+                raise FaultToleranceError(
+                    f"rank {dist.get_rank()} waited {wait.total_seconds():g} s for its replica group's other ranks"
+                    f" ({err}): one of them is stuck or gone. Fix: look at that rank's log; restart the group (it"
+                    " heals from a live peer)."
+                ) from err
     return [int(value) for value in values.tolist()]
 
 

@@ -68,9 +68,14 @@ def _serving_handler(transport: Any, timeout: float) -> type:
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802  (BaseHTTPRequestHandler dispatches by this name)
+            answered = False
             try:
                 with transport._checkpoint_lock.r_lock():  # (a request that comes before the state is staged waits)
                     step, state = transport._step, getattr(transport, "_state_dict", None)
+            except TimeoutError as err:
+                self.send_error(503, f"no state was staged to serve ({err})")
+                return
+            try:
                 parts = self.path.split("/")
                 if len(parts) != 4 or parts[1] != "checkpoint" or parts[3] != "full" or parts[2] != str(step):
                     self.send_error(400, f"this server serves /checkpoint/{step}/full, not {self.path}")
@@ -78,9 +83,14 @@ def _serving_handler(transport: Any, timeout: float) -> type:
                 self.send_response(200)
                 self.send_header("Content-type", "application/octet-stream")
                 self.end_headers()
+                answered = True
                 _streaming_save(state, self.wfile)
-            except Exception as err:  # noqa: BLE001  # (a peer gone mid-transfer, a lock's timeout: that request fails)
-                log.info("a healing transfer from this rank failed: %s", err)
+            except (ConnectionError, TimeoutError) as err:  # (the peer left the heal, or its link is gone)
+                log.info("a healing transfer from this rank ended: %s", err)
+            except Exception as err:  # noqa: BLE001  # (a state that does not serialize)
+                log.warning("a healing transfer from this rank failed: %s", err, exc_info=True)
+                if not answered:
+                    self.send_error(500, str(err))
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (the base class's name)
             pass  # (no line on stderr per request)
@@ -105,9 +115,12 @@ def bound_http_transport(timeout: timedelta, host: str, *, grace: float = 1.0, e
         verdict: Callable[[], Callable[[], str | None]] | None = None
 
         def __init__(self) -> None:
-            super().__init__(timeout=timeout, num_chunks=0)
             self._lock = threading.Lock()
-            self._open: set[http.client.HTTPConnection] = set()  # (transfers into this rank in flight)
+            #: the sockets of the transfers into this rank in flight, each with its heal's "left" flag
+            self._open: dict[socket.socket, threading.Event] = {}
+            #: the heal the current thread fetches for (its "left" flag)
+            self._fetching = threading.local()
+            super().__init__(timeout=timeout, num_chunks=0)
             # torchft's server, on every interface, is replaced before anyone could have learnt its address
             self._server.shutdown()
             self._thread.join()
@@ -117,14 +130,22 @@ def bound_http_transport(timeout: timedelta, host: str, *, grace: float = 1.0, e
             self._thread.start()
 
         def _load_from_address(self, address: str, timeout: timedelta) -> Any:
-            # (torchft's, through a connection that a heal left can cut short: its bytes then stop crossing the link,
-            # where a stalled transfer left to itself would resume when the link comes back and compete with the next)
+            # (torchft's, through a socket that a heal left can shut: its bytes then stop crossing the link, where a
+            # stalled transfer left to itself would resume when the link comes back and compete with the next heal)
             from torchft.checkpointing._serialization import _streaming_load
 
+            left: threading.Event = getattr(self._fetching, "left", None) or threading.Event()
             url = urlparse(address)
             connection = http.client.HTTPConnection(url.hostname or "", url.port, timeout=timeout.total_seconds())
+            # (opened here and kept: http.client hands an HTTP/1.0 answer's socket to the response and forgets it; a
+            # connection still opening when its heal is left sends nothing, and stops here)
+            connection.connect()
+            sock = connection.sock
             with self._lock:
-                self._open.add(connection)
+                if left.is_set():
+                    connection.close()
+                    raise FaultToleranceError("the heal was left before its transfer began")
+                self._open[sock] = left
             try:
                 connection.request("GET", url.path)
                 response = connection.getresponse()
@@ -134,13 +155,16 @@ def bound_http_transport(timeout: timedelta, host: str, *, grace: float = 1.0, e
                 return _streaming_load(response, weights_only=False)
             finally:
                 with self._lock:
-                    self._open.discard(connection)
+                    self._open.pop(sock, None)
                 connection.close()
+                sock.close()
 
-        def _cut_short(self) -> None:
-            """Every transfer in flight into this rank ends now (its connection shut: the reading thread fails)."""
+        def _cut_short(self, left: threading.Event) -> None:
+            """The transfers of the heal whose flag is ``left`` end now (their sockets shut: the fetching thread
+            fails), and none of it begins."""
             with self._lock:
-                sockets = [connection.sock for connection in self._open if connection.sock is not None]
+                left.set()
+                sockets = [sock for sock, flag in self._open.items() if flag is left]
             for sock in sockets:
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
@@ -150,21 +174,29 @@ def bound_http_transport(timeout: timedelta, host: str, *, grace: float = 1.0, e
         def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
             # (torchft keeps a tensor already in host memory as it is, the live parameter or optimizer state: a copy,
             # so that a transfer in flight never holds training back nor sends a state that training moved; a
-            # device's tensors torchft copies to host memory itself)
+            # device's tensors torchft copies to host memory itself. Containers the pytree knows are walked: the
+            # tracked state and torchft's are dicts, lists and tuples)
             def copied(value: Any) -> Any:
                 return value.detach().clone() if isinstance(value, torch.Tensor) and value.device.type == "cpu" else value
 
             super().send_checkpoint(dst_ranks, step, tree_map(copied, state_dict), timeout)
+
+        def disallow_checkpoint(self) -> None:
+            super().disallow_checkpoint()
+            # (the staged copy is dropped once nothing may be served from it: a transfer still streaming holds its own
+            # reference until it ends)
+            self._state_dict = None
 
         def recv_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
             start = time.monotonic()
             self.received_seconds = None
             verdict = self.verdict() if self.verdict is not None else None
             fetched: dict[str, Any] = {}
-            done = threading.Event()
+            done, left = threading.Event(), threading.Event()
             receive = super().recv_checkpoint
 
             def fetch() -> None:
+                self._fetching.left = left
                 try:
                     fetched["state"] = receive(*args, **kwargs)
                 except BaseException as err:  # noqa: BLE001  # (raised in the waiting thread)
@@ -172,16 +204,18 @@ def bound_http_transport(timeout: timedelta, host: str, *, grace: float = 1.0, e
                 finally:
                     done.set()
 
-            # (a left transfer is cut short; what it brought is dropped)
             threading.Thread(target=fetch, daemon=True, name="lightning_smp-heal").start()
             look_at = start + grace
-            while not done.wait(max(0.0, look_at - time.monotonic())):
-                reason = verdict() if verdict is not None else None
-                if reason:
-                    self._cut_short()
-                    raise FaultToleranceError(f"the heal from a peer was left after {time.monotonic() - start:.2f} s,"
-                                              f" {reason}")
-                look_at = time.monotonic() + every
+            try:
+                while not done.wait(max(0.0, look_at - time.monotonic())):
+                    reason = verdict() if verdict is not None else None
+                    if reason and not done.is_set():  # (a transfer that has just ended is taken)
+                        raise FaultToleranceError(f"the heal from a peer was left after"
+                                                  f" {time.monotonic() - start:.2f} s, {reason}")
+                    look_at = time.monotonic() + every
+            except BaseException:
+                self._cut_short(left)  # (what it brought is dropped)
+                raise
             if "error" in fetched:
                 raise fetched["error"]
             self.received_seconds = time.monotonic() - start
