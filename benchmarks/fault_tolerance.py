@@ -394,7 +394,10 @@ def partitions(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 survivor = [r["time"] for r in jobs.records(0) if start <= r["time"] <= together]
                 begun_heals = [h["time"] for h in _heal_marks(out) if cut <= h["time"] <= together]
                 gap, heal_gap = _survivor_waits(survivor, cut, mended, begun_heals[-1] if begun_heals else None)
-                heals = {r["healed_at"] for r in jobs.records(1) if r["time"] > cut and r["healed_at"] is not None}
+                # (the heals after the cut: a group's records keep the step of its last heal, an earlier one too)
+                earlier = {r["healed_at"] for r in jobs.records(1) if r["time"] <= (first or cut)}
+                heals = {r["healed_at"] for r in jobs.records(1)
+                         if r["time"] > cut and r["healed_at"] is not None} - earlier
                 # (the transfer of the heal that brought node 1's group back, as its rank 0 measured it)
                 heal_s = max((r["heal_s"] for r in jobs.records(1) if r["time"] > cut and r.get("heal_s")), default=0.0)
                 # (the wait a cut may cost the survivor: the heartbeat, and the step, or the window with the sync,
