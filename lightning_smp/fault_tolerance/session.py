@@ -113,7 +113,7 @@ class ReplicaGroups:
         # (a heal is left as a crossing is, when its peers moved on: read in torchft's quorum thread, with a watch of
         # its own)
         self._heal_watch = LighthouseWatch(settings.lighthouse_url)
-        self._transport.verdict = lambda: self._leave_when_peers_left(self._heal_watch, time.monotonic(), heal=True)
+        self._transport.verdict = lambda: self._leave_when_peers_left(self._heal_watch, time.monotonic())
         self.manager = Manager(
             pg=self.process_group, load_state_dict=None, state_dict=None,
             min_replica_size=settings.min_groups, use_async_quorum=not semi_sync, timeout=timeout,
@@ -393,13 +393,13 @@ class ReplicaGroups:
                    else crossing.error or RuntimeError("failed"))
         return False
 
-    def _leave_when_peers_left(self, watch: LighthouseWatch, started: float,
-                               heal: bool = False) -> Callable[[], str | None]:
-        """Why this rank leaves what it has waited in since ``started`` (a crossing; with ``heal``, a heal) in the
-        current quorum, read from ``watch`` at each call (:func:`.agreement.abandon_reason`); ``None``: it waits on. A
-        heal takes seconds where a crossing's last bytes take a fraction of one, and a group that asks for a quorum
-        while this rank heals may be one that is not in it (a group starting): a heal is left on a request only once
-        this rank lost the lighthouse during it (it was cut off, and its peers may have gone on)."""
+    def _leave_when_peers_left(self, watch: LighthouseWatch, started: float) -> Callable[[], str | None]:
+        """Why this rank leaves what it has waited in since ``started`` (a crossing, a heal) in the current quorum,
+        read from ``watch`` at each call (:func:`.agreement.abandon_reason`); ``None``: it waits on. (A group that asks
+        for the next quorum may be one that is not in this one, a group starting: the lighthouse's page does not say
+        who asks. The rank then leaves a crossing or a heal it could have finished, and the group heals at the next
+        quorum, with the new group; measured, a rank that heeds only its peers' requests after losing the lighthouse
+        sat 12 s in a heal whose transfer its peer no longer served, while the peer's quorum waited for it.)"""
         asked = [0.0]  # (since when the reads have seen a group ask for the next quorum)
 
         def verdict() -> str | None:
@@ -408,7 +408,7 @@ class ReplicaGroups:
                 return None
             view, now = watch.view(), time.monotonic()
             lost = watch.lost_since is not None and watch.lost_since >= started
-            asking = view is not None and view.pending > 0 and not heal
+            asking = view is not None and view.pending > 0
             asked[0] = (asked[0] or now) if asking else 0.0
             return abandon_reason(view, InCrossing(quorum.quorum_id, tuple(quorum.replica_ids), lost,
                                                    now - asked[0] if asking else 0.0))
